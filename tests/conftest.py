@@ -1,0 +1,15 @@
+import jax
+import pytest
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(params=["jit", "nojit"])
+def jit_mode(request):
+    """Runs a test compiled, then op by op (jax.disable_jit) for readable traces."""
+    if request.param == "nojit":
+        with jax.disable_jit():
+            yield request.param
+    else:
+        yield request.param

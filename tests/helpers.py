@@ -1,0 +1,55 @@
+"""Shared test helpers: compile counters and small model configs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+
+import jaxkv
+
+_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    """Yields a list that gains one entry per jaxpr trace or backend compile."""
+    events: list[str] = []
+
+    def listener(event: str, duration_secs: float, **kwargs: object) -> None:
+        del duration_secs, kwargs
+        if event in _EVENTS:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def full_spec(block_size: int = 16, heads: int = 8, head: int = 128, dtype="bfloat16"):
+    return jaxkv.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype
+    )
+
+
+def layer(name, spec, backend="FLASH_ATTN", **kw):
+    return jaxkv.LayerConfig(
+        name=name, spec=spec, backend=jaxkv.get_backend(backend), **kw
+    )
+
+
+def single_group_config(names, spec, num_blocks=4):
+    return jaxkv.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            jaxkv.KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
+            for n in names
+        ],
+        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+    )
