@@ -13,6 +13,7 @@ from jaxkv._backend import (
     register_backend,
     registered_backends,
 )
+from jaxkv._bind import BoundKVCaches, bind_kv_caches, build_slot_mappings_by_layer
 from jaxkv._cg_support import (
     AttentionCGSupportInfo,
     get_attn_cg_support,
@@ -27,11 +28,30 @@ from jaxkv._kernel_blocks import (
     prepare_kernel_block_sizes,
     select_common_block_size,
 )
+from jaxkv._kv_cache import (
+    PoolSpec,
+    _align_mixed_attention_kv_cache_views,
+    _kv_first_layers_sharing_pool_with_mamba,
+    allocate_pools,
+    build_kv_cache_views,
+    init_kv_cache,
+    plan_kv_cache,
+)
 from jaxkv._kv_cache_config import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     add_kv_sharing_layers_to_kv_cache_groups,
+)
+from jaxkv._kv_ops import (
+    gather_kv_pages,
+    read_mamba_state,
+    read_view,
+    validate_block_ids,
+    validate_slot_mapping,
+    write_kv,
+    write_mamba_state,
+    zero_blocks,
 )
 from jaxkv._layers import (
     get_kv_cache_spec,
@@ -52,6 +72,7 @@ from jaxkv._specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from jaxkv._views import KVCacheView, LayerView, MambaView
 
 __version__ = importlib.metadata.version("jaxkv")
 
@@ -61,6 +82,7 @@ __all__ = [
     "AttentionCGSupportInfo",
     "AttentionGroup",
     "AttentionSpec",
+    "BoundKVCaches",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
@@ -70,17 +92,28 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheSpec",
     "KVCacheTensor",
+    "KVCacheView",
     "LayerConfig",
+    "LayerView",
     "MLAAttentionSpec",
     "MambaSpec",
+    "MambaView",
     "MultipleOf",
+    "PoolSpec",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "UniformTypeKVCacheSpecs",
+    "_align_mixed_attention_kv_cache_views",
+    "_kv_first_layers_sharing_pool_with_mamba",
     "add_kv_sharing_layers_to_kv_cache_groups",
+    "allocate_pools",
+    "bind_kv_caches",
+    "build_kv_cache_views",
+    "build_slot_mappings_by_layer",
     "create_fast_prefill_custom_backend",
     "expand_block_table",
+    "gather_kv_pages",
     "get_attn_cg_support",
     "get_backend",
     "get_kv_cache_spec",
@@ -89,12 +122,21 @@ __all__ = [
     "get_shared_kv_cache_layers",
     "get_varlen_cudagraph_unsupported_backend",
     "init_attn_backend",
+    "init_kv_cache",
     "make_kv_cache_config",
     "map_slot_mapping_to_kernel",
+    "plan_kv_cache",
     "prepare_kernel_block_sizes",
+    "read_mamba_state",
+    "read_view",
     "register_backend",
     "registered_backends",
     "select_common_block_size",
     "tiny_hybrid_config",
+    "validate_block_ids",
+    "validate_slot_mapping",
     "with_kv_sharing_layers",
+    "write_kv",
+    "write_mamba_state",
+    "zero_blocks",
 ]

@@ -1,0 +1,169 @@
+"""Binding views to layers and slot mappings to layers (spec §2.14, §2.15)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any
+
+from jaxkv._attn_group import AttentionGroup
+from jaxkv._config import RunnerConfig
+from jaxkv._init_backend import with_kv_sharing_layers
+from jaxkv._kv_cache import kernel_view
+from jaxkv._kv_cache_config import KVCacheConfig
+from jaxkv._layers import get_shared_kv_cache_layers
+from jaxkv._views import KVCacheView, LayerView
+
+
+class BoundKVCaches(Mapping[str, LayerView]):
+    """Immutable ``layer -> view`` binding handed to a model function.
+
+    Aliased (KV-sharing) layers map to the same view object, so the pool they
+    share appears once in the pools tuple and is donated once.
+    ``uncached_layers`` lists forward-context layers that have no cache; looking
+    one up raises a ``KeyError`` that says so.
+    """
+
+    def __init__(self, views: dict[str, LayerView], uncached_layers: tuple[str, ...]):
+        """Wraps `views`; `uncached_layers` are reported on lookup."""
+        self._views = dict(views)
+        self.uncached_layers = uncached_layers
+
+    def __getitem__(self, name: str) -> LayerView:
+        """The view bound to `name`."""
+        try:
+            return self._views[name]
+        except KeyError:
+            if name in self.uncached_layers:
+                raise KeyError(
+                    f"Layer {name!r} is in the forward context but has no KV cache "
+                    "(no spec, or in no KV-cache group)."
+                ) from None
+            raise KeyError(f"Layer {name!r} is not in the forward context.") from None
+
+    def __iter__(self) -> Iterator[str]:
+        """Bound layer names."""
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        """Number of bound layers."""
+        return len(self._views)
+
+    def __hash__(self) -> int:
+        """Hash of the binding (views are static values)."""
+        return hash(tuple(self._views.items()))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal bindings bind equal views to the same layers."""
+        if isinstance(other, BoundKVCaches):
+            return self._views == other._views
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        """A short summary."""
+        return (
+            f"BoundKVCaches({list(self._views)}, uncached={list(self.uncached_layers)})"
+        )
+
+
+def bind_kv_caches(
+    kv_caches: Mapping[str, LayerView],
+    forward_context: Collection[str] | Mapping[str, Any],
+    kv_cache_config: KVCacheConfig,
+    vllm_config: RunnerConfig,
+    attn_groups: Sequence[Sequence[AttentionGroup]] | Sequence[AttentionGroup] = (),
+) -> BoundKVCaches:
+    """Bind per-layer KV cache views to the attention layers.
+
+    KV-sharing layers resolve to their target's view; only layers in
+    `forward_context` are bound; layers of attention groups with a kernel block
+    size get their kernel view (the §1.8 packed mapping where the view is still
+    at manager granularity). `kv_caches` is not modified.
+
+    Args:
+      kv_caches: ``layer -> view`` from :func:`init_kv_cache`.
+      forward_context: Names (or a mapping keyed by names) of the layers this
+        runner executes.
+      kv_cache_config: Pools and groups.
+      vllm_config: The runner configuration.
+      attn_groups: From :func:`init_attn_backend`.
+
+    Returns:
+      The immutable binding.
+
+    Raises:
+      ValueError: If a split packed group's slot mappings are not mapped.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> bound = jaxkv.bind_kv_caches(views, ["layers.3.self_attn",
+      ...     "layers.6.self_attn", "encoder.attn"], kv, cfg, groups)
+      >>> bound["layers.6.self_attn"] is bound["layers.3.self_attn"]
+      True
+      >>> bound.uncached_layers
+      ('encoder.attn',)
+    """
+    shared = get_shared_kv_cache_layers(vllm_config)
+    views = dict(kv_caches)
+    for layer, target in shared.items():
+        if layer not in views and target in views:
+            views[layer] = views[target]
+    context = list(forward_context)
+    bound = {name: views[name] for name in context if name in views}
+    uncached = tuple(name for name in context if name not in views)
+    augmented = with_kv_sharing_layers(kv_cache_config, vllm_config)
+    flat = [
+        g
+        for item in attn_groups
+        for g in (item if isinstance(item, Sequence) else [item])
+    ]
+    kernel_views: dict[int, LayerView] = {}
+    for group in flat:
+        if group.kernel_block_size is None:
+            continue
+        for name in group.layer_names:
+            view = bound.get(name)
+            if not isinstance(view, KVCacheView):
+                continue
+            if id(view) not in kernel_views:
+                tensor = augmented.tensor_of(shared.get(name, name))
+                kernel_views[id(view)] = kernel_view(view, group, tensor)
+            bound[name] = kernel_views[id(view)]
+    return BoundKVCaches(bound, uncached)
+
+
+def build_slot_mappings_by_layer(
+    slot_mappings: Sequence[Any],
+    kv_cache_config: KVCacheConfig,
+    *,
+    vllm_config: RunnerConfig | None = None,
+) -> dict[str, Any]:
+    """Pairs row ``i`` of `slot_mappings` with KV-cache group ``i``, per layer.
+
+    Rows are not copied: every layer of a group gets the same row object. Extra
+    groups (or rows) are ignored. With `vllm_config`, KV-sharing layers get
+    their target group's row.
+
+    Example:
+      >>> import jaxkv
+      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=1,
+      ...     head_size=8, dtype="float32")
+      >>> groups = [jaxkv.KVCacheGroupSpec(layer_names=n, kv_cache_spec=spec)
+      ...           for n in (["a", "b"], ["c"], ["d"])]
+      >>> kv = jaxkv.KVCacheConfig(num_blocks=1, kv_cache_tensors=[],
+      ...                          kv_cache_groups=groups)
+      >>> jaxkv.build_slot_mappings_by_layer(["R0", "R1"], kv)
+      {'a': 'R0', 'b': 'R0', 'c': 'R1'}
+    """
+    if vllm_config is not None:
+        kv_cache_config = with_kv_sharing_layers(kv_cache_config, vllm_config)
+    return {
+        name: row
+        for row, group in zip(
+            slot_mappings, kv_cache_config.kv_cache_groups, strict=False
+        )
+        for name in group.layer_names
+    }

@@ -1,0 +1,541 @@
+"""Planning and allocating pools and per-layer views (spec §1.4, §2.11-§2.13)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv._attn_group import AttentionGroup
+from jaxkv._config import RunnerConfig
+from jaxkv._init_backend import with_kv_sharing_layers
+from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
+from jaxkv._layers import get_shared_kv_cache_layers
+from jaxkv._specs import AttentionSpec, MambaSpec
+from jaxkv._strided import carrier_dtype, granule
+from jaxkv._views import (
+    KVCacheView,
+    LayerView,
+    MambaView,
+    attention_view,
+    restride_blocks_first_to_kv_first,
+)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolSpec:
+    """One physical pool: a flat array of carrier words.
+
+    Example:
+      >>> import jaxkv
+      >>> jaxkv.PoolSpec(size_bytes=1024, word=4).shape
+      (256,)
+    """
+
+    size_bytes: int
+    word: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The carrier dtype (uint8, uint16 or uint32)."""
+        return carrier_dtype(self.word)
+
+    @property
+    def shape(self) -> tuple[int]:
+        """Shape of the pool array."""
+        return (self.size_bytes // self.word,)
+
+
+def _pool_index(kv_cache_config: KVCacheConfig) -> tuple[list[int], dict[int, int]]:
+    """Pool sizes and ``tensor index -> pool index`` (all packed tensors: one pool)."""
+    sizes: list[int] = []
+    of_tensor: dict[int, int] = {}
+    packed_pool: int | None = None
+    for tid, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        if tensor.is_packed:
+            if packed_pool is None:
+                packed_pool = len(sizes)
+                sizes.append(tensor.size)
+            of_tensor[tid] = packed_pool
+        else:
+            of_tensor[tid] = len(sizes)
+            sizes.append(tensor.size)
+    return sizes, of_tensor
+
+
+def _block_dim(group: AttentionGroup, k: int, cache_dtype: str) -> int:
+    spec = group.kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"Group {list(group.layer_names)} has no attention spec.")
+    return group.backend.get_kv_cache_block_dim(
+        k, spec.num_kv_heads, spec.head_size, cache_dtype_str=cache_dtype
+    )
+
+
+def _kv_first_layers_sharing_pool_with_mamba(
+    attn_groups: Sequence[AttentionGroup] | Sequence[Sequence[AttentionGroup]],
+    kernel_block_sizes: Sequence[int],
+    cache_dtype: str,
+    kv_cache_config: KVCacheConfig | None,
+) -> set[str]:
+    """K/V-first attention layers that share an allocation with Mamba state.
+
+    Mamba addresses its state by page, so these layers have to lay their blocks
+    out page by page as well; otherwise block ids from the two groups resolve
+    to overlapping bytes (spec §2.12).
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config(attention_backend="ROCM_ATTN")
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> sorted(jaxkv._kv_first_layers_sharing_pool_with_mamba(groups, sizes, "auto", kv))
+      ['layers.0.self_attn', 'layers.1.self_attn', 'layers.3.self_attn', 'layers.4.self_attn']
+    """  # noqa: E501
+    if kv_cache_config is None:
+        return set()
+    kv_first: set[str] = set()
+    mamba: set[str] = set()
+    for group in _flat(attn_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            mamba.update(group.layer_names)
+            continue
+        if not isinstance(spec, AttentionSpec):
+            continue
+        if group.kv_cache_group_id >= len(kernel_block_sizes):
+            continue
+        k = kernel_block_sizes[group.kv_cache_group_id]
+        if _block_dim(group, k, cache_dtype) != 0:
+            kv_first.update(group.layer_names)
+    page_aligned: set[str] = set()
+    for tensor in kv_cache_config.kv_cache_tensors:
+        if mamba.isdisjoint(tensor.shared_by):
+            continue
+        page_aligned.update(kv_first.intersection(tensor.shared_by))
+    return page_aligned
+
+
+def _align_mixed_attention_kv_cache_views(
+    attn_groups: Iterable[AttentionGroup] | Iterable[Sequence[AttentionGroup]],
+    kv_caches: Mapping[str, LayerView],
+    kernel_block_sizes: Sequence[int],
+    cache_dtype: str,
+    kv_cache_config: KVCacheConfig,
+    page_aligned_layers: set[str],
+) -> dict[str, LayerView]:
+    """Align shared attention KV views when backends disagree on layout.
+
+    Encoder-decoder models can share one pool between decoder self-attention
+    (K/V-first, block dim 1) and cross-attention (blocks-first, block dim 0).
+    Storage stays K/V-first; the blocks-first views are restrided (V4) so block
+    ids address the same bytes. Returns the updated mapping (jaxkv never
+    mutates its input).
+
+    Raises:
+      ValueError: If a blocks-first partner has no explicit K/V axis.
+    """
+    block_dims: dict[str, int] = {}
+    for group in _flat(attn_groups):
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            continue
+        if group.kv_cache_group_id >= len(kernel_block_sizes):
+            continue
+        bd = _block_dim(group, kernel_block_sizes[group.kv_cache_group_id], cache_dtype)
+        for name in group.layer_names:
+            if name in kv_caches:
+                block_dims[name] = bd
+    out = dict(kv_caches)
+    for tensor in kv_cache_config.kv_cache_tensors:
+        if tensor.block_stride > 0:
+            continue
+        if not page_aligned_layers.isdisjoint(tensor.shared_by):
+            # Page-aligned K/V-first views already address blocks by page, like
+            # blocks-first views: restriding onto K/V-first storage would be wrong.
+            continue
+        dims = {block_dims[n] for n in tensor.shared_by if n in block_dims}
+        if 0 not in dims or 1 not in dims:
+            continue
+        for name in tensor.shared_by:
+            if block_dims.get(name) == 0:
+                view = out[name]
+                if not isinstance(view, KVCacheView):
+                    raise TypeError(
+                        f"Layer {name!r} has no attention view to restride."
+                    )
+                out[name] = restride_blocks_first_to_kv_first(view)
+    return out
+
+
+def _flat(groups: Iterable[Any]) -> list[AttentionGroup]:
+    flat: list[AttentionGroup] = []
+    for item in groups:
+        if isinstance(item, AttentionGroup):
+            flat.append(item)
+        else:
+            flat.extend(item)
+    return flat
+
+
+def _layer_view(
+    name: str,
+    group: AttentionGroup,
+    k: int,
+    tensor: KVCacheTensor,
+    pool: int,
+    page_aligned: bool,
+    cache_dtype: str,
+) -> LayerView:
+    spec = group.kv_cache_spec
+    page = spec.page_size_bytes
+    if tensor.is_packed:
+        if tensor.offset + page > tensor.block_stride:
+            raise ValueError(
+                f"Layer {name!r}: its page of {page} bytes at offset {tensor.offset} "
+                f"does not fit in block_stride={tensor.block_stride}."
+            )
+        num_blocks, block_stride, offset = (
+            tensor.size // tensor.block_stride,
+            tensor.block_stride,
+            tensor.offset,
+        )
+    else:
+        if tensor.size % page:
+            raise ValueError(
+                f"Layer {name!r}: pool of {tensor.size} bytes is not a multiple of its "
+                f"page of {page} bytes."
+            )
+        num_blocks, block_stride, offset = tensor.size // page, page, 0
+    if isinstance(spec, MambaSpec):
+        states = []
+        for shape, dtype, state_offset in zip(
+            spec.shapes, spec.dtypes, spec.state_offsets, strict=True
+        ):
+            itemsize = np.dtype(dtype).itemsize
+            if block_stride % itemsize:
+                raise ValueError(
+                    f"Layer {name!r}: block stride {block_stride} is not a multiple of "
+                    f"the {np.dtype(dtype).name} state itemsize."
+                )
+            inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+            states.append(
+                KVCacheView(
+                    pool=pool,
+                    offset=offset + state_offset,
+                    shape=(num_blocks, *shape),
+                    strides=(block_stride // itemsize, *inner),
+                    dtype=dtype,
+                    axes=("block", *["state"] * len(shape)),
+                )
+            )
+        return MambaView(states=tuple(states))
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"Layer {name!r}: {type(spec).__name__} has no view rule.")
+    r = spec.block_size // k
+    unpadded = spec.real_page_size_bytes
+    block_dim = group.backend.get_kv_cache_block_dim(
+        k, spec.num_kv_heads, spec.head_size, cache_dtype
+    )
+    dense_kv_first = block_dim != 0 and not page_aligned and not tensor.is_packed
+    if dense_kv_first or r > 1:
+        if page != unpadded or tensor.is_packed:
+            raise ValueError(
+                f"Layer {name!r}: a {'K/V-first' if dense_kv_first else 'kernel-split'}"
+                f" view needs dense, unpadded pages, but its pool has "
+                f"{'packed' if tensor.is_packed else 'padded'} pages ({page} bytes "
+                f"reserved for {unpadded}); use a smaller block size or an unpadded, "
+                "unpacked layout."
+            )
+    head_size_v = spec.head_size_v or 0
+    return attention_view(
+        group.backend,
+        pool=pool,
+        num_blocks=num_blocks * r,
+        block_size=k,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        head_size_v=head_size_v if head_size_v else spec.head_size,
+        dtype=np.dtype(spec.dtype),  # pyright: ignore[reportArgumentType]
+        cache_dtype=cache_dtype,
+        block_stride=None if dense_kv_first else block_stride // r,
+        offset=offset,
+    )
+
+
+def build_kv_cache_views(
+    kv_cache_config: KVCacheConfig,
+    vllm_config: RunnerConfig,
+    kernel_block_sizes: Sequence[int],
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+) -> dict[str, LayerView]:
+    """Per-layer views of the pools, before any word width is chosen.
+
+    Views are created at the group-level kernel granularity; K/V-first layers
+    sharing a pool with Mamba are page-aligned (V3); blocks-first partners of
+    dense K/V-first layers are restrided (V4); KV-sharing layers alias their
+    target's view (the same object). Pure Python: compiles nothing.
+
+    Raises:
+      ValueError: For a group layer in no pool, a pool that is not a whole number
+        of pages, a split or K/V-first view of a padded or packed pool, or a
+        mixed-layout repair without a K/V axis.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> views = jaxkv.build_kv_cache_views(kv, cfg, sizes, groups)
+      >>> views["layers.0.self_attn"].shape, views["layers.0.self_attn"].strides
+      ((4, 2, 32, 2, 32), (4096, 2048, 64, 32, 1))
+      >>> views["layers.6.self_attn"] is views["layers.3.self_attn"]
+      True
+    """
+    kv_cache_config = with_kv_sharing_layers(kv_cache_config, vllm_config)
+    shared = get_shared_kv_cache_layers(vllm_config)
+    _, pool_of_tensor = _pool_index(kv_cache_config)
+    tensor_index = {
+        name: tid
+        for tid, t in enumerate(kv_cache_config.kv_cache_tensors)
+        for name in t.shared_by
+    }
+    page_aligned = _kv_first_layers_sharing_pool_with_mamba(
+        attn_groups, kernel_block_sizes, vllm_config.cache_dtype, kv_cache_config
+    )
+    views: dict[str, LayerView] = {}
+    for group in _flat(attn_groups):
+        gid = group.kv_cache_group_id
+        if gid >= len(kernel_block_sizes):
+            continue
+        for name in group.layer_names:
+            if name in shared:
+                continue
+            if name not in tensor_index:
+                raise ValueError(
+                    f"Layer {name!r} of KV-cache group {gid} is in no KVCacheTensor's "
+                    "shared_by."
+                )
+            tid = tensor_index[name]
+            views[name] = _layer_view(
+                name,
+                group,
+                kernel_block_sizes[gid],
+                kv_cache_config.kv_cache_tensors[tid],
+                pool_of_tensor[tid],
+                name in page_aligned,
+                vllm_config.cache_dtype,
+            )
+    views = _align_mixed_attention_kv_cache_views(
+        attn_groups,
+        views,
+        kernel_block_sizes,
+        vllm_config.cache_dtype,
+        kv_cache_config,
+        page_aligned,
+    )
+    for layer, target in shared.items():
+        if target in views:
+            views[layer] = views[target]
+    return views
+
+
+def kernel_view(
+    view: KVCacheView, group: AttentionGroup, tensor: KVCacheTensor
+) -> KVCacheView:
+    """The §1.8 kernel-block view of a packed manager-block view.
+
+    Kernel id ``q`` addresses ``[offset + q*U_k, offset + (q+1)*U_k)``; ids
+    ``b*s + j`` (``j < r``) are manager block ``b``'s pieces.
+
+    Raises:
+      ValueError: If the group's slot mappings are not mapped to kernel space.
+    """
+    k = group.kernel_block_size
+    if k is None or view.block_size == k:
+        return view
+    spec = group.kv_cache_spec
+    if not isinstance(spec, AttentionSpec) or not tensor.is_packed:
+        raise ValueError(
+            f"Layers {list(group.layer_names)} need kernel blocks of {k} tokens but "
+            f"their view has blocks of {view.block_size}; only packed attention pools "
+            "are re-viewed at bind time."
+        )
+    if not group.maps_slot_mapping:
+        raise ValueError(
+            f"Layers {list(group.layer_names)} live in a packed pool and need kernel "
+            f"blocks of {k} tokens, but their slot mappings are not mapped to kernel "
+            "space; pass maps_slot_mapping=True or name them in slot_mapped_layers."
+        )
+    r = spec.block_size // k
+    s = group.kernel_block_stride
+    kernel_page = spec.real_page_size_bytes // r
+    shape = list(view.shape)
+    shape[view.block_dim] = (tensor.size // tensor.block_stride - 1) * s + r
+    shape[view.dim("token")] = k
+    token_dim = view.dim("token")
+    strides = list(view.strides)
+    # Inner strides are recomputed densely for the smaller block; the block
+    # stride becomes one kernel page.
+    scale = view.block_size // k
+    for d in range(len(shape)):
+        if d in (view.block_dim, token_dim):
+            continue
+        if strides[d] > strides[token_dim]:
+            strides[d] //= scale
+    strides[view.block_dim] = kernel_page // view.itemsize
+    return dataclasses.replace(view, shape=tuple(shape), strides=tuple(strides))
+
+
+def _view_granules(view: LayerView) -> list[int]:
+    if isinstance(view, MambaView):
+        return [
+            granule(s.offset, s.shape, s.strides, s.itemsize, (s.block_dim,))
+            for s in view.states
+        ]
+    out = [
+        granule(view.offset, view.shape, view.strides, view.itemsize, (view.block_dim,))
+    ]
+    if "token" in view.axes:
+        indexed = (view.block_dim, view.dim("token"))
+        out.append(
+            granule(view.offset, view.shape, view.strides, view.itemsize, indexed)
+        )
+    return out
+
+
+def plan_pools(
+    kv_cache_config: KVCacheConfig,
+    views: Mapping[str, LayerView],
+    extra_views: Iterable[LayerView] = (),
+    *,
+    max_word: int = 4,
+) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
+    """Chooses each pool's carrier word and stamps it on the views.
+
+    The word is the widest of 4, 2, 1 bytes dividing the pool size and every
+    window start and length of every view's block and token accesses: wide
+    words make XLA:CPU scatters several times faster than byte scatters.
+
+    Returns:
+      ``(pool specs, views with their word set)``; aliased layers keep sharing
+      one view object.
+    """
+    sizes, _ = _pool_index(kv_cache_config)
+    g = [s for s in sizes]
+    for view in (*views.values(), *extra_views):
+        pool = view.pool
+        g[pool] = math.gcd(g[pool], *_view_granules(view))
+    words = [next(w for w in (4, 2, 1) if w <= max_word and gv % w == 0) for gv in g]
+    for size, word in zip(sizes, words, strict=True):
+        if size // word >= 2**31:
+            raise ValueError(
+                f"A pool of {size} bytes has {size // word} {word}-byte words, past "
+                "int32 indexing; split it into several KVCacheTensors."
+            )
+    stamped: dict[int, LayerView] = {}
+    out: dict[str, LayerView] = {}
+    for name, view in views.items():
+        if id(view) not in stamped:
+            stamped[id(view)] = with_word(view, words[view.pool])
+        out[name] = stamped[id(view)]
+    pools = tuple(
+        PoolSpec(size_bytes=s, word=w) for s, w in zip(sizes, words, strict=True)
+    )
+    return pools, out
+
+
+def with_word(view: LayerView, word: int) -> LayerView:
+    """`view` with its pool's carrier word set."""
+    if isinstance(view, MambaView):
+        return MambaView(
+            states=tuple(dataclasses.replace(s, word=word) for s in view.states)
+        )
+    return dataclasses.replace(view, word=word)
+
+
+def allocate_pools(
+    pools: Sequence[PoolSpec], sharding: jax.sharding.Sharding | None = None
+) -> tuple[jax.Array, ...]:
+    """Zero-initialised pools, created under jit (no host-sized array).
+
+    Example:
+      >>> import jaxkv
+      >>> (pool,) = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=64, word=4)])
+      >>> pool.shape, pool.dtype
+      ((16,), dtype('uint32'))
+    """
+    return tuple(
+        jax.jit(lambda p=p: jnp.zeros(p.shape, p.dtype), out_shardings=sharding)()
+        for p in pools
+    )
+
+
+def init_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    vllm_config: RunnerConfig,
+    kernel_block_sizes: Sequence[int],
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+    *,
+    sharding: jax.sharding.Sharding | None = None,
+) -> tuple[tuple[jax.Array, ...], dict[str, LayerView]]:
+    """Allocates one zeroed array per pool and builds every layer's view of it.
+
+    One array per unpacked KVCacheTensor plus one for all packed tensors: the
+    single source of truth for every layer viewing it, whatever their dtypes.
+
+    Args:
+      kv_cache_config: Pools and groups.
+      vllm_config: The runner configuration.
+      kernel_block_sizes: From :func:`init_attn_backend`.
+      attn_groups: From :func:`init_attn_backend`.
+      sharding: Optional sharding of every pool.
+
+    Returns:
+      ``(pools, kv_caches)``: the pool arrays and ``layer -> view``.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> [p.nbytes for p in pools], views["layers.2.mixer"].pool
+      ([65536, 65536], 0)
+    """
+    pools, views = plan_kv_cache(
+        kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
+    )
+    return allocate_pools(pools, sharding), views
+
+
+def plan_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    vllm_config: RunnerConfig,
+    kernel_block_sizes: Sequence[int],
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
+    """The pools and views :func:`init_kv_cache` would create, allocating nothing."""
+    views = build_kv_cache_views(
+        kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
+    )
+    extra = []
+    for group in _flat(attn_groups):
+        if group.kernel_block_size is None or not group.maps_slot_mapping:
+            continue
+        for name in group.layer_names:
+            view = views.get(name)
+            if (
+                isinstance(view, KVCacheView)
+                and view.block_size != group.kernel_block_size
+            ):
+                tensor = with_kv_sharing_layers(kv_cache_config, vllm_config).tensor_of(
+                    get_shared_kv_cache_layers(vllm_config).get(name, name)
+                )
+                extra.append(kernel_view(view, group, tensor))
+    return plan_pools(kv_cache_config, views, extra)

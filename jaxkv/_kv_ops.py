@@ -1,0 +1,385 @@
+"""Reads and writes through layer views: jitted, pool donated, never copying a pool.
+
+Every function takes the tuple of pool arrays and a static view, and returns
+the new tuple (writes) or the values read. Writes are windowed scatters of
+integer carrier words on the physical pool (a bf16 scatter on XLA:CPU is about
+1000x slower than the same bytes as integers); padding and out-of-range ids
+write nothing and never wrap around.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Int, Shaped
+
+from jaxkv._strided import gather_items, make_plan, scatter_items
+from jaxkv._views import KVCacheView, LayerView, MambaView
+
+Pools = tuple[jax.Array, ...]
+
+
+def _plan(view: KVCacheView, indexed: tuple[int, ...]):
+    return make_plan(
+        view.offset, view.shape, view.strides, view.itemsize, indexed, view.word
+    )
+
+
+def _check_view(view: object, kind: type, name: str) -> None:
+    if not isinstance(view, kind):
+        raise TypeError(
+            f"{name} needs a {kind.__name__}, got {type(view).__name__}; pass the "
+            "view bound to an attention layer (or a MambaView for Mamba layers)."
+        )
+
+
+def _kv_data(view: KVCacheView, key: jax.Array, value: jax.Array | None) -> jax.Array:
+    """Per-token data laid out as the view's non-(block, token) dims."""
+    key = jnp.asarray(key).astype(view.dtype)
+    if "head" not in view.axes:  # MLA: one latent vector per token
+        return key
+    if value is None:
+        raise ValueError(f"A {view.axes} view stores K and V; value is missing.")
+    value = jnp.asarray(value).astype(view.dtype)
+    if "kv" in view.axes:
+        return jnp.stack([key, value], axis=1)
+    return jnp.concatenate([key, value], axis=-1)  # fused K|V last dim
+
+
+def _check_kv_shapes(
+    view: KVCacheView, key: jax.Array, value: jax.Array | None
+) -> None:
+    rest = [
+        view.shape[d]
+        for d, a in enumerate(view.axes)
+        if a not in ("block", "token", "kv")
+    ]
+    if "head" in view.axes and "kv" not in view.axes:  # fused: (H, D) and (H, Dv)
+        expected_k = (rest[0], view.head_size)
+        expected_v = (rest[0], rest[1] - view.head_size)
+    else:
+        expected_k = expected_v = tuple(rest)
+    if key.ndim != len(expected_k) + 1 or tuple(key.shape[1:]) != expected_k:
+        raise ValueError(
+            f"key.shape={tuple(key.shape)}, expected (num_tokens, *{expected_k}) for a "
+            f"view of shape {view.shape}."
+        )
+    if value is not None and (tuple(value.shape) != (key.shape[0], *expected_v)):
+        raise ValueError(
+            f"value.shape={tuple(value.shape)}, expected {(key.shape[0], *expected_v)}."
+        )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_kv(
+    pools: Pools,
+    view: KVCacheView,
+    key: Shaped[ArrayLike, "num_tokens ..."],
+    value: Shaped[ArrayLike, "num_tokens ..."] | None,
+    slot_mapping: Int[ArrayLike, " num_tokens"],
+) -> Pools:
+    """Writes new K/V of a batch of tokens through `view`; the pools are donated.
+
+    Slot ``x`` writes token ``x % k`` of block ``x // k`` (``k`` = the view's
+    block size; kernel slots for kernel views). Negative slots (padding) and
+    slots past the view's blocks write nothing.
+
+    Args:
+      pools: The pool arrays (donated).
+      view: The layer's view (static).
+      key: ``(num_tokens, num_kv_heads, head_dim)`` keys, or ``(num_tokens,
+        head_dim)`` latents for MLA.
+      value: ``(num_tokens, num_kv_heads, head_dim_v)`` values, or ``None`` for
+        MLA.
+      slot_mapping: ``(num_tokens,)`` int32 slots.
+
+    Returns:
+      The new pools.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> view = views["layers.0.self_attn"]
+      >>> k = jnp.ones((3, 2, 32), jnp.float32)
+      >>> pools = jaxkv.write_kv(pools, view, k, 2 * k,
+      ...                        jnp.array([33, -1, 40], jnp.int32))
+      >>> kp, vp = jaxkv.gather_kv_pages(pools, view, jnp.array([[1]], jnp.int32))
+      >>> float(kp[0, 0, 1].sum()), float(vp[0, 0, 8, 0, 0]), float(kp[0, 0, 0].sum())
+      (64.0, 2.0, 0.0)
+    """
+    _check_view(view, KVCacheView, "write_kv")
+    key = jnp.asarray(key)
+    value = None if value is None else jnp.asarray(value)
+    _check_kv_shapes(view, key, value)
+    slots = jnp.asarray(slot_mapping).astype(jnp.int32)
+    if slots.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping.shape={slots.shape}, expected (num_tokens,)="
+            f"({key.shape[0]},)."
+        )
+    k = view.block_size
+    bd, td = view.block_dim, view.dim("token")
+    plan = _plan(view, (bd, td))
+    block, token = slots // k, slots % k
+    new = scatter_items(
+        pools[view.pool],
+        plan,
+        (block, token),
+        (view.shape[bd], k),
+        _kv_data(view, key, value),
+    )
+    return _replace(pools, view.pool, new)
+
+
+def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
+    return tuple(new if i == index else p for i, p in enumerate(pools))
+
+
+@jax.jit
+def gather_kv_pages(
+    pools: Pools, view: KVCacheView, block_table: Int[ArrayLike, "rows cols"]
+) -> tuple[
+    Shaped[Array, "rows cols page_size ..."],
+    Shaped[Array, "rows cols page_size ..."] | None,
+]:
+    """Reads the K/V pages of a block table through `view` (the attention read path).
+
+    Args:
+      pools: The pool arrays.
+      view: The layer's view (static).
+      block_table: ``(rows, cols)`` int32 block ids in the view's block space.
+        Ids outside ``[0, num_blocks)`` read as all-ones bits (NaN for floats).
+
+    Returns:
+      ``(k_pages, v_pages)``, each ``(rows, cols, page_size, num_kv_heads,
+      head_dim)``; for MLA ``(latents (rows, cols, page_size, head_dim), None)``.
+
+    Example: see :func:`write_kv`.
+    """
+    _check_view(view, KVCacheView, "gather_kv_pages")
+    table = jnp.asarray(block_table).astype(jnp.int32)
+    if table.ndim != 2:
+        raise ValueError(f"block_table.shape={table.shape}, expected (rows, cols).")
+    bd = view.block_dim
+    plan = _plan(view, (bd,))
+    pages = gather_items(
+        pools[view.pool],
+        plan,
+        (table.reshape(-1),),
+        (view.shape[bd],),
+        view.shape,
+        view.dtype,
+    )
+    pages = pages.reshape(*table.shape, *pages.shape[1:])
+    if "head" not in view.axes:
+        return pages, None
+    if "kv" in view.axes:
+        kv_axis = 2 + [a for a in view.axes if a != "block"].index("kv")
+        return jnp.take(pages, 0, axis=kv_axis), jnp.take(pages, 1, axis=kv_axis)
+    return pages[..., : view.head_size], pages[..., view.head_size :]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_mamba_state(
+    pools: Pools,
+    view: MambaView,
+    block_ids: Int[ArrayLike, " n"],
+    states: Sequence[Shaped[ArrayLike, "n ..."]],
+) -> Pools:
+    """Writes Mamba states for `block_ids`; the pools are donated.
+
+    Args:
+      pools: The pool arrays (donated).
+      view: The layer's :class:`MambaView` (static).
+      block_ids: ``(n,)`` int32 block ids; negative or out-of-range ids write
+        nothing.
+      states: One ``(n, *shapes[i])`` array per state.
+
+    Returns:
+      The new pools.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> m = views["layers.2.mixer"]
+      >>> ids = jnp.array([2], jnp.int32)
+      >>> pools = jaxkv.write_mamba_state(pools, m, ids,
+      ...     [jnp.full((1, 3, 128), 1.5), jnp.full((1, 4, 32, 16), 2.0)])
+      >>> conv, ssm = jaxkv.read_mamba_state(pools, m, ids)
+      >>> float(conv.sum()), float(ssm[0, 3, 31, 15])
+      (576.0, 2.0)
+    """
+    _check_view(view, MambaView, "write_mamba_state")
+    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    if len(states) != len(view.states):
+        raise ValueError(
+            f"states has {len(states)} arrays, expected {len(view.states)} (one per "
+            "Mamba state)."
+        )
+    pool = pools[view.pool]
+    for i, (state_view, data) in enumerate(zip(view.states, states, strict=True)):
+        data = jnp.asarray(data)
+        expected = (ids.shape[0], *state_view.shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(
+                f"states[{i}].shape={tuple(data.shape)}, expected {expected}."
+            )
+        plan = _plan(state_view, (0,))
+        pool = scatter_items(
+            pool, plan, (ids,), (state_view.num_blocks,), data.astype(state_view.dtype)
+        )
+    return _replace(pools, view.pool, pool)
+
+
+@jax.jit
+def read_mamba_state(
+    pools: Pools, view: MambaView, block_ids: Int[ArrayLike, " n"]
+) -> tuple[jax.Array, ...]:
+    """Reads the Mamba states of `block_ids`: one ``(n, *shapes[i])`` array each.
+
+    Example: see :func:`write_mamba_state`.
+    """
+    _check_view(view, MambaView, "read_mamba_state")
+    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    return tuple(
+        gather_items(
+            pools[s.pool], _plan(s, (0,)), (ids,), (s.num_blocks,), s.shape, s.dtype
+        )
+        for s in view.states
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def zero_blocks(
+    pools: Pools, views: Sequence[LayerView], block_ids: Int[ArrayLike, " n"]
+) -> Pools:
+    """Zeroes every byte each view owns for `block_ids` (new blocks); pools donated.
+
+    Ids are in each view's block space: expand manager ids with
+    :meth:`AttentionGroup.map_to_kernel_block_table` for kernel views.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> m = views["layers.2.mixer"]
+      >>> pools = jaxkv.write_mamba_state(pools, m, jnp.array([1, 2]),
+      ...     [jnp.ones((2, 3, 128)), jnp.ones((2, 4, 32, 16))])
+      >>> pools = jaxkv.zero_blocks(pools, (m,), jnp.array([1], jnp.int32))
+      >>> [float(s.sum()) for s in jaxkv.read_mamba_state(pools, m, jnp.array([1, 2]))]
+      [384.0, 2048.0]
+    """
+    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    out = list(pools)
+    for view in views:
+        for v in view.states if isinstance(view, MambaView) else (view,):
+            plan = _plan(v, (v.block_dim,))
+            rest = [v.shape[d] for d in plan.rest_dims]
+            zeros = jnp.zeros((ids.shape[0], *rest), v.dtype)
+            out[v.pool] = scatter_items(
+                out[v.pool], plan, (ids,), (v.num_blocks,), zeros
+            )
+    return tuple(out)
+
+
+@jax.jit
+def read_view(pools: Pools, view: KVCacheView) -> jax.Array:
+    """Materialises a whole view in its logical shape (a copy, for inspection).
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> jaxkv.read_view(pools, views["layers.1.self_attn"]).shape
+      (4, 2, 32, 2, 32)
+    """
+    bd = view.block_dim
+    ids = jnp.arange(view.num_blocks, dtype=jnp.int32)
+    items = gather_items(
+        pools[view.pool],
+        _plan(view, (bd,)),
+        (ids,),
+        (view.num_blocks,),
+        view.shape,
+        view.dtype,
+    )
+    return jnp.moveaxis(items, 0, bd)
+
+
+def validate_slot_mapping(
+    slot_mapping: ArrayLike, view: KVCacheView, layer_name: str = "<layer>"
+) -> None:
+    """Host-side check: every slot is ``-1`` (padding) or inside the view.
+
+    Raises:
+      ValueError: Naming the layer and the first bad index.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> view = jaxkv.KVCacheView(pool=0, offset=0, shape=(4, 2, 16, 1, 8),
+      ...     strides=(256, 128, 8, 8, 1), dtype="float32",
+      ...     axes=("block", "kv", "token", "head", "dim"))
+      >>> jaxkv.validate_slot_mapping(np.array([0, 63, -1]), view, "l0")
+      >>> jaxkv.validate_slot_mapping(np.array([0, 64]), view, "l0")
+      Traceback (most recent call last):
+      ...
+      ValueError: slot_mapping for layer 'l0': entry 1 is 64, outside [0, 64) and not the padding value -1.
+    """  # noqa: E501
+    slots = np.asarray(slot_mapping)
+    limit = view.num_blocks * view.block_size
+    bad = np.flatnonzero((slots != -1) & ((slots < 0) | (slots >= limit)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"slot_mapping for layer {layer_name!r}: entry {i} is {int(slots[i])}, "
+            f"outside [0, {limit}) and not the padding value -1."
+        )
+
+
+def validate_block_ids(
+    block_ids: ArrayLike, view: LayerView, layer_name: str = "<layer>"
+) -> None:
+    """Host-side check: every block id is inside ``[0, num_blocks)``.
+
+    Raises:
+      ValueError: Naming the layer and the first bad index.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> view = jaxkv.KVCacheView(pool=0, offset=0, shape=(4, 2, 16, 1, 8),
+      ...     strides=(256, 128, 8, 8, 1), dtype="float32",
+      ...     axes=("block", "kv", "token", "head", "dim"))
+      >>> jaxkv.validate_block_ids(np.array([[0, 5]]), view, "l0")
+      Traceback (most recent call last):
+      ...
+      ValueError: block ids for layer 'l0': entry (0, 1) is 5, outside [0, 4).
+    """
+    ids = np.asarray(block_ids)
+    bad = np.argwhere((ids < 0) | (ids >= view.num_blocks))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        shown = where[0] if len(where) == 1 else where
+        raise ValueError(
+            f"block ids for layer {layer_name!r}: entry {shown} is {int(ids[where])}, "
+            f"outside [0, {view.num_blocks})."
+        )
