@@ -261,7 +261,7 @@ def _layer_view(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         head_size_v=head_size_v if head_size_v else spec.head_size,
-        dtype=np.dtype(spec.dtype),  # pyright: ignore[reportArgumentType]
+        dtype=np.dtype(spec.dtype),
         cache_dtype=cache_dtype,
         block_stride=None if dense_kv_first else block_stride // r,
         offset=offset,

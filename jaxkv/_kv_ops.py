@@ -46,8 +46,6 @@ def _kv_data(view: KVCacheView, key: jax.Array, value: jax.Array | None) -> jax.
     if value is None:
         raise ValueError(f"A {view.axes} view stores K and V; value is missing.")
     value = jnp.asarray(value).astype(view.dtype)
-    if "kv" in view.axes:
-        return jnp.stack([key, value], axis=1)
     return jnp.concatenate([key, value], axis=-1)  # fused K|V last dim
 
 
@@ -120,6 +118,10 @@ def write_kv(
     key = jnp.asarray(key)
     value = None if value is None else jnp.asarray(value)
     _check_kv_shapes(view, key, value)
+    if "head" in view.axes and value is None:
+        raise ValueError(
+            f"A view with axes {view.axes} stores K and V; value is missing."
+        )
     slots = jnp.asarray(slot_mapping).astype(jnp.int32)
     if slots.shape != (key.shape[0],):
         raise ValueError(
@@ -128,14 +130,23 @@ def write_kv(
         )
     k = view.block_size
     bd, td = view.block_dim, view.dim("token")
-    plan = _plan(view, (bd, td))
     block, token = slots // k, slots % k
+    pool = pools[view.pool]
+    if "kv" in view.axes:
+        # K and V are scattered separately: no stacked (.., 2, ..) copy of the data.
+        plan = _plan(view, (bd, td, view.dim("kv")))
+        limits = (view.shape[bd], k, 2)
+        for half, data in enumerate((key, value)):
+            if data is None:  # unreachable: checked above; narrows the type
+                raise ValueError("value is missing.")
+            kv = jnp.full_like(slots, half)
+            pool = scatter_items(
+                pool, plan, (block, token, kv), limits, data.astype(view.dtype)
+            )
+        return _replace(pools, view.pool, pool)
+    plan = _plan(view, (bd, td))
     new = scatter_items(
-        pools[view.pool],
-        plan,
-        (block, token),
-        (view.shape[bd], k),
-        _kv_data(view, key, value),
+        pool, plan, (block, token), (view.shape[bd], k), _kv_data(view, key, value)
     )
     return _replace(pools, view.pool, new)
 
@@ -170,21 +181,30 @@ def gather_kv_pages(
     if table.ndim != 2:
         raise ValueError(f"block_table.shape={table.shape}, expected (rows, cols).")
     bd = view.block_dim
+    ids = table.reshape(-1)
+    if "kv" in view.axes:
+        # Gather K and V separately so no (.., 2, ..) intermediate is built.
+        kvd = view.dim("kv")
+        plan = _plan(view, (bd, kvd))
+        out = []
+        for half in (0, 1):
+            pages = gather_items(
+                pools[view.pool],
+                plan,
+                (ids, jnp.full_like(ids, half)),
+                (view.shape[bd], 2),
+                view.shape,
+                view.dtype,
+            )
+            out.append(pages.reshape(*table.shape, *pages.shape[1:]))
+        return out[0], out[1]
     plan = _plan(view, (bd,))
     pages = gather_items(
-        pools[view.pool],
-        plan,
-        (table.reshape(-1),),
-        (view.shape[bd],),
-        view.shape,
-        view.dtype,
+        pools[view.pool], plan, (ids,), (view.shape[bd],), view.shape, view.dtype
     )
     pages = pages.reshape(*table.shape, *pages.shape[1:])
     if "head" not in view.axes:
         return pages, None
-    if "kv" in view.axes:
-        kv_axis = 2 + [a for a in view.axes if a != "block"].index("kv")
-        return jnp.take(pages, 0, axis=kv_axis), jnp.take(pages, 1, axis=kv_axis)
     return pages[..., : view.head_size], pages[..., view.head_size :]
 
 

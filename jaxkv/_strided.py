@@ -234,4 +234,4 @@ def gather_items(
     elems = from_words(words, dtype)
     moved = (n, *(shape[d] for d in (*plan.loop_dims, *plan.window_dims)))
     elems = elems.reshape(moved)
-    return jnp.transpose(elems, np.argsort(plan.data_perm))
+    return jnp.transpose(elems, tuple(int(i) for i in np.argsort(plan.data_perm)))
