@@ -74,7 +74,10 @@ from jaxkv._specs import (
 )
 from jaxkv._views import KVCacheView, LayerView, MambaView
 
-__version__ = importlib.metadata.version("jaxkv")
+try:
+    __version__ = importlib.metadata.version("jaxkv")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+    __version__ = "0.0.0+source"
 
 __all__ = [
     "AttentionBackend",

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import jax
 
 import jaxkv
+
+
+def examples(n: int) -> int:
+    """Hypothesis example count: `n`, or a twentieth of it when JAXKV_QUICK=1."""
+    return max(5, n // 20) if os.environ.get("JAXKV_QUICK") == "1" else n
+
 
 _EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",

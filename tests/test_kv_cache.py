@@ -4,7 +4,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
 import jaxkv
-from tests.helpers import count_compiles, full_spec, layer, single_group_config
+from tests.helpers import (
+    count_compiles,
+    examples,
+    full_spec,
+    layer,
+    single_group_config,
+)
 from tests.oracle import Oracle
 from tests.strategies import EXPECTED_ERRORS, hybrid_cases, plan
 
@@ -309,7 +315,7 @@ def _byte_sets(views, num_ids):
 
 
 @settings(
-    max_examples=400,
+    max_examples=examples(400),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )

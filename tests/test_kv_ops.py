@@ -8,7 +8,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxkv
-from tests.helpers import count_compiles, full_spec, layer, single_group_config
+from tests.helpers import (
+    count_compiles,
+    examples,
+    full_spec,
+    layer,
+    single_group_config,
+)
 from tests.oracle import Oracle
 from tests.strategies import EXPECTED_ERRORS, hybrid_cases, plan
 
@@ -41,7 +47,7 @@ def _kv_inputs(view, n, rng):
 
 
 @settings(
-    max_examples=120,
+    max_examples=examples(120),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )

@@ -1,0 +1,99 @@
+"""Shared benchmark harness: compile apart, warm-up, block_until_ready, medians."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def measure(fn: Any, *args: Any, iters: int = 50) -> tuple[float, float]:
+    """Returns (compile seconds, median steady-state seconds) of a jitted fn."""
+    t0 = time.perf_counter()
+    compiled: Callable[..., Any] = fn.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(*args))  # warm-up
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        samples.append(time.perf_counter() - t0)
+    return compile_s, statistics.median(samples)
+
+
+def measure_donated(
+    fn: Any, state: Any, *args: Any, iters: int = 50
+) -> tuple[float, float, Any]:
+    """Like :func:`measure` for ``state = fn(state, *args)`` with `state` donated.
+
+    Returns:
+      (compile seconds, median seconds, final state).
+    """
+    t0 = time.perf_counter()
+    compiled: Callable[..., Any] = fn.lower(state, *args).compile()
+    compile_s = time.perf_counter() - t0
+    state = jax.block_until_ready(compiled(state, *args))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(compiled(state, *args))
+        samples.append(time.perf_counter() - t0)
+    return compile_s, statistics.median(samples), state
+
+
+def measure_host(fn: Callable[[], Any], iters: int = 50) -> float:
+    """Median seconds of a host (NumPy) callable."""
+    fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the common flags (--iters, --json)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", type=Path, default=None, help="write results here")
+    return p
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """Prints rows (dicts with the same keys) as an aligned table."""
+    print(f"\n{title}  [{jax.default_backend()}: {jax.devices()[0].device_kind}]")
+    keys = list(rows[0])
+    cells = [[_fmt(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_json(path: Path | None, name: str, payload: dict[str, Any]) -> None:
+    """Writes `payload` to `path`, or to $OUT/<name>.json when OUT is set."""
+    if path is None and os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / f"{name}.json"
+    if path is None:
+        return
+    payload = {
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        **payload,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
