@@ -14,6 +14,13 @@ from jaxkv._backend import (
     registered_backends,
 )
 from jaxkv._bind import BoundKVCaches, bind_kv_caches, build_slot_mappings_by_layer
+from jaxkv._buckets import (
+    BatchDescriptor,
+    BucketDispatcher,
+    CompileMode,
+    shape_struct,
+    smallest_bucket,
+)
 from jaxkv._cg_support import (
     AttentionCGSupportInfo,
     get_attn_cg_support,
@@ -21,6 +28,13 @@ from jaxkv._cg_support import (
     get_varlen_cudagraph_unsupported_backend,
 )
 from jaxkv._config import LayerConfig, RunnerConfig
+from jaxkv._fast_prefill import (
+    FastPrefillBatchMetadata,
+    FastPrefillHelper,
+    stage_logits_indices,
+    validate_logits_indices,
+    validate_query_start_loc,
+)
 from jaxkv._init_backend import init_attn_backend, with_kv_sharing_layers
 from jaxkv._kernel_blocks import (
     expand_block_table,
@@ -58,6 +72,15 @@ from jaxkv._layers import (
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
 )
+from jaxkv._metadata import (
+    CommonAttentionMetadata,
+    StepLayout,
+    build_attn_metadata,
+    make_kv_sharing_fast_prefill_common_attn_metadata,
+    pack_step,
+    unpack_step,
+)
+from jaxkv._mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
 from jaxkv._planner import make_kv_cache_config, tiny_hybrid_config
 from jaxkv._specs import (
     AttentionSpec,
@@ -85,10 +108,16 @@ __all__ = [
     "AttentionCGSupportInfo",
     "AttentionGroup",
     "AttentionSpec",
+    "BatchDescriptor",
     "BoundKVCaches",
+    "BucketDispatcher",
     "ChunkedLocalAttentionSpec",
+    "CommonAttentionMetadata",
+    "CompileMode",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
+    "FastPrefillBatchMetadata",
+    "FastPrefillHelper",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
@@ -101,19 +130,24 @@ __all__ = [
     "MLAAttentionSpec",
     "MambaSpec",
     "MambaView",
+    "MultiModalFeatureSpec",
     "MultipleOf",
+    "PlaceholderRange",
     "PoolSpec",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StepLayout",
     "UniformTypeKVCacheSpecs",
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",
     "add_kv_sharing_layers_to_kv_cache_groups",
     "allocate_pools",
     "bind_kv_caches",
+    "build_attn_metadata",
     "build_kv_cache_views",
     "build_slot_mappings_by_layer",
+    "compute_mm_prefix_ranges",
     "create_fast_prefill_custom_backend",
     "expand_block_table",
     "gather_kv_pages",
@@ -127,7 +161,9 @@ __all__ = [
     "init_attn_backend",
     "init_kv_cache",
     "make_kv_cache_config",
+    "make_kv_sharing_fast_prefill_common_attn_metadata",
     "map_slot_mapping_to_kernel",
+    "pack_step",
     "plan_kv_cache",
     "prepare_kernel_block_sizes",
     "read_mamba_state",
@@ -135,8 +171,14 @@ __all__ = [
     "register_backend",
     "registered_backends",
     "select_common_block_size",
+    "shape_struct",
+    "smallest_bucket",
+    "stage_logits_indices",
     "tiny_hybrid_config",
+    "unpack_step",
     "validate_block_ids",
+    "validate_logits_indices",
+    "validate_query_start_loc",
     "validate_slot_mapping",
     "with_kv_sharing_layers",
     "write_kv",

@@ -1,0 +1,278 @@
+"""The KV-sharing fast-prefill path: arming and logits-index staging (§2.2-§2.3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Int
+
+from jaxkv._buckets import BatchDescriptor, BucketDispatcher, CompileMode
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits_indices_padded", "num_logits_indices", "max_logits_per_req"],
+    meta_fields=[],
+    drop_fields=["num_logits_indices_cpu", "max_logits_per_req_cpu"],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FastPrefillBatchMetadata:
+    """Per-step inputs for the KV-sharing fast prefill path.
+
+    Args:
+      logits_indices_padded: ``(padded,)`` int32 token indices whose hidden
+        states feed the logits, padded with copies of the last real index (so
+        every entry is a valid token index).
+      num_logits_indices: Real indices, an int32 scalar leaf.
+      max_logits_per_req: Most logits positions of any request, int32 leaf.
+      num_logits_indices_cpu: Host copy (``None`` inside jit).
+      max_logits_per_req_cpu: Host copy (``None`` inside jit).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> m = jaxkv.FastPrefillBatchMetadata(
+      ...     logits_indices_padded=jnp.array([3, 7, 12, 12], jnp.int32),
+      ...     num_logits_indices=jnp.int32(3), max_logits_per_req=jnp.int32(1))
+      >>> len(jax.tree.leaves(m))
+      3
+    """
+
+    logits_indices_padded: Int[Array, " padded"]
+    num_logits_indices: Int[Array, ""]
+    max_logits_per_req: Int[Array, ""]
+    num_logits_indices_cpu: int | None = None
+    max_logits_per_req_cpu: int | None = None
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def stage_logits_indices(
+    buffer: Int[ArrayLike, " max_num_tokens"],
+    logits_indices: Int[ArrayLike, " padded"],
+    num_logits: Int[ArrayLike, ""],
+) -> tuple[Int[Array, " max_num_tokens"], Int[Array, " padded"]]:
+    """Stages logits indices into the persistent buffer (donated); jitted kernel.
+
+    ``buffer[:n] = indices[:n]`` and ``buffer[n:] = indices[n - 1]``: the whole
+    tail is rewritten every step, so no stale index survives and every padded
+    entry is a valid token index. Entries of `logits_indices` past ``n`` are
+    ignored (use any sentinel). ``n`` is clamped to ``[1, padded]``: the kernel
+    never reads or writes outside its buffers.
+
+    Args:
+      buffer: ``(max_num_tokens,)`` int32 staging buffer (donated).
+      logits_indices: ``(padded,)`` int32, the real indices first.
+      num_logits: Real indices ``n`` (int32 scalar).
+
+    Returns:
+      ``(new buffer, new_buffer[:padded])``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> buf = jnp.zeros(16, jnp.int32)
+      >>> buf, padded = jaxkv.stage_logits_indices(
+      ...     buf, jnp.array([3, 7, 12, -1, -1, -1, -1, -1], jnp.int32), jnp.int32(3))
+      >>> padded.tolist()
+      [3, 7, 12, 12, 12, 12, 12, 12]
+    """
+    buffer = jnp.asarray(buffer)
+    idx = jnp.asarray(logits_indices).astype(jnp.int32)
+    padded = idx.shape[0]
+    if padded > buffer.shape[0]:
+        raise ValueError(
+            f"logits_indices.shape={idx.shape} exceeds the staging buffer "
+            f"({buffer.shape[0]},)."
+        )
+    n = jnp.clip(jnp.asarray(num_logits, jnp.int32), 1, padded)
+    last = idx[n - 1]
+    pos = jnp.arange(buffer.shape[0], dtype=jnp.int32)
+    src = idx[jnp.minimum(pos, padded - 1)]
+    new = jnp.where(pos < n, src, last).astype(buffer.dtype)
+    return new, new[:padded]
+
+
+class FastPrefillHelper:
+    """Decides per step whether to arm the KV-sharing fast prefill path, and
+    stages the logits indices it runs on.
+
+    Owns a persistent int32 staging buffer of ``max_num_tokens`` entries,
+    donated to :func:`stage_logits_indices` every step, and the bucket
+    dispatcher used to pad the indices (so the padding matches the main step's
+    executable).
+
+    Args:
+      cudagraph_manager: The :class:`BucketDispatcher`.
+      max_num_tokens: Staging buffer length.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> d = jaxkv.BucketDispatcher(token_buckets=(1, 2, 4, 8, 16),
+      ...     max_num_tokens=16, max_num_reqs=16)
+      >>> d.mark_ready()
+      >>> helper = jaxkv.FastPrefillHelper(d, 16)
+      >>> desc = jaxkv.BatchDescriptor(num_tokens=16, num_reqs=3,
+      ...                              cg_mode=jaxkv.CompileMode.PIECEWISE)
+      >>> m = helper.prepare(np.array([3, 7, 12]), 3, np.array([0, 1, 2, 3]),
+      ...                    True, desc)
+      >>> m.logits_indices_padded.tolist()
+      [3, 7, 12, 12]
+      >>> m.num_logits_indices_cpu, m.max_logits_per_req_cpu
+      (3, 1)
+    """  # noqa: D205
+
+    def __init__(
+        self, cudagraph_manager: BucketDispatcher, max_num_tokens: int
+    ) -> None:
+        """Allocates the staging buffer (zeros)."""
+        self.cudagraph_manager = cudagraph_manager
+        self.max_num_tokens = max_num_tokens
+        self.buffer = jnp.zeros(max_num_tokens, jnp.int32)
+
+    def prepare(
+        self,
+        logits_indices: np.ndarray,
+        num_reqs: int,
+        cu_num_logits_np: np.ndarray,
+        has_prefill: bool,
+        batch_desc: BatchDescriptor,
+        num_active_loras: int = 0,
+    ) -> FastPrefillBatchMetadata | None:
+        """Arms fast prefill for a step and stages its logits indices.
+
+        Not armed (``None``) if the step has no prefill, runs as one fully
+        compiled executable (``FULL``), or is split into micro-batches.
+
+        Args:
+          logits_indices: ``(n,)`` host (NumPy) token indices, ascending; ``n > 0``.
+          num_reqs: Requests in the step.
+          cu_num_logits_np: ``(num_reqs + 1,)`` host cumulative logits counts.
+          has_prefill: Whether the step has a prefill.
+          batch_desc: The main step's descriptor.
+          num_active_loras: LoRA variant, so the padding matches the main step.
+
+        Returns:
+          The step's fast-prefill metadata, or ``None``.
+
+        Raises:
+          ValueError: For an empty or device-resident `logits_indices`, or more
+            indices than the buffer holds.
+        """
+        if not has_prefill or batch_desc.cg_mode == CompileMode.FULL:
+            return None
+        if batch_desc.num_ubatches > 1:
+            return None
+        if isinstance(logits_indices, jax.Array):
+            raise ValueError(
+                "FastPrefillHelper.prepare takes host (NumPy) logits_indices; a "
+                "device array would need a host sync to size its bucket."
+            )
+        idx = np.asarray(logits_indices, np.int32)
+        n = idx.shape[0]
+        if n == 0:
+            raise ValueError(
+                "logits_indices is empty; a step with a prefill has logits."
+            )
+        if n > self.max_num_tokens:
+            raise ValueError(
+                f"{n} logits indices exceed the staging buffer of "
+                f"{self.max_num_tokens}."
+            )
+        desc = self.cudagraph_manager.dispatch(
+            num_reqs=num_reqs, num_tokens=n, num_active_loras=num_active_loras
+        )
+        padded = min(desc.num_tokens, self.max_num_tokens)
+        host = np.full(padded, -1, np.int32)
+        host[:n] = idx
+        self.buffer, staged = stage_logits_indices(self.buffer, host, np.int32(n))
+        cu = np.asarray(cu_num_logits_np)
+        max_per_req = int(np.diff(cu[: num_reqs + 1]).max(initial=0))
+        return FastPrefillBatchMetadata(
+            logits_indices_padded=staged,
+            num_logits_indices=jnp.asarray(n, jnp.int32),
+            max_logits_per_req=jnp.asarray(max_per_req, jnp.int32),
+            num_logits_indices_cpu=n,
+            max_logits_per_req_cpu=max_per_req,
+        )
+
+
+def validate_logits_indices(
+    logits_indices: ArrayLike,
+    query_start_loc: ArrayLike,
+    *,
+    buffer_size: int | None = None,
+) -> None:
+    """Host-side check of a step's logits indices against its batch.
+
+    Raises:
+      ValueError: If `query_start_loc` is not a non-decreasing sequence from 0,
+        an index is outside the batch or not strictly ascending, or there are
+        more indices than `buffer_size`.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> jaxkv.validate_logits_indices(np.array([3, 9]), np.array([0, 4, 10]))
+      >>> jaxkv.validate_logits_indices(np.array([3, 10]), np.array([0, 4, 10]))
+      Traceback (most recent call last):
+      ...
+      ValueError: logits_indices[1] = 10 is outside the batch of 10 tokens.
+    """
+    qsl = np.asarray(query_start_loc)
+    validate_query_start_loc(qsl)
+    idx = np.asarray(logits_indices)
+    num_tokens = int(qsl[-1])
+    bad = np.flatnonzero((idx < 0) | (idx >= num_tokens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"logits_indices[{i}] = {int(idx[i])} is outside the batch of "
+            f"{num_tokens} tokens."
+        )
+    if idx.size > 1:
+        steps = np.flatnonzero(np.diff(idx) <= 0)
+        if steps.size:
+            i = int(steps[0]) + 1
+            raise ValueError(
+                f"logits_indices must be strictly ascending; logits_indices[{i}] = "
+                f"{int(idx[i])} follows {int(idx[i - 1])}."
+            )
+    if buffer_size is not None and idx.size > buffer_size:
+        raise ValueError(
+            f"{idx.size} logits indices exceed the staging buffer of {buffer_size}."
+        )
+
+
+def validate_query_start_loc(query_start_loc: ArrayLike) -> None:
+    """Host-side check: starts at 0 and never decreases.
+
+    Raises:
+      ValueError: Naming the first bad entry.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> jaxkv.validate_query_start_loc(np.array([0, 4, 3]))
+      Traceback (most recent call last):
+      ...
+      ValueError: query_start_loc must not decrease; entry 2 is 3 after 4.
+    """
+    qsl = np.asarray(query_start_loc)
+    if qsl.ndim != 1 or qsl.size == 0 or qsl[0] != 0:
+        raise ValueError(
+            "query_start_loc must be a 1-D array starting at 0, got "
+            f"{qsl.tolist()[:8]}."
+        )
+    drops = np.flatnonzero(np.diff(qsl) < 0)
+    if drops.size:
+        i = int(drops[0]) + 1
+        raise ValueError(
+            f"query_start_loc must not decrease; entry {i} is {int(qsl[i])} after "
+            f"{int(qsl[i - 1])}."
+        )
