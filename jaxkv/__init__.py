@@ -95,6 +95,7 @@ from jaxkv._specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from jaxkv._step import PreparedStep, StepMetadataBuilder
 from jaxkv._views import KVCacheView, LayerView, MambaView
 
 try:
@@ -134,10 +135,12 @@ __all__ = [
     "MultipleOf",
     "PlaceholderRange",
     "PoolSpec",
+    "PreparedStep",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "StepLayout",
+    "StepMetadataBuilder",
     "UniformTypeKVCacheSpecs",
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,9 @@ class FastPrefillBatchMetadata:
     max_logits_per_req_cpu: int | None = None
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+# keep_unused: the result never reads the old buffer, but keeping it as a
+# (donated) parameter lets XLA write the new indices into its memory.
+@functools.partial(jax.jit, donate_argnums=0, keep_unused=True)
 def stage_logits_indices(
     buffer: Int[ArrayLike, " max_num_tokens"],
     logits_indices: Int[ArrayLike, " padded"],
@@ -134,6 +137,21 @@ class FastPrefillHelper:
         self.cudagraph_manager = cudagraph_manager
         self.max_num_tokens = max_num_tokens
         self.buffer = jnp.zeros(max_num_tokens, jnp.int32)
+        self._staging: dict[int, Any] = {}
+
+    def paddings(self) -> list[int]:
+        """Every padded length :meth:`prepare` can produce (one kernel each)."""
+        buckets = self.cudagraph_manager.token_buckets
+        return sorted({min(b, self.max_num_tokens) for b in buckets})
+
+    def warm_up(self) -> None:
+        """Compiles the staging kernel for every padding, from shapes only."""
+        buf = jax.ShapeDtypeStruct((self.max_num_tokens,), jnp.int32)
+        n = jax.ShapeDtypeStruct((), jnp.int32)
+        for p in self.paddings():
+            if p not in self._staging:
+                idx = jax.ShapeDtypeStruct((p,), jnp.int32)
+                self._staging[p] = stage_logits_indices.lower(buf, idx, n).compile()
 
     def prepare(
         self,
@@ -190,7 +208,8 @@ class FastPrefillHelper:
         padded = min(desc.num_tokens, self.max_num_tokens)
         host = np.full(padded, -1, np.int32)
         host[:n] = idx
-        self.buffer, staged = stage_logits_indices(self.buffer, host, np.int32(n))
+        stage = self._staging.get(padded, stage_logits_indices)
+        self.buffer, staged = stage(self.buffer, host, np.int32(n))
         cu = np.asarray(cu_num_logits_np)
         max_per_req = int(np.diff(cu[: num_reqs + 1]).max(initial=0))
         return FastPrefillBatchMetadata(

@@ -1,0 +1,89 @@
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxkv
+from tests.helpers import count_compiles
+
+S = jaxkv.AttentionCGSupport
+
+
+def _dispatcher(**kw):
+    d = jaxkv.BucketDispatcher(
+        token_buckets=(1, 2, 4, 8, 16), max_num_tokens=16, max_num_reqs=8, **kw
+    )
+    d.mark_ready()
+    return d
+
+
+def test_smallest_bucket_and_no_padding_above_largest():
+    d = _dispatcher()
+    assert d.dispatch(num_reqs=3, num_tokens=5).num_tokens == 8
+    assert d.dispatch(num_reqs=1, num_tokens=16).num_tokens == 16
+    above = d.dispatch(num_reqs=1, num_tokens=17)
+    assert (above.num_tokens, above.cg_mode) == (17, jaxkv.CompileMode.NONE)
+    cold = jaxkv.BucketDispatcher(token_buckets=(8,), max_num_tokens=8, max_num_reqs=8)
+    assert cold.dispatch(num_reqs=1, num_tokens=3).cg_mode == jaxkv.CompileMode.NONE
+
+
+def test_request_padding():
+    d = _dispatcher(request_buckets=(2, 4))
+    assert d.dispatch(num_reqs=3, num_tokens=3).num_reqs == 4
+    assert d.dispatch(num_reqs=5, num_tokens=5).cg_mode == jaxkv.CompileMode.NONE
+    assert _dispatcher().dispatch(num_reqs=3, num_tokens=5).num_reqs == 8
+
+
+@pytest.mark.parametrize(
+    ("support", "uniform", "mode"),
+    [
+        (S.ALWAYS, None, "FULL"),
+        (S.UNIFORM_BATCH, None, "PIECEWISE"),
+        (S.UNIFORM_BATCH, 2, "FULL"),
+        (S.UNIFORM_SINGLE_TOKEN_DECODE, 2, "PIECEWISE"),
+        (S.UNIFORM_SINGLE_TOKEN_DECODE, 1, "FULL"),
+        (S.NEVER, 1, "PIECEWISE"),
+    ],
+)
+def test_mode_follows_support(support, uniform, mode):
+    d = _dispatcher(cg_support=support)
+    assert (
+        d.dispatch(num_reqs=2, num_tokens=2, uniform_token_count=uniform).cg_mode.name
+        == mode
+    )
+
+
+def test_check_and_bad_buckets():
+    d = _dispatcher()
+    d.check(num_reqs=8, num_tokens=16)
+    with pytest.raises(
+        ValueError, match="9 requests exceeds the largest request bucket"
+    ):
+        d.check(num_reqs=9, num_tokens=16)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        jaxkv.BucketDispatcher(token_buckets=(4, 2), max_num_tokens=8, max_num_reqs=2)
+
+
+def test_warm_up_compiles_every_executable_from_shapes_without_allocating():
+    d = jaxkv.BucketDispatcher(token_buckets=(4, 8), max_num_tokens=8, max_num_reqs=4)
+
+    @jax.jit
+    def fn(x, y):
+        return x.sum() + y.sum()
+
+    live = len(jax.live_arrays())
+    compiled = d.warm_up(
+        fn,
+        lambda desc: (
+            jaxkv.shape_struct((desc.num_tokens,), jnp.int32),
+            jaxkv.shape_struct((desc.num_reqs,), jnp.int32),
+        ),
+    )
+    assert len(jax.live_arrays()) == live
+    assert set(compiled) == {e.key for e in d.executables()}
+    assert d.ready
+    exe = compiled[d.dispatch(num_reqs=2, num_tokens=3).key]
+    x = jax.device_put(jnp.ones(4, jnp.int32))
+    with count_compiles() as compiles:
+        out = exe(x, x)
+    assert int(out) == 8
+    assert compiles == []
