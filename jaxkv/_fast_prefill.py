@@ -100,6 +100,20 @@ def stage_logits_indices(
     return new, new[:padded]
 
 
+@functools.partial(jax.jit, donate_argnums=0, keep_unused=True)
+def _stage_packed(
+    buffer: jax.Array, packed: jax.Array
+) -> tuple[jax.Array, FastPrefillBatchMetadata]:
+    """One transfer, one call: ``packed = [n, max_logits_per_req, *indices]``."""
+    buffer, staged = stage_logits_indices(buffer, packed[2:], packed[0])
+    meta = FastPrefillBatchMetadata(
+        logits_indices_padded=staged,
+        num_logits_indices=packed[0],
+        max_logits_per_req=packed[1],
+    )
+    return buffer, meta
+
+
 class FastPrefillHelper:
     """Decides per step whether to arm the KV-sharing fast prefill path, and
     stages the logits indices it runs on.
@@ -147,11 +161,10 @@ class FastPrefillHelper:
     def warm_up(self) -> None:
         """Compiles the staging kernel for every padding, from shapes only."""
         buf = jax.ShapeDtypeStruct((self.max_num_tokens,), jnp.int32)
-        n = jax.ShapeDtypeStruct((), jnp.int32)
         for p in self.paddings():
             if p not in self._staging:
-                idx = jax.ShapeDtypeStruct((p,), jnp.int32)
-                self._staging[p] = stage_logits_indices.lower(buf, idx, n).compile()
+                packed = jax.ShapeDtypeStruct((p + 2,), jnp.int32)
+                self._staging[p] = _stage_packed.lower(buf, packed).compile()
 
     def prepare(
         self,
@@ -206,18 +219,15 @@ class FastPrefillHelper:
             num_reqs=num_reqs, num_tokens=n, num_active_loras=num_active_loras
         )
         padded = min(desc.num_tokens, self.max_num_tokens)
-        host = np.full(padded, -1, np.int32)
-        host[:n] = idx
-        stage = self._staging.get(padded, stage_logits_indices)
-        self.buffer, staged = stage(self.buffer, host, np.int32(n))
         cu = np.asarray(cu_num_logits_np)
         max_per_req = int(np.diff(cu[: num_reqs + 1]).max(initial=0))
-        return FastPrefillBatchMetadata(
-            logits_indices_padded=staged,
-            num_logits_indices=jnp.asarray(n, jnp.int32),
-            max_logits_per_req=jnp.asarray(max_per_req, jnp.int32),
-            num_logits_indices_cpu=n,
-            max_logits_per_req_cpu=max_per_req,
+        host = np.full(padded + 2, -1, np.int32)  # [n, max, indices..., sentinels]
+        host[0], host[1] = n, max_per_req
+        host[2 : n + 2] = idx
+        stage = self._staging.get(padded, _stage_packed)
+        self.buffer, meta = stage(self.buffer, host)
+        return dataclasses.replace(
+            meta, num_logits_indices_cpu=n, max_logits_per_req_cpu=max_per_req
         )
 
 

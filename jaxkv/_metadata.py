@@ -172,13 +172,17 @@ class StepLayout:
             out.append((f"slot_mapping.{g}", (t,)))
         return out
 
-    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """``name -> (offset, shape)`` in the packed buffer."""
+    @functools.cached_property
+    def _offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         out, pos = {}, 0
         for name, shape in self.fields():
             out[name] = (pos, shape)
             pos += math.prod(shape)
         return out
+
+    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """``name -> (offset, shape)`` in the packed buffer (computed once)."""
+        return self._offsets
 
     @property
     def size(self) -> int:

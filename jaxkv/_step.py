@@ -30,7 +30,8 @@ class PreparedStep:
     Attributes:
       desc: The executable the step uses (padded sizes and mode).
       layout: Capacities of the packed buffer.
-      packed: The packed step inputs, on device (one transfer).
+      packed: The packed step inputs (host). They cross to the device as one
+        transfer, as an argument of the step's executable.
       fast_prefill: Staged fast-prefill inputs, or ``None`` when not armed.
       query_start_loc_cpu: Host copy of the (unpadded) query start locations.
       cu_num_logits_cpu: Host cumulative logits counts: the host copy of the
@@ -39,7 +40,7 @@ class PreparedStep:
 
     desc: BatchDescriptor
     layout: StepLayout
-    packed: jax.Array
+    packed: np.ndarray
     fast_prefill: FastPrefillBatchMetadata | None
     query_start_loc_cpu: np.ndarray
     cu_num_logits_cpu: np.ndarray | None = None
@@ -122,7 +123,7 @@ class StepMetadataBuilder:
         self.causal = causal
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self._device_fn = jax.jit(self._device)
-        self._host_buffers: dict[StepLayout, np.ndarray] = {}
+        self._record_of: dict[str, int] = {}
         self._wrapped = {
             name
             for groups in self.attn_groups
@@ -145,11 +146,11 @@ class StepMetadataBuilder:
         packed: jax.Array,
         fast_prefill: FastPrefillBatchMetadata | None,
         layout: StepLayout,
-    ) -> dict[str, CommonAttentionMetadata]:
+    ) -> tuple[CommonAttentionMetadata, ...]:
         f = unpack_step(packed, layout)
         scalars = f["scalars"]
         n_groups = len(self.widths)
-        return build_attn_metadata(
+        meta = build_attn_metadata(
             self.attn_groups,
             scalars[0],
             scalars[1],
@@ -170,6 +171,16 @@ class StepMetadataBuilder:
             causal=self.causal,
             fast_prefill=fast_prefill,
         )
+        # Return each record once (layers of a group share one); the static
+        # layer -> record map is the same for every trace.
+        records: list[CommonAttentionMetadata] = []
+        index: dict[int, int] = {}
+        for name, m in meta.items():
+            if id(m) not in index:
+                index[id(m)] = len(records)
+                records.append(m)
+            self._record_of[name] = index[id(m)]
+        return tuple(records)
 
     def _fast_prefill_paddings(self, desc: BatchDescriptor) -> list[int | None]:
         if self.fast_prefill_helper is None or desc.cg_mode == CompileMode.FULL:
@@ -239,10 +250,9 @@ class StepMetadataBuilder:
             num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform
         )
         layout = self.layout(desc)
-        buf = self._host_buffers.get(layout)
-        if buf is None:
-            buf = self._host_buffers[layout] = np.zeros(layout.size, np.int32)
-        pack_step(
+        # A fresh buffer per step: on CPU a transferred NumPy array may be
+        # aliased zero-copy, so a reused buffer could change a step in flight.
+        packed = pack_step(
             layout,
             query_start_loc=qsl,
             seq_lens=seq_lens,
@@ -252,9 +262,8 @@ class StepMetadataBuilder:
             is_prefilling=is_prefilling,
             encoder_seq_lens=encoder_seq_lens,
             mm_prefix_ranges=mm_prefix_ranges,
-            out=buf,
+            out=np.empty(layout.size, np.int32),
         )
-        packed = jax.device_put(buf)  # the step's one host-to-device transfer
         fp = None
         if self.fast_prefill_helper is not None and logits_indices is not None:
             cu = cu_num_logits
@@ -276,17 +285,17 @@ class StepMetadataBuilder:
         """Runs the step's compiled executable (or jit, before warm-up)."""
         exe = self.compiled.get(step.executable_key)
         if exe is None:
-            meta = self._device_fn(step.packed, step.fast_prefill, step.layout)
+            records = self._device_fn(step.packed, step.fast_prefill, step.layout)
         else:
-            meta = exe(step.packed, step.fast_prefill, step.layout)
+            records = exe(step.packed, step.fast_prefill, step.layout)
         # Host copies, outside the traced leaves: reduced (fast-prefill) records
         # get the host cumulative logits counts, which their device copy equals.
+        with_host: dict[int, CommonAttentionMetadata] = {}
         out: dict[str, CommonAttentionMetadata] = {}
-        by_record: dict[int, CommonAttentionMetadata] = {}
-        for name, m in meta.items():
-            if id(m) not in by_record:
+        for name, i in self._record_of.items():
+            if i not in with_host:
                 reduced = step.fast_prefill is not None and name in self._wrapped
                 cpu = step.cu_num_logits_cpu if reduced else step.query_start_loc_cpu
-                by_record[id(m)] = dataclasses.replace(m, query_start_loc_cpu=cpu)
-            out[name] = by_record[id(m)]
+                with_host[i] = dataclasses.replace(records[i], query_start_loc_cpu=cpu)
+            out[name] = with_host[i]
         return out

@@ -21,7 +21,26 @@ def _load(name):
 
 @pytest.mark.parametrize(
     ("name", "argv"),
-    [("bench_kv_write", ["--pool-mib", "2", "--tokens", "8", "--iters", "2"])],
+    [
+        ("bench_kv_write", ["--pool-mib", "2", "--tokens", "8", "--iters", "2"]),
+        (
+            "bench_step_metadata",
+            [
+                "--num-reqs",
+                "8",
+                "--num-prefills",
+                "2",
+                "--chunk",
+                "4",
+                "--max-tokens",
+                "64",
+                "--max-model-len",
+                "256",
+                "--iters",
+                "2",
+            ],
+        ),
+    ],
 )
 def test_benchmark_runs_at_tiny_size(name, argv, tmp_path, capsys):
     results = _load(name).main([*argv, "--json", str(tmp_path / "out.json")])
