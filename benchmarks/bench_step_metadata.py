@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,9 @@ from _harness import measure_host, parser, print_table, write_json  # noqa: E402
 import jaxkv  # noqa: E402
 
 
-def _step_inputs(rng, num_reqs, num_prefills, chunk, block_size, width, num_blocks):
+def _step_inputs(
+    rng, num_reqs, num_prefills, chunk, block_size, width, num_blocks
+) -> dict[str, Any]:
     q_lens = np.ones(num_reqs, np.int32)
     q_lens[:num_prefills] = chunk
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
