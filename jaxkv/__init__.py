@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from jaxkv._attention import paged_attention, token_requests_and_positions
 from jaxkv._attn_group import AttentionGroup
 from jaxkv._backend import (
     AttentionBackend,
@@ -167,6 +168,7 @@ __all__ = [
     "make_kv_sharing_fast_prefill_common_attn_metadata",
     "map_slot_mapping_to_kernel",
     "pack_step",
+    "paged_attention",
     "plan_kv_cache",
     "prepare_kernel_block_sizes",
     "read_mamba_state",
@@ -178,6 +180,7 @@ __all__ = [
     "smallest_bucket",
     "stage_logits_indices",
     "tiny_hybrid_config",
+    "token_requests_and_positions",
     "unpack_step",
     "validate_block_ids",
     "validate_logits_indices",
