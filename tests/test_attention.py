@@ -110,7 +110,7 @@ def test_paged_attention_matches_dense_reference(batch):
     seq_lens = [s for _, s in reqs]
     enc_lens = [int(rng.integers(1, 30)) for _ in reqs]
     all_k, all_v, ranges = [], [], []
-    for r, (q_len, seq_len) in enumerate(reqs):
+    for r, (_, seq_len) in enumerate(reqs):
         tables[r] = [free.pop() for _ in range(width)]
         kv_len = enc_lens[r] if mask == "cross" else seq_len
         k = rng.standard_normal((kv_len, heads, head)).astype(np.float32)
