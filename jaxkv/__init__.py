@@ -82,7 +82,17 @@ from jaxkv._metadata import (
     unpack_step,
 )
 from jaxkv._mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
+from jaxkv._model import TinyHybridModel, forward_dense, forward_paged
+from jaxkv._monitoring import count_compilations
 from jaxkv._planner import make_kv_cache_config, tiny_hybrid_config
+from jaxkv._serve import (
+    BlockAllocator,
+    Engine,
+    EngineStats,
+    Request,
+    generate_dense,
+    progress_bar,
+)
 from jaxkv._specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -111,6 +121,7 @@ __all__ = [
     "AttentionGroup",
     "AttentionSpec",
     "BatchDescriptor",
+    "BlockAllocator",
     "BoundKVCaches",
     "BucketDispatcher",
     "ChunkedLocalAttentionSpec",
@@ -118,6 +129,8 @@ __all__ = [
     "CompileMode",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
+    "Engine",
+    "EngineStats",
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
     "FullAttentionSpec",
@@ -137,11 +150,13 @@ __all__ = [
     "PlaceholderRange",
     "PoolSpec",
     "PreparedStep",
+    "Request",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "StepLayout",
     "StepMetadataBuilder",
+    "TinyHybridModel",
     "UniformTypeKVCacheSpecs",
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",
@@ -152,9 +167,13 @@ __all__ = [
     "build_kv_cache_views",
     "build_slot_mappings_by_layer",
     "compute_mm_prefix_ranges",
+    "count_compilations",
     "create_fast_prefill_custom_backend",
     "expand_block_table",
+    "forward_dense",
+    "forward_paged",
     "gather_kv_pages",
+    "generate_dense",
     "get_attn_cg_support",
     "get_backend",
     "get_kv_cache_spec",
@@ -171,6 +190,7 @@ __all__ = [
     "paged_attention",
     "plan_kv_cache",
     "prepare_kernel_block_sizes",
+    "progress_bar",
     "read_mamba_state",
     "read_view",
     "register_backend",

@@ -140,6 +140,8 @@ class StepLayout:
       max_tokens: Token capacity (the token bucket).
       block_table_widths: Block-table columns per KV-cache group.
       max_mm_ranges: Multimodal prefix ranges per request (0: none).
+      num_samples: Room for the model's inputs too: ``token_ids``
+        (``max_tokens``) and ``sample_idx`` (``num_samples``) when positive.
 
     Example:
       >>> import jaxkv
@@ -152,6 +154,7 @@ class StepLayout:
     max_tokens: int
     block_table_widths: tuple[int, ...]
     max_mm_ranges: int = 0
+    num_samples: int = 0
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of every packed field, in buffer order."""
@@ -170,6 +173,9 @@ class StepLayout:
         for g, width in enumerate(self.block_table_widths):
             out.append((f"block_table.{g}", (r, width)))
             out.append((f"slot_mapping.{g}", (t,)))
+        if self.num_samples:
+            out.append(("token_ids", (t,)))
+            out.append(("sample_idx", (self.num_samples,)))
         return out
 
     @functools.cached_property
@@ -201,6 +207,8 @@ def pack_step(
     is_prefilling: np.ndarray | None = None,
     encoder_seq_lens: np.ndarray | None = None,
     mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    token_ids: np.ndarray | None = None,
+    sample_idx: np.ndarray | None = None,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Packs one step's host arrays into a single int32 buffer (NumPy only).
@@ -220,6 +228,8 @@ def pack_step(
       encoder_seq_lens: ``(num_reqs,)`` encoder lengths (default zeros).
       mm_prefix_ranges: ``request -> inclusive ranges`` from
         :func:`compute_mm_prefix_ranges`.
+      token_ids: ``(num_tokens,)`` model inputs (layouts with ``num_samples``).
+      sample_idx: Token indices whose logits are sampled; padded with the last.
       out: A preallocated buffer of ``layout.size`` int32 to fill (reused across
         steps to avoid allocation).
 
@@ -290,6 +300,12 @@ def pack_step(
     for g, (table, slots) in enumerate(zip(block_tables, slot_mappings, strict=True)):
         put(f"block_table.{g}", table)
         put(f"slot_mapping.{g}", slots, fill=-1)
+    if layout.num_samples:
+        put("token_ids", np.zeros(0, np.int32) if token_ids is None else token_ids)
+        samples = (
+            np.zeros(0, np.int32) if sample_idx is None else np.asarray(sample_idx)
+        )
+        put("sample_idx", samples, fill=int(samples[-1]) if samples.size else 0)
     return buf
 
 

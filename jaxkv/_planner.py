@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxkv._backend import get_backend
+from jaxkv._backend import AttentionBackend, get_backend
 from jaxkv._config import LayerConfig, RunnerConfig
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from jaxkv._layers import get_kv_cache_spec
@@ -121,7 +121,7 @@ def tiny_hybrid_config(
     sliding_window: int = 64,
     dtype: str = "float32",
     kv_sharing_fast_prefill: bool = True,
-    attention_backend: str = "JAX_PAGED",
+    attention_backend: str | AttentionBackend = "JAX_PAGED",
     **runner_kwargs: object,
 ) -> RunnerConfig:
     """The built-in small hybrid model: attention, sliding window, Mamba and YOCO.
@@ -139,7 +139,11 @@ def tiny_hybrid_config(
       >>> cfg.layer("layers.2.mixer").spec.page_size_bytes
       16384
     """
-    attn = get_backend(attention_backend)
+    attn = (
+        attention_backend
+        if isinstance(attention_backend, AttentionBackend)
+        else get_backend(attention_backend)
+    )
     full = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,

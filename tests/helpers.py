@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-
-import jax
 
 import jaxkv
 
@@ -16,27 +12,7 @@ def examples(n: int) -> int:
     return max(5, n // 20) if os.environ.get("JAXKV_QUICK") == "1" else n
 
 
-_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[list[str]]:
-    """Yields a list that gains one entry per jaxpr trace or backend compile."""
-    events: list[str] = []
-
-    def listener(event: str, duration_secs: float, **kwargs: object) -> None:
-        del duration_secs, kwargs
-        if event in _EVENTS:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+count_compiles = jaxkv.count_compilations
 
 
 def full_spec(block_size: int = 16, heads: int = 8, head: int = 128, dtype="bfloat16"):

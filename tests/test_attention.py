@@ -1,3 +1,5 @@
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -7,7 +9,7 @@ import jaxkv
 from tests.helpers import examples
 
 
-def _setup(layout, block_size=8, kernel=None, num_blocks=24, heads=2, head=4):
+def _setup(layout, block_size=8, kernel=None, num_blocks=24, heads=2, head=4) -> Any:
     backend = jaxkv.AttentionBackend(
         name=f"B_{layout}_{kernel}",
         layout={
