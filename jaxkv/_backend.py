@@ -386,7 +386,13 @@ def get_backend(key: str) -> AttentionBackend:
 
 
 def registered_backends() -> dict[str, AttentionBackend]:
-    """A copy of the registry (key -> backend)."""
+    """A copy of the registry (key -> backend).
+
+    Example:
+      >>> import jaxkv
+      >>> "FLASHINFER" in jaxkv.registered_backends()
+      True
+    """
     return dict(_REGISTRY)
 
 

@@ -140,6 +140,22 @@ def _align_mixed_attention_kv_cache_views(
 
     Raises:
       ValueError: If a blocks-first partner has no explicit K/V axis.
+
+    Example (spec §2.13: N=4, B=16, H=1, D=2, fp32; self-attention K/V-first,
+    cross-attention blocks-first, one pool):
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=1, head_size=2, dtype="float32")
+      >>> cfg = jaxkv.RunnerConfig(layers=[
+      ...     jaxkv.LayerConfig(name="self", spec=jaxkv.FullAttentionSpec(**kw),
+      ...                       backend=jaxkv.get_backend("ROCM_ATTN")),
+      ...     jaxkv.LayerConfig(name="cross", spec=jaxkv.CrossAttentionSpec(**kw),
+      ...                       backend=jaxkv.get_backend("FLASH_ATTN"),
+      ...                       attn_type="encoder_decoder")])
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> views = jaxkv.build_kv_cache_views(kv, cfg, sizes, groups)
+      >>> views["cross"].strides  # restrided from (64, 32, 2, 2, 1)
+      (32, 128, 2, 2, 1)
     """
     block_dims: dict[str, int] = {}
     for group in _flat(attn_groups):

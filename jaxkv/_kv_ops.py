@@ -174,7 +174,17 @@ def gather_kv_pages(
       ``(k_pages, v_pages)``, each ``(rows, cols, page_size, num_kv_heads,
       head_dim)``; for MLA ``(latents (rows, cols, page_size, head_dim), None)``.
 
-    Example: see :func:`write_kv`.
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> k, v = jaxkv.gather_kv_pages(pools, views["layers.0.self_attn"],
+      ...                              jnp.array([[1, 2], [3, 0]], jnp.int32))
+      >>> k.shape, v.shape
+      ((2, 2, 32, 2, 32), (2, 2, 32, 2, 32))
     """
     _check_view(view, KVCacheView, "gather_kv_pages")
     table = jnp.asarray(block_table).astype(jnp.int32)
@@ -270,7 +280,16 @@ def read_mamba_state(
 ) -> tuple[jax.Array, ...]:
     """Reads the Mamba states of `block_ids`: one ``(n, *shapes[i])`` array each.
 
-    Example: see :func:`write_mamba_state`.
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> [s.shape for s in jaxkv.read_mamba_state(pools, views["layers.5.mixer"],
+      ...                                          jnp.array([1, 2], jnp.int32))]
+      [(2, 3, 128), (2, 4, 32, 16)]
     """
     _check_view(view, MambaView, "read_mamba_state")
     ids = jnp.asarray(block_ids).astype(jnp.int32)
