@@ -1,8 +1,9 @@
 """A pure-JAX ragged paged attention that reads K/V through layer views.
 
-Correct first: every query token gathers the pages of its own request through
-the layer's view (``gather_kv_pages``: index arithmetic on the pool, never a
-pool copy) and runs a masked softmax over them. One kernel covers mixed
+Every query token reads the pages of its own request through the layer's view
+(``gather_kv_pages``: index arithmetic on the pool, never a pool copy), a chunk
+of pages at a time, with an online softmax; the loop stops at the step's
+longest context. One kernel covers mixed
 prefill/decode batches, GQA, causal, sliding-window and chunked-local masks,
 cross-attention over cached encoder K/V, PrefixLM multimodal ranges and
 logits soft-capping. Padding pages and padded tokens never reach an output:
@@ -51,6 +52,7 @@ def token_requests_and_positions(
         "logits_soft_cap",
         "cross_attention",
         "use_mm_prefix",
+        "pages_per_chunk",
     ),
 )
 def paged_attention(
@@ -65,6 +67,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     cross_attention: bool = False,
     use_mm_prefix: bool = False,
+    pages_per_chunk: int = 8,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 
@@ -83,6 +86,8 @@ def paged_attention(
         (``encoder_seq_lens``), no causal mask.
       use_mm_prefix: Tokens inside one multimodal range see each other
         bidirectionally (PrefixLM).
+      pages_per_chunk: Pages gathered per step of the online softmax; only the
+        chunks up to the step's longest context are visited.
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -110,35 +115,34 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     req, pos, valid_q = token_requests_and_positions(meta, num_tokens)
     table = meta.block_table_tensor[req]  # (T, cols): each token's own pages
-    k_pages, v_pages = gather_kv_pages(pools, view, table)
-    if v_pages is None:  # MLA: the latent is both key and value
-        v_pages = k_pages
-    kv_heads = k_pages.shape[-2] if k_pages.ndim == 5 else 1
-    k = k_pages.reshape(num_tokens, -1, kv_heads, k_pages.shape[-1])
-    v = v_pages.reshape(num_tokens, -1, kv_heads, v_pages.shape[-1])
+    cols = table.shape[1]
+    chunk = max(1, min(pages_per_chunk, cols))
+    num_chunks = -(-cols // chunk)
+    table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk - cols)))
+    block = view.block_size
+    kv_heads = view.shape[view.dim("head")] if "head" in view.axes else 1
     if num_heads % kv_heads:
         raise ValueError(
             f"q has {num_heads} heads, not a multiple of the view's {kv_heads} KV "
             "heads."
         )
-    if head_dim != k.shape[-1]:
-        raise ValueError(f"q.shape[-1]={head_dim}, but the keys have {k.shape[-1]}.")
-    span = k.shape[1]
-    j = jnp.arange(span, dtype=jnp.int32)[None, :]
+    groups = num_heads // kv_heads
+    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).astype(jnp.float32)
+    kv_len = meta.encoder_seq_lens[req] if cross_attention else meta.seq_lens[req]
     p = pos[:, None]
-    if cross_attention:
-        mask = j < meta.encoder_seq_lens[req][:, None]
-    else:
-        mask = j < meta.seq_lens[req][:, None]
+
+    def visible(j: jax.Array) -> jax.Array:
+        """(T, span) mask of the keys at absolute positions `j` (1, span)."""
+        mask = (j < kv_len[:, None]) & valid_q[:, None]
+        if cross_attention:
+            return mask
         if meta.causal:
             causal = j <= p
             if use_mm_prefix:
                 # Inclusive ranges [s, e]: a query inside one sees the whole range.
                 ranges = meta.mm_prefix_ranges[req]  # (T, max_ranges, 2)
-                live = (
-                    jnp.arange(ranges.shape[1])[None, :]
-                    < meta.mm_num_ranges[req][:, None]
-                )
+                count = meta.mm_num_ranges[req][:, None]
+                live = jnp.arange(ranges.shape[1])[None, :] < count
                 s, e = ranges[..., 0][:, :, None], ranges[..., 1][:, :, None]
                 inside_q = (
                     live[:, :, None] & (s <= p[:, :, None]) & (p[:, :, None] <= e)
@@ -150,20 +154,52 @@ def paged_attention(
             mask = mask & (j > p - sliding_window)
         if attention_chunk_size is not None:
             mask = mask & (j // attention_chunk_size == p // attention_chunk_size)
-    mask = mask & valid_q[:, None]
-    groups = num_heads // kv_heads
-    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).astype(jnp.float32)
-    # Zero masked keys/values first: a NaN padding page times 0 is still NaN.
-    k = jnp.where(mask[:, :, None, None], k, 0).astype(jnp.float32)
-    v = jnp.where(mask[:, :, None, None], v, 0).astype(jnp.float32)
-    scores = jnp.einsum("thgd,tlhd->thgl", qg, k) * scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    m4 = mask[:, None, None, :]
-    scores = jnp.where(m4, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.where(m4, jnp.exp(scores - top), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("thgl,tlhd->thgd", weights, v) / jnp.where(denom > 0, denom, 1.0)
-    return out.reshape(num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
+        return mask
+
+    def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        top, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, c * chunk, chunk, axis=1)
+        k_pages, v_pages = gather_kv_pages(pools, view, pages)
+        if v_pages is None:  # MLA: the latent is both key and value
+            v_pages = k_pages
+        k = k_pages.reshape(num_tokens, chunk * block, kv_heads, -1)
+        v = v_pages.reshape(num_tokens, chunk * block, kv_heads, -1)
+        j = c * chunk * block + jnp.arange(chunk * block, dtype=jnp.int32)[None, :]
+        mask = visible(j)
+        # Zero masked keys/values first: a NaN padding page times 0 is still NaN.
+        k = jnp.where(mask[:, :, None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(mask[:, :, None, None], v, 0).astype(jnp.float32)
+        scores = jnp.einsum("thgd,tlhd->thgl", qg, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+        m4 = mask[:, None, None, :]
+        scores = jnp.where(m4, scores, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        weights = jnp.where(m4, jnp.exp(scores - safe[..., None]), 0.0)
+        rescale = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
+        denom = denom * rescale + jnp.sum(weights, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("thgl,tlhd->thgd", weights, v)
+        return new_top, denom, acc
+
+    if head_dim != (view.head_size or head_dim) and "kv" in view.axes:
+        raise ValueError(f"q.shape[-1]={head_dim}, but the keys have {view.head_size}.")
+    head_dim_v = _value_dim(view, head_dim)
+    init = (
+        jnp.full((num_tokens, kv_heads, groups), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, kv_heads, groups), jnp.float32),
+        jnp.zeros((num_tokens, kv_heads, groups, head_dim_v), jnp.float32),
+    )
+    # Only the chunks that hold a visible key of this step are visited.
+    longest = jnp.max(jnp.where(valid_q, kv_len, 0))
+    trips = jnp.minimum((longest + chunk * block - 1) // (chunk * block), num_chunks)
+    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim_v).astype(q.dtype)
+
+
+def _value_dim(view: KVCacheView, head_dim: int) -> int:
+    """Value head size of a view: D for K/V axes and MLA, Dv for fused K|V."""
+    if "head" in view.axes and "kv" not in view.axes:
+        return view.shape[view.dim("dim")] - view.head_size
+    return head_dim
