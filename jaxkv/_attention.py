@@ -67,7 +67,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     cross_attention: bool = False,
     use_mm_prefix: bool = False,
-    pages_per_chunk: int = 8,
+    pages_per_chunk: int = 4,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 

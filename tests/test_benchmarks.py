@@ -24,6 +24,15 @@ def _load(name):
     [
         ("bench_kv_write", ["--pool-mib", "2", "--tokens", "8", "--iters", "2"]),
         (
+            "bench_attention",
+            "--num-reqs 4 --context 64 --head-dim 16 --iters 2".split(),
+        ),
+        (
+            "bench_step_loop",
+            "--num-requests 2 --max-new-tokens 2 --max-prompt 12 "
+            "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
+        ),
+        (
             "bench_step_metadata",
             [
                 "--num-reqs",
@@ -46,4 +55,4 @@ def test_benchmark_runs_at_tiny_size(name, argv, tmp_path, capsys):
     results = _load(name).main([*argv, "--json", str(tmp_path / "out.json")])
     assert results
     assert (tmp_path / "out.json").exists()
-    assert "ratio" in capsys.readouterr().out
+    assert "target" in capsys.readouterr().out

@@ -1,0 +1,260 @@
+"""Paged attention through views vs ejkernel's XLA ragged_page_attention_v3.
+
+Decode batch (default 32 requests x 512 context, 8 query heads, 2 KV heads,
+head 128, page 16, fp32): jaxkv.paged_attention reading K/V through a layer
+view, ejkernel's pure-JAX ragged paged attention when installed (benchmark
+only: `pip install --no-deps ejkernel` plus beartype jaxtyping pydantic einops
+tqdm), and a plain copy of the KV bytes read (NumPy on CPU, XLA on GPU). Then a
+mixed batch (4 prefills of 37-300 tokens + 28 decodes) whose outputs are
+checked against ejkernel's.
+
+    python benchmarks/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import measure, measure_host, parser, print_table, write_json  # noqa: E402
+
+import jaxkv  # noqa: E402
+
+try:  # benchmark-only peer; never a dependency of jaxkv
+    from ejkernel.kernels._xla.ragged_page_attention_v3 import (  # pyright: ignore[reportMissingImports]
+        ragged_page_attention_v3,
+    )
+except Exception as err:  # noqa: BLE001
+    ragged_page_attention_v3 = None
+    EJKERNEL_ERROR = f"{type(err).__name__}: {err}"
+else:
+    EJKERNEL_ERROR = ""
+
+
+class Batch:
+    """One layer's cache holding random K/V for a ragged batch, in both layouts."""
+
+    def __init__(
+        self, args: Any, q_lens: list[int], ctx_lens: list[int], seed: int = 0
+    ):
+        rng = np.random.default_rng(seed)
+        dtype = np.dtype(jnp.dtype(args.dtype))
+        page, hk, d = args.page, args.num_kv_heads, args.head_dim
+        spec = jaxkv.FullAttentionSpec(
+            block_size=page, num_kv_heads=hk, head_size=d, dtype=args.dtype
+        )
+        cfg = jaxkv.RunnerConfig(
+            layers=[
+                jaxkv.LayerConfig(
+                    name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
+                )
+            ]
+        )
+        width = max(-(-c // page) for c in ctx_lens)
+        num_blocks = len(ctx_lens) * width + 1
+        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
+        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+        self.pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+        self.view = views["l"]
+        perm = 1 + rng.permutation(num_blocks - 1)
+        self.tables = (
+            perm[: len(ctx_lens) * width].reshape(len(ctx_lens), width).astype(np.int32)
+        )
+        self.k = [rng.standard_normal((c, hk, d)).astype(dtype) for c in ctx_lens]
+        self.v = [rng.standard_normal((c, hk, d)).astype(dtype) for c in ctx_lens]
+        # ejkernel's packed cache: (pages, page, 2*H, 1, D), K and V interleaved.
+        self.ej_cache = np.zeros((num_blocks, page, 2 * hk, 1, d), dtype)
+        for r, c in enumerate(ctx_lens):
+            pos = np.arange(c)
+            slots = self.tables[r][pos // page] * page + pos % page
+            self.pools = jaxkv.write_kv(
+                self.pools, self.view, self.k[r], self.v[r], slots
+            )
+            blk, off = self.tables[r][pos // page], pos % page
+            self.ej_cache[blk, off, 0::2, 0] = self.k[r]
+            self.ej_cache[blk, off, 1::2, 0] = self.v[r]
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.qsl, self.ctx = qsl, np.asarray(ctx_lens, np.int32)
+        self.q = jnp.asarray(
+            rng.standard_normal((int(qsl[-1]), args.num_heads, d)), dtype
+        )
+        self.meta = jaxkv.build_attn_metadata(
+            groups,
+            len(q_lens),
+            int(qsl[-1]),
+            qsl,
+            None,
+            max(q_lens),
+            self.ctx,
+            max(ctx_lens),
+            [self.tables],
+            [np.full(int(qsl[-1]), -1, np.int32)],
+            kv,
+        )["l"]
+        # The new tokens' K/V (the last q_len positions), which ejkernel writes.
+        self.new_k = np.concatenate(
+            [k[c - q :] for k, c, q in zip(self.k, ctx_lens, q_lens, strict=True)]
+        )
+        self.new_v = np.concatenate(
+            [v[c - q :] for v, c, q in zip(self.v, ctx_lens, q_lens, strict=True)]
+        )
+        self.kv_bytes = sum(
+            k.nbytes + v.nbytes for k, v in zip(self.k, self.v, strict=True)
+        )
+
+    def jaxkv_fn(self, scale: float) -> Any:
+        view = self.view
+        return jax.jit(
+            lambda q, pools, meta: jaxkv.paged_attention(
+                q, pools, view, meta, scale=scale
+            )
+        )
+
+    def ejkernel_args(self) -> tuple[Any, ...]:
+        n = len(self.ctx)
+        return (
+            self.q,
+            jnp.asarray(self.new_k),
+            jnp.asarray(self.new_v),
+            jnp.asarray(self.ej_cache),
+            jnp.asarray(self.ctx),
+            jnp.asarray(self.tables.reshape(-1)),
+            jnp.asarray(self.qsl),
+            jnp.asarray([0, n, n], jnp.int32),
+        )
+
+
+def _ejkernel_fn(scale: float) -> Any:
+    """ejkernel's attention output (its cache update is dropped), or None."""
+    rpa = ragged_page_attention_v3
+    if rpa is None:
+        return None
+    return jax.jit(lambda *a: rpa(*a, softmax_scale=scale)[0])
+
+
+def _copy_time(nbytes: int, iters: int) -> float:
+    """A plain copy of `nbytes` (read + write): NumPy on CPU, XLA elsewhere."""
+    n = nbytes // 4
+    if jax.default_backend() == "cpu":
+        src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+        return measure_host(lambda: np.copyto(dst, src), iters=iters)
+    x = jnp.ones(n, jnp.float32)
+    return measure(jax.jit(lambda x: x + 1), x, iters=iters)[1]
+
+
+def run(args: Any) -> dict[str, Any]:
+    scale = args.head_dim**-0.5
+    decode = Batch(args, [1] * args.num_reqs, [args.context] * args.num_reqs)
+    fn = decode.jaxkv_fn(scale)
+    compile_s, t_jaxkv = measure(
+        fn, decode.q, decode.pools, decode.meta, iters=args.iters
+    )
+    t_copy = _copy_time(decode.kv_bytes, args.iters)
+    rows = [
+        {
+            "impl": "copy of the KV bytes read",
+            "ms": t_copy * 1e3,
+            "vs jaxkv": t_copy / t_jaxkv,
+        },
+        {"impl": "jaxkv.paged_attention", "ms": t_jaxkv * 1e3, "vs jaxkv": 1.0},
+    ]
+    results: dict[str, Any] = {
+        "jaxkv_ms": t_jaxkv * 1e3,
+        "copy_ms": t_copy * 1e3,
+        "jaxkv_over_copy": t_jaxkv / t_copy,
+        "kv_bytes": decode.kv_bytes,
+        "compile_s": compile_s,
+    }
+    if ragged_page_attention_v3 is not None:
+        ej = _ejkernel_fn(scale)
+        _, t_ej = measure(ej, *decode.ejkernel_args(), iters=max(3, args.iters // 4))
+        rows.insert(
+            1,
+            {
+                "impl": "ejkernel ragged_page_attention_v3 (XLA)",
+                "ms": t_ej * 1e3,
+                "vs jaxkv": t_ej / t_jaxkv,
+            },
+        )
+        results.update(ejkernel_ms=t_ej * 1e3, ejkernel_over_jaxkv=t_ej / t_jaxkv)
+        want = np.asarray(ej(*decode.ejkernel_args()))
+        got = np.asarray(fn(decode.q, decode.pools, decode.meta))
+        results["decode_max_abs_diff"] = float(np.abs(got - want).max())
+    print_table(
+        f"Paged decode attention: {args.num_reqs} x {args.context} context, "
+        f"{args.num_heads}/{args.num_kv_heads} heads, head {args.head_dim}, page "
+        f"{args.page}, {args.dtype}",
+        rows,
+    )
+    print(f"\njaxkv / copy of KV bytes: {t_jaxkv / t_copy:.2f}x  (target <= 5x)")
+    if ragged_page_attention_v3 is None:
+        print(f"ejkernel not installed, skipped ({EJKERNEL_ERROR})")
+    else:
+        print(
+            f"ejkernel / jaxkv: {results['ejkernel_over_jaxkv']:.2f}x  (target >= 2.5x)"
+        )
+    # Mixed batch: 4 prefills of 37-300 tokens + decodes, checked against ejkernel.
+    rng = np.random.default_rng(1)
+    n_pre = min(4, args.num_reqs)
+    q_lens = [int(x) for x in rng.integers(37, 301, n_pre)] + [1] * (
+        args.num_reqs - n_pre
+    )
+    q_lens = [min(q, args.context) for q in q_lens]
+    mixed = Batch(args, q_lens, [args.context] * args.num_reqs, seed=2)
+    fn = mixed.jaxkv_fn(scale)
+    _, t_mixed = measure(
+        fn, mixed.q, mixed.pools, mixed.meta, iters=max(3, args.iters // 4)
+    )
+    results["mixed_jaxkv_ms"] = t_mixed * 1e3
+    print(f"mixed batch ({sum(q_lens)} tokens): jaxkv {t_mixed * 1e3:.2f} ms", end="")
+    if ragged_page_attention_v3 is not None:
+        ej = _ejkernel_fn(scale)
+        _, t_ej = measure(ej, *mixed.ejkernel_args(), iters=max(3, args.iters // 4))
+        want = np.asarray(ej(*mixed.ejkernel_args()))
+        got = np.asarray(fn(mixed.q, mixed.pools, mixed.meta))
+        diff = float(np.abs(got - want).max())
+        ok = bool(np.allclose(got, want, rtol=1e-4, atol=1e-4))
+        results.update(
+            mixed_ejkernel_ms=t_ej * 1e3,
+            mixed_max_abs_diff=diff,
+            mixed_matches_ejkernel=ok,
+        )
+        print(
+            f", ejkernel {t_ej * 1e3:.2f} ms; outputs equal within 1e-4: {ok} "
+            f"(max abs diff {diff:.2e})"
+        )
+    else:
+        print()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser("Paged attention through views vs ejkernel.")
+    p.add_argument("--num-reqs", type=int, default=32)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    results = run(args)
+    results["wall_s"] = time.perf_counter() - t0
+    write_json(
+        args.json,
+        "bench_attention",
+        {"args": vars(args) | {"json": None}, "results": results},
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()
