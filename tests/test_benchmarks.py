@@ -24,6 +24,11 @@ def _load(name):
     [
         ("bench_kv_write", ["--pool-mib", "2", "--tokens", "8", "--iters", "2"]),
         (
+            "bench_scaling",
+            "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
+            "--context 32 --head-dim 16 --iters 1".split(),
+        ),
+        (
             "bench_attention",
             "--num-reqs 4 --context 64 --head-dim 16 --iters 2".split(),
         ),
@@ -56,3 +61,25 @@ def test_benchmark_runs_at_tiny_size(name, argv, tmp_path, capsys):
     assert results
     assert (tmp_path / "out.json").exists()
     assert "target" in capsys.readouterr().out
+
+
+def test_run_all_writes_results(tmp_path, monkeypatch):
+    run_all = _load("run_all")
+    monkeypatch.setattr(
+        run_all,
+        "QUICK",
+        {
+            "attention": "--num-reqs 2 --context 32 --head-dim 16 --iters 1".split(),
+            "kv_write": "--pool-mib 1 --tokens 4 --iters 1".split(),
+            "step_loop": "--num-requests 1 --max-new-tokens 1 --max-prompt 10 "
+            "--num-blocks 64 --token-buckets 8,32".split(),
+            "step_metadata": "--num-reqs 4 --num-prefills 1 --chunk 2 --max-tokens 64 "
+            "--max-model-len 128 --iters 1".split(),
+            "scaling": "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
+            "--context 32 "
+            "--head-dim 16 --iters 1".split(),
+        },
+    )
+    assert run_all.main(["--quick", "--out", str(tmp_path / "RESULTS.md")]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| Compilations after warm-up | 0 | 0 |" in text
