@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# One prepared GPU check: environment, the test suite (quick hypothesis
-# profile), the KV-write benchmark at GPU sizes and the device's copy bandwidth.
-# Runs on CPU too (small sizes) so it never rots. Outputs go under $OUT if set.
+# One prepared GPU check (issue 6): environment, the test suite (quick hypothesis
+# profile), the device's copy bandwidth, then benchmarks 1-4 at GPU sizes, and
+# the achieved bandwidth of attention and KV writes as a fraction of the copy
+# bandwidth. Runs on CPU too, at small sizes, so it never rots. Outputs go
+# under $OUT when set. Benchmark-only wheels (ejkernel and its needs) are used
+# when a .whl folder was carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$(mktemp -d)}"
 PY="${PYTHON:-python3}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 on_gpu=$($PY -c "import jax; print(int(jax.default_backend() == 'gpu'))")
-if [ "$on_gpu" = 1 ]; then pool_mib=4096; big_tokens=16384; else pool_mib=64; big_tokens=1024; fi
+if [ "$on_gpu" = 1 ]; then
+  pool_mib=4096; big_tokens=16384; reqs=256; ctx=4096; dtype=bfloat16; meta_reqs=256
+else
+  pool_mib=64; big_tokens=1024; reqs=8; ctx=256; dtype=float32; meta_reqs=64
+fi
 
 echo "== environment"
 $PY -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 
 echo "== tests (JAXKV_QUICK=1)"
-JAXKV_QUICK=1 timeout 300 $PY -m pytest -q -x -p no:cacheprovider tests jaxkv 2>&1 | tail -n 15 | tee "$OUT/tests.log"
+JAXKV_QUICK=1 timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests jaxkv 2>&1 | tail -n 15 | tee "$OUT/tests.log"
 
 echo "== copy bandwidth"
 $PY - <<'PY' | tee "$OUT/copy_bandwidth.txt"
@@ -31,20 +42,36 @@ t = statistics.median(ts)
 print(f"copy_GBps {2 * x.nbytes / t / 1e9:.1f}  ({x.nbytes / 2**20:.0f} MiB read + written in {t * 1e3:.3f} ms)")
 PY
 
-echo "== KV write, 256 tokens"
+echo "== 1. paged decode attention ($reqs x $ctx, $dtype)"
+timeout 150 $PY benchmarks/bench_attention.py --num-reqs "$reqs" --context "$ctx" --dtype "$dtype" \
+  --iters 20 --json "$OUT/attention.json"
+echo "== 2. KV write, 256 tokens"
 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
   --json "$OUT/kv_write_256.json"
-echo "== KV write, $big_tokens tokens"
+echo "== 2. KV write, $big_tokens tokens"
 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 50 \
   --json "$OUT/kv_write_big.json"
+echo "== 3. step loop"
+timeout 150 $PY benchmarks/bench_step_loop.py --json "$OUT/step_loop.json"
+echo "== 4. host overhead per step ($meta_reqs requests)"
+timeout 120 $PY benchmarks/bench_step_metadata.py --num-reqs "$meta_reqs" --iters 50 \
+  --json "$OUT/step_metadata.json"
 
-echo "== fraction of copy bandwidth (bytes moved = K/V read + written)"
+echo "== bandwidth as a fraction of the copy bandwidth"
 $PY - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 copy = float((out / "copy_bandwidth.txt").read_text().split()[1])
+att = out / "attention.json"
+if att.exists():
+    r = json.loads(att.read_text())["results"]
+    gbps = r["kv_bytes"] / (r["jaxkv_ms"] / 1e3) / 1e9
+    print(f"attention: reads {r['kv_bytes'] / 2**20:.0f} MiB of K/V at {gbps:.1f} GB/s = "
+          f"{gbps / copy:.1%} of copy bandwidth ({copy:.0f} GB/s)")
 for name in ("kv_write_256", "kv_write_big"):
-    r = json.loads((out / f"{name}.json").read_text())["results"]["bfloat16"]
-    gbps = 2 * r["bytes_written"] / (r["jaxkv_ms"] / 1e3) / 1e9
-    print(f"{name}: {gbps:.1f} GB/s = {gbps / copy:.1%} of copy bandwidth ({copy:.0f} GB/s)")
+    path = out / f"{name}.json"
+    if path.exists():
+        r = json.loads(path.read_text())["results"]["bfloat16"]
+        gbps = 2 * r["bytes_written"] / (r["jaxkv_ms"] / 1e3) / 1e9
+        print(f"{name}: {gbps:.1f} GB/s moved = {gbps / copy:.1%} of copy bandwidth")
 PY
