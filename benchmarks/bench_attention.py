@@ -69,8 +69,10 @@ class Batch:
         )
         self.k = [rng.standard_normal((c, hk, d)).astype(dtype) for c in ctx_lens]
         self.v = [rng.standard_normal((c, hk, d)).astype(dtype) for c in ctx_lens]
-        # ejkernel's packed cache: (pages, page, 2*H, 1, D), K and V interleaved.
-        self.ej_cache = np.zeros((num_blocks, page, 2 * hk, 1, d), dtype)
+        # ejkernel's packed cache: (pages, page, 2*H / packing, packing, D), K and
+        # V of each head interleaved; `packing` elements share 32 bits.
+        self.packing = max(1, 4 // dtype.itemsize)
+        self.ej_cache = np.zeros((num_blocks, page, 2 * hk, d), dtype)
         for r, c in enumerate(ctx_lens):
             pos = np.arange(c)
             slots = self.tables[r][pos // page] * page + pos % page
@@ -78,8 +80,11 @@ class Batch:
                 self.pools, self.view, self.k[r], self.v[r], slots
             )
             blk, off = self.tables[r][pos // page], pos % page
-            self.ej_cache[blk, off, 0::2, 0] = self.k[r]
-            self.ej_cache[blk, off, 1::2, 0] = self.v[r]
+            self.ej_cache[blk, off, 0::2] = self.k[r]
+            self.ej_cache[blk, off, 1::2] = self.v[r]
+        self.ej_cache = self.ej_cache.reshape(
+            num_blocks, page, 2 * hk // self.packing, self.packing, d
+        )
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         self.qsl, self.ctx = qsl, np.asarray(ctx_lens, np.int32)
         self.q = jnp.asarray(
@@ -220,7 +225,10 @@ def run(args: Any) -> dict[str, Any]:
         want = np.asarray(ej(*mixed.ejkernel_args()))
         got = np.asarray(fn(mixed.q, mixed.pools, mixed.meta))
         diff = float(np.abs(got - want).max())
-        ok = bool(np.allclose(got, want, rtol=1e-4, atol=1e-4))
+        # fp32: equal to rounding; bf16/fp16: ejkernel accumulates in the input
+        # dtype, jaxkv in fp32.
+        tol = 1e-4 if jnp.dtype(args.dtype) == jnp.float32 else 2e-2
+        ok = bool(np.allclose(got, want, rtol=tol, atol=tol))
         results.update(
             mixed_ejkernel_ms=t_ej * 1e3,
             mixed_max_abs_diff=diff,

@@ -3,6 +3,9 @@ import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# fp32 matmuls at full precision on every backend (GPUs default to TF32), so
+# results compare with NumPy references and the dense oracle exactly.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(params=["jit", "nojit"])
