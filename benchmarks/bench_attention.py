@@ -235,7 +235,7 @@ def run(args: Any) -> dict[str, Any]:
             mixed_matches_ejkernel=ok,
         )
         print(
-            f", ejkernel {t_ej * 1e3:.2f} ms; outputs equal within 1e-4: {ok} "
+            f", ejkernel {t_ej * 1e3:.2f} ms; outputs equal within {tol:g}: {ok} "
             f"(max abs diff {diff:.2e})"
         )
     else:
