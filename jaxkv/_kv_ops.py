@@ -94,7 +94,8 @@ def write_kv(
         head_dim)`` latents for MLA.
       value: ``(num_tokens, num_kv_heads, head_dim_v)`` values, or ``None`` for
         MLA.
-      slot_mapping: ``(num_tokens,)`` int32 slots.
+      slot_mapping: ``(num_tokens,)`` int32 slots, unique apart from padding
+        (which of two writes to one slot wins is unspecified).
 
     Returns:
       The new pools.
@@ -231,7 +232,8 @@ def write_mamba_state(
       pools: The pool arrays (donated).
       view: The layer's :class:`MambaView` (static).
       block_ids: ``(n,)`` int32 block ids; negative or out-of-range ids write
-        nothing.
+        nothing. Ids must be unique: which of two writes to one id wins is
+        unspecified (GPU scatters do not keep order).
       states: One ``(n, *shapes[i])`` array per state.
 
     Returns:
