@@ -112,24 +112,7 @@ def run(args) -> dict:
 
     @jax.jit
     def naive_build(f, fp):
-        s = f["scalars"]
-        return jaxkv.build_attn_metadata(
-            groups,
-            s[0],
-            s[1],
-            f["query_start_loc"],
-            None,
-            s[2],
-            f["seq_lens"],
-            s[3],
-            [f[f"block_table.{g}"] for g in range(3)],
-            [f[f"slot_mapping.{g}"] for g in range(3)],
-            kv,
-            positions=f["positions"],
-            is_prefilling=f["is_prefilling"],
-            token_to_req=f["token_to_req"],
-            fast_prefill=fp,
-        )
+        return jaxkv.build_attn_metadata_from_step(groups, f, kv, fast_prefill=fp)
 
     def naive_host():
         packed = jaxkv.pack_step(layout, **host_inputs)

@@ -317,6 +317,57 @@ def unpack_step(packed: jax.Array, layout: StepLayout) -> dict[str, jax.Array]:
     return out
 
 
+def build_attn_metadata_from_step(
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+    fields: Mapping[str, jax.Array],
+    kv_cache_config: KVCacheConfig,
+    *,
+    causal: bool | Mapping[int, bool] = True,
+    fast_prefill: Any = None,
+) -> dict[str, CommonAttentionMetadata]:
+    """:func:`build_attn_metadata` from the fields of :func:`unpack_step`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=8)
+      >>> groups, _, _ = jaxkv.init_attn_backend(kv, cfg)
+      >>> layout = jaxkv.StepLayout(max_reqs=2, max_tokens=8,
+      ...                           block_table_widths=(1,) * 3)
+      >>> packed = jaxkv.pack_step(layout, query_start_loc=np.array([0, 3]),
+      ...     seq_lens=np.array([3]), positions=np.arange(3),
+      ...     block_tables=[np.array([[1]])] * 3, slot_mappings=[np.arange(32, 35)] * 3)
+      >>> fields = jaxkv.unpack_step(jnp.asarray(packed), layout)
+      >>> meta = jaxkv.build_attn_metadata_from_step(groups, fields, kv)
+      >>> meta["layers.1.self_attn"].slot_mapping.tolist()
+      [32, 33, 34, -1, -1, -1, -1, -1]
+    """
+    s = fields["scalars"]
+    n = len(attn_groups)
+    return build_attn_metadata(
+        attn_groups,
+        s[0],
+        s[1],
+        fields["query_start_loc"],
+        None,
+        s[2],
+        fields["seq_lens"],
+        s[3],
+        [fields[f"block_table.{g}"] for g in range(n)],
+        [fields[f"slot_mapping.{g}"] for g in range(n)],
+        kv_cache_config,
+        positions=fields["positions"],
+        is_prefilling=fields["is_prefilling"],
+        token_to_req=fields["token_to_req"],
+        encoder_seq_lens=fields["encoder_seq_lens"],
+        mm_prefix_ranges=fields["mm_prefix_ranges"],
+        mm_num_ranges=fields["mm_num_ranges"],
+        causal=causal,
+        fast_prefill=fast_prefill,
+    )
+
+
 def build_attn_metadata(
     attn_groups: Sequence[Sequence[AttentionGroup]],
     num_reqs: Any,

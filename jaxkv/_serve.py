@@ -28,7 +28,12 @@ from jaxkv._fast_prefill import FastPrefillBatchMetadata, FastPrefillHelper
 from jaxkv._init_backend import init_attn_backend, with_kv_sharing_layers
 from jaxkv._kv_cache import init_kv_cache
 from jaxkv._layers import get_kv_sharing_fast_prefill_eligible_layers
-from jaxkv._metadata import StepLayout, build_attn_metadata, pack_step, unpack_step
+from jaxkv._metadata import (
+    StepLayout,
+    build_attn_metadata_from_step,
+    pack_step,
+    unpack_step,
+)
 from jaxkv._model import TinyHybridModel, forward_dense, forward_paged
 from jaxkv._planner import make_kv_cache_config
 from jaxkv._pytree import cdiv
@@ -206,24 +211,8 @@ class Engine:
         layout: StepLayout,
     ) -> tuple[tuple[jax.Array, ...], jax.Array]:
         f = unpack_step(packed, layout)
-        s = f["scalars"]
-        n = len(self.widths)
-        meta = build_attn_metadata(
-            self.groups,
-            s[0],
-            s[1],
-            f["query_start_loc"],
-            None,
-            s[2],
-            f["seq_lens"],
-            s[3],
-            [f[f"block_table.{g}"] for g in range(n)],
-            [f[f"slot_mapping.{g}"] for g in range(n)],
-            self.kv_cache_config,
-            positions=f["positions"],
-            is_prefilling=f["is_prefilling"],
-            token_to_req=f["token_to_req"],
-            fast_prefill=fast_prefill,
+        meta = build_attn_metadata_from_step(
+            self.groups, f, self.kv_cache_config, fast_prefill=fast_prefill
         )
         model = nnx.merge(self.graphdef, state)
         sample = (

@@ -17,7 +17,7 @@ from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv._metadata import (
     CommonAttentionMetadata,
     StepLayout,
-    build_attn_metadata,
+    build_attn_metadata_from_step,
     pack_step,
     unpack_step,
 )
@@ -147,27 +147,10 @@ class StepMetadataBuilder:
         fast_prefill: FastPrefillBatchMetadata | None,
         layout: StepLayout,
     ) -> tuple[CommonAttentionMetadata, ...]:
-        f = unpack_step(packed, layout)
-        scalars = f["scalars"]
-        n_groups = len(self.widths)
-        meta = build_attn_metadata(
+        meta = build_attn_metadata_from_step(
             self.attn_groups,
-            scalars[0],
-            scalars[1],
-            f["query_start_loc"],
-            None,
-            scalars[2],
-            f["seq_lens"],
-            scalars[3],
-            [f[f"block_table.{g}"] for g in range(n_groups)],
-            [f[f"slot_mapping.{g}"] for g in range(n_groups)],
+            unpack_step(packed, layout),
             self.kv_cache_config,
-            positions=f["positions"],
-            is_prefilling=f["is_prefilling"],
-            token_to_req=f["token_to_req"],
-            encoder_seq_lens=f["encoder_seq_lens"],
-            mm_prefix_ranges=f["mm_prefix_ranges"],
-            mm_num_ranges=f["mm_num_ranges"],
             causal=self.causal,
             fast_prefill=fast_prefill,
         )
