@@ -228,6 +228,7 @@ def forward_paged(
     token_ids: jax.Array,
     sample_idx: jax.Array,
     fast_prefill: bool,
+    pages_per_chunk: int = 4,
 ) -> tuple[Pools, jax.Array]:
     """One ragged step through jaxkv; returns the new pools and sampled logits.
 
@@ -240,6 +241,7 @@ def forward_paged(
       sample_idx: ``(num_samples,)`` token indices whose logits are returned.
       fast_prefill: Whether the fast-prefill path is armed (the YOCO layers
         then run on the `sample_idx` tokens only, with reduced metadata).
+      pages_per_chunk: Pages per step of the attention's online softmax.
 
     Returns:
       ``(pools, logits (num_samples, vocab))``.
@@ -271,6 +273,7 @@ def forward_paged(
             m,
             scale=float(1.0 / np.sqrt(block.head_size)),
             sliding_window=block.sliding_window,
+            pages_per_chunk=pages_per_chunk,
         )
         x = x + block.wo(out.reshape(x.shape[0], -1))
     if not reduced:

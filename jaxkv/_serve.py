@@ -146,6 +146,10 @@ class Engine:
       token_buckets: Token buckets (default: the config's).
       request_buckets: Request buckets (default: the config's, or
         ``(max_num_seqs,)``).
+      pages_per_chunk: Pages per step of the attention's online softmax;
+        default 4 on CPU and 64 on accelerators (measured best on each: 4.7 vs
+        5.7 ms for a 32 x 512 decode on CPU, 2.3 vs 4.0 ms for 256 x 4096 on an
+        H200).
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Engine:
         num_blocks: int,
         token_buckets: Sequence[int] | None = None,
         request_buckets: Sequence[int] | None = None,
+        pages_per_chunk: int | None = None,
     ) -> None:
         """Plans the pools and views, allocates them, and prepares the dispatcher."""
         self.config = config
@@ -193,6 +198,9 @@ class Engine:
             else None
         )
         self.allocator = BlockAllocator(num_blocks)
+        if pages_per_chunk is None:
+            pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
+        self.pages_per_chunk = pages_per_chunk
         self.graphdef, self.state = nnx.split(model)
         self._step_fn = jax.jit(self._device_step, donate_argnums=(0,))
         self.compiled: dict[tuple[Any, ...], Any] = {}
@@ -228,6 +236,7 @@ class Engine:
             f["token_ids"],
             sample,
             fast_prefill is not None,
+            self.pages_per_chunk,
         )
         return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -84,7 +84,8 @@ def batches(draw):
         reqs.append((q_len, ctx + q_len))
     mask = draw(st.sampled_from(["causal", "window", "chunk", "cap", "cross", "mm"]))
     layout = draw(st.sampled_from(["nhd", "kv_first", "split"]))
-    return reqs, mask, layout, draw(st.integers(0, 2**31 - 1))
+    chunk = draw(st.sampled_from([1, 3, 4, 64]))
+    return reqs, mask, layout, chunk, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(
@@ -94,7 +95,7 @@ def batches(draw):
 )
 @given(batch=batches())
 def test_paged_attention_matches_dense_reference(batch):
-    reqs, mask, layout, seed = batch
+    reqs, mask, layout, chunk, seed = batch
     rng = np.random.default_rng(seed)
     kernel = 4 if layout == "split" else None
     groups, kv, pools, view = _setup(
@@ -150,7 +151,7 @@ def test_paged_attention_matches_dense_reference(batch):
         mm_prefix_ranges=ranges_arr,
         mm_num_ranges=np.array([1] * len(reqs) + [0] * (4 - len(reqs))),
     )["l"]
-    kw = dict(scale=0.5)
+    kw: dict[str, Any] = dict(scale=0.5, pages_per_chunk=chunk)
     ref_kw = {}
     if mask == "window":
         kw["sliding_window"] = ref_kw["window"] = 5
