@@ -142,7 +142,7 @@ def paged_attention(
                 # Inclusive ranges [s, e]: a query inside one sees the whole range.
                 ranges = meta.mm_prefix_ranges[req]  # (T, max_ranges, 2)
                 count = meta.mm_num_ranges[req][:, None]
-                live = jnp.arange(ranges.shape[1])[None, :] < count
+                live = jnp.arange(ranges.shape[1], dtype=jnp.int32)[None, :] < count
                 s, e = ranges[..., 0][:, :, None], ranges[..., 1][:, :, None]
                 inside_q = (
                     live[:, :, None] & (s <= p[:, :, None]) & (p[:, :, None] <= e)

@@ -102,12 +102,13 @@ class MambaLayer(nnx.Module):
         self.w_out = nnx.Linear(hidden, hidden, use_bias=False, rngs=rngs)
         key = rngs.params()
         k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.conv = nnx.Param(jax.random.normal(k1, (conv_len, hidden)) / conv_len)
+        f32 = jnp.float32  # explicit: random defaults to float64 under x64
+        self.conv = nnx.Param(jax.random.normal(k1, (conv_len, hidden), f32) / conv_len)
         self.decay = nnx.Param(
-            jax.random.uniform(k2, (heads, head, n), minval=0.5, maxval=0.95)
+            jax.random.uniform(k2, (heads, head, n), f32, minval=0.5, maxval=0.95)
         )
-        self.b = nnx.Param(jax.random.normal(k3, (n,)) / np.sqrt(n))
-        self.c = nnx.Param(jax.random.normal(k4, (n,)) / np.sqrt(n))
+        self.b = nnx.Param(jax.random.normal(k3, (n,), f32) / float(np.sqrt(n)))
+        self.c = nnx.Param(jax.random.normal(k4, (n,), f32) / float(np.sqrt(n)))
 
     def cell(
         self, conv_state: jax.Array, ssm_state: jax.Array, x_t: jax.Array
@@ -189,8 +190,8 @@ def forward_dense(model: TinyHybridModel, tokens: jax.Array) -> jax.Array:
     pos = jnp.arange(n, dtype=jnp.int32)
     x = model.embed(tokens)
     kv: dict[str, tuple[jax.Array, jax.Array]] = {}
-    i = jnp.arange(n)[:, None]
-    j = jnp.arange(n)[None, :]
+    i = jnp.arange(n, dtype=jnp.int32)[:, None]
+    j = jnp.arange(n, dtype=jnp.int32)[None, :]
     for name, block in zip(model.names, model.blocks, strict=True):
         if isinstance(block, MambaLayer):
             state = block.zero_state(model.hidden)
@@ -212,7 +213,7 @@ def forward_dense(model: TinyHybridModel, tokens: jax.Array) -> jax.Array:
         g = block.num_heads // k.shape[1]
         kk = jnp.repeat(k, g, axis=1)
         vv = jnp.repeat(v, g, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", q, kk) / np.sqrt(block.head_size)
+        s = jnp.einsum("qhd,khd->hqk", q, kk) / float(np.sqrt(block.head_size))
         s = jnp.where(mask[None], s, -jnp.inf)
         w = jax.nn.softmax(s, axis=-1)
         out = jnp.einsum("hqk,khd->qhd", w, vv).reshape(n, -1)
