@@ -114,12 +114,20 @@ class Batch:
             k.nbytes + v.nbytes for k, v in zip(self.k, self.v, strict=True)
         )
 
-    def jaxkv_fn(self, scale: float, pages_per_chunk: int = 4) -> Any:
+    def jaxkv_fn(
+        self, scale: float, pages_per_chunk: int = 4, query_tile: int = 1
+    ) -> Any:
         view = self.view
 
         def attend(q: Any, pools: Any, meta: Any) -> Any:
             return jaxkv.paged_attention(
-                q, pools, view, meta, scale=scale, pages_per_chunk=pages_per_chunk
+                q,
+                pools,
+                view,
+                meta,
+                scale=scale,
+                pages_per_chunk=pages_per_chunk,
+                query_tile=query_tile,
             )
 
         return jax.jit(attend)
@@ -230,7 +238,7 @@ def run(args: Any) -> dict[str, Any]:
     q_lens = [int(x) for x in rng.integers(37, 301, n_pre)]
     q_lens = [min(q, args.context) for q in q_lens] + [1] * (args.num_reqs - n_pre)
     mixed = Batch(args, q_lens, [args.context] * args.num_reqs, seed=2)
-    fn = mixed.jaxkv_fn(scale, args.pages_per_chunk)
+    fn = mixed.jaxkv_fn(scale, args.pages_per_chunk, args.query_tile)
     _, t_mixed = measure(fn, mixed.q, mixed.pools, mixed.meta, iters=iters_peer)
     results["mixed_jaxkv_ms"] = t_mixed * 1e3
     line = f"mixed batch ({sum(q_lens)} tokens): jaxkv {t_mixed * 1e3:.2f} ms"
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--pages-per-chunk", type=int, default=4)
+    p.add_argument("--query-tile", type=int, default=16, help="for the mixed batch")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = run(args)

@@ -53,6 +53,7 @@ def token_requests_and_positions(
         "cross_attention",
         "use_mm_prefix",
         "pages_per_chunk",
+        "query_tile",
     ),
 )
 def paged_attention(
@@ -68,6 +69,7 @@ def paged_attention(
     cross_attention: bool = False,
     use_mm_prefix: bool = False,
     pages_per_chunk: int = 4,
+    query_tile: int = 1,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 
@@ -88,6 +90,9 @@ def paged_attention(
         bidirectionally (PrefixLM).
       pages_per_chunk: Pages gathered per step of the online softmax; only the
         chunks up to the step's longest context are visited.
+      query_tile: Query tokens of one request that share one read of its
+        pages. 1 suits decode batches; prefill chunks want 8-32 (each request
+        then costs at most one partly empty tile).
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -113,42 +118,54 @@ def paged_attention(
       True
     """
     num_tokens, num_heads, head_dim = q.shape
-    req, pos, valid_q = token_requests_and_positions(meta, num_tokens)
-    table = meta.block_table_tensor[req]  # (T, cols): each token's own pages
-    cols = table.shape[1]
-    chunk = max(1, min(pages_per_chunk, cols))
-    num_chunks = -(-cols // chunk)
-    table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk - cols)))
-    block = view.block_size
     kv_heads = view.shape[view.dim("head")] if "head" in view.axes else 1
     if num_heads % kv_heads:
         raise ValueError(
             f"q has {num_heads} heads, not a multiple of the view's {kv_heads} KV "
             "heads."
         )
+    if head_dim != (view.head_size or head_dim) and "kv" in view.axes:
+        raise ValueError(f"q.shape[-1]={head_dim}, but the keys have {view.head_size}.")
     groups = num_heads // kv_heads
-    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).astype(jnp.float32)
-    kv_len = meta.encoder_seq_lens[req] if cross_attention else meta.seq_lens[req]
-    p = pos[:, None]
+    head_dim_v = _value_dim(view, head_dim)
+    # Rows of `query_tile` query slots, each row within one request, so a row
+    # reads its request's pages once: tok (rows, tile) token ids, -1 = empty.
+    row_req, tok = _query_rows(meta, num_tokens, query_tile)
+    valid = tok >= 0
+    safe_tok = jnp.where(valid, tok, 0)
+    qsl = meta.query_start_loc
+    pos = meta.seq_lens[row_req][:, None] - (qsl[row_req + 1][:, None] - safe_tok)
+    qg = q[safe_tok].reshape(*tok.shape, kv_heads, groups, head_dim).astype(jnp.float32)
+    table = meta.block_table_tensor[row_req]  # (rows, cols): the row's pages
+    cols = table.shape[1]
+    chunk = max(1, min(pages_per_chunk, cols))
+    num_chunks = -(-cols // chunk)
+    table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk - cols)))
+    block = view.block_size
+    kv_len = (
+        meta.encoder_seq_lens[row_req] if cross_attention else meta.seq_lens[row_req]
+    )
+    p = pos[:, :, None]  # (rows, tile, 1)
 
     def visible(j: jax.Array) -> jax.Array:
-        """(T, span) mask of the keys at absolute positions `j` (1, span)."""
-        mask = (j < kv_len[:, None]) & valid_q[:, None]
+        """(rows, tile, span) mask of the keys at absolute positions `j` (span,)."""
+        j = j[None, None, :]
+        mask = (j < kv_len[:, None, None]) & valid[:, :, None]
         if cross_attention:
             return mask
         if meta.causal:
             causal = j <= p
             if use_mm_prefix:
                 # Inclusive ranges [s, e]: a query inside one sees the whole range.
-                ranges = meta.mm_prefix_ranges[req]  # (T, max_ranges, 2)
-                count = meta.mm_num_ranges[req][:, None]
+                ranges = meta.mm_prefix_ranges[row_req]  # (rows, max_ranges, 2)
+                count = meta.mm_num_ranges[row_req][:, None]
                 live = jnp.arange(ranges.shape[1], dtype=jnp.int32)[None, :] < count
-                s, e = ranges[..., 0][:, :, None], ranges[..., 1][:, :, None]
-                inside_q = (
-                    live[:, :, None] & (s <= p[:, :, None]) & (p[:, :, None] <= e)
-                )
-                inside_k = (s <= j[:, None, :]) & (j[:, None, :] <= e)
-                causal = causal | jnp.any(inside_q & inside_k, axis=1)
+                s = ranges[..., 0][:, None, :, None]  # (rows, 1, ranges, 1)
+                e = ranges[..., 1][:, None, :, None]
+                pp = p[:, :, :, None]  # (rows, tile, 1, 1)
+                inside_q = live[:, None, :, None] & (s <= pp) & (pp <= e)
+                inside_k = (s <= j[:, :, None, :]) & (j[:, :, None, :] <= e)
+                causal = causal | jnp.any(inside_q & inside_k, axis=2)
             mask = mask & causal
         if sliding_window is not None:
             mask = mask & (j > p - sliding_window)
@@ -162,40 +179,80 @@ def paged_attention(
         k_pages, v_pages = gather_kv_pages(pools, view, pages)
         if v_pages is None:  # MLA: the latent is both key and value
             v_pages = k_pages
-        k = k_pages.reshape(num_tokens, chunk * block, kv_heads, -1)
-        v = v_pages.reshape(num_tokens, chunk * block, kv_heads, -1)
-        j = c * chunk * block + jnp.arange(chunk * block, dtype=jnp.int32)[None, :]
-        mask = visible(j)
-        # Zero masked keys/values first: a NaN padding page times 0 is still NaN.
-        k = jnp.where(mask[:, :, None, None], k, 0).astype(jnp.float32)
-        v = jnp.where(mask[:, :, None, None], v, 0).astype(jnp.float32)
-        scores = jnp.einsum("thgd,tlhd->thgl", qg, k) * scale
+        rows = pages.shape[0]
+        k = k_pages.reshape(rows, chunk * block, kv_heads, -1)
+        v = v_pages.reshape(rows, chunk * block, kv_heads, -1)
+        j = c * chunk * block + jnp.arange(chunk * block, dtype=jnp.int32)
+        mask = visible(j)  # (rows, tile, span)
+        # Zero invisible keys/values first: a NaN padding page times 0 is NaN.
+        seen = jnp.any(mask, axis=1)[:, :, None, None]
+        k = jnp.where(seen, k, 0).astype(jnp.float32)
+        v = jnp.where(seen, v, 0).astype(jnp.float32)
+        scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
         if logits_soft_cap is not None:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-        m4 = mask[:, None, None, :]
-        scores = jnp.where(m4, scores, -jnp.inf)
+        m5 = mask[:, :, None, None, :]
+        scores = jnp.where(m5, scores, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
         safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-        weights = jnp.where(m4, jnp.exp(scores - safe[..., None]), 0.0)
+        weights = jnp.where(m5, jnp.exp(scores - safe[..., None]), 0.0)
         rescale = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
         denom = denom * rescale + jnp.sum(weights, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("thgl,tlhd->thgd", weights, v)
+        acc = acc * rescale[..., None] + jnp.einsum("nqhgl,nlhd->nqhgd", weights, v)
         return new_top, denom, acc
 
-    if head_dim != (view.head_size or head_dim) and "kv" in view.axes:
-        raise ValueError(f"q.shape[-1]={head_dim}, but the keys have {view.head_size}.")
-    head_dim_v = _value_dim(view, head_dim)
+    shape = (*tok.shape, kv_heads, groups)
     init = (
-        jnp.full((num_tokens, kv_heads, groups), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, groups), jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, groups, head_dim_v), jnp.float32),
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim_v), jnp.float32),
     )
     # Only the chunks that hold a visible key of this step are visited.
-    longest = jnp.max(jnp.where(valid_q, kv_len, 0))
+    longest = jnp.max(jnp.where(jnp.any(valid, axis=1), kv_len, 0))
     trips = jnp.minimum((longest + chunk * block - 1) // (chunk * block), num_chunks)
     _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim_v).astype(q.dtype)
+    rows_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    rows_out = rows_out.reshape(*tok.shape, num_heads, head_dim_v)
+    out = jnp.zeros((num_tokens, num_heads, head_dim_v), jnp.float32)
+    out = out.at[jnp.where(valid, tok, num_tokens)].set(rows_out, mode="drop")
+    return out.astype(q.dtype)
+
+
+def _query_rows(
+    meta: CommonAttentionMetadata, num_tokens: int, tile: int
+) -> tuple[jax.Array, jax.Array]:
+    """Rows of `tile` query tokens, each row inside one request.
+
+    Returns ``(row_request (rows,), tokens (rows, tile))`` with ``-1`` for empty
+    slots; ``rows = ceil(num_tokens / tile) + max_reqs`` bounds the count (each
+    request adds at most one partial row). qsl = [0, 5, 6], tile = 4 ->
+    rows [[0, 1, 2, 3], [4, -1, -1, -1], [5, -1, -1, -1], ...].
+    """
+    req, _, valid = token_requests_and_positions(meta, num_tokens)
+    if tile == 1:
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        return req, jnp.where(valid, t, -1)[:, None]
+    qsl = meta.query_start_loc
+    max_reqs = meta.max_reqs
+    live = jnp.arange(max_reqs, dtype=jnp.int32) < meta.num_reqs
+    q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+    per_req = (q_lens + tile - 1) // tile
+    ends = jnp.cumsum(per_req, dtype=jnp.int32)
+    rows = -(-num_tokens // tile) + max_reqs
+    r = jnp.arange(rows, dtype=jnp.int32)
+    row_req = jnp.minimum(
+        jnp.searchsorted(ends, r, side="right").astype(jnp.int32), max_reqs - 1
+    )
+    local = r - (ends[row_req] - per_req[row_req])
+    tok = (
+        qsl[row_req][:, None]
+        + local[:, None] * tile
+        + jnp.arange(tile, dtype=jnp.int32)[None, :]
+    )
+    ok = (
+        (r < ends[-1])[:, None] & (tok < qsl[row_req + 1][:, None]) & (tok < num_tokens)
+    )
+    return row_req, jnp.where(ok, tok, -1)
 
 
 def _value_dim(view: KVCacheView, head_dim: int) -> int:

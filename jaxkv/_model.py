@@ -230,6 +230,7 @@ def forward_paged(
     sample_idx: jax.Array,
     fast_prefill: bool,
     pages_per_chunk: int = 4,
+    query_tile: int = 1,
 ) -> tuple[Pools, jax.Array]:
     """One ragged step through jaxkv; returns the new pools and sampled logits.
 
@@ -243,6 +244,7 @@ def forward_paged(
       fast_prefill: Whether the fast-prefill path is armed (the YOCO layers
         then run on the `sample_idx` tokens only, with reduced metadata).
       pages_per_chunk: Pages per step of the attention's online softmax.
+      query_tile: Query tokens of a request sharing one read of its pages.
 
     Returns:
       ``(pools, logits (num_samples, vocab))``.
@@ -275,6 +277,7 @@ def forward_paged(
             scale=float(1.0 / np.sqrt(block.head_size)),
             sliding_window=block.sliding_window,
             pages_per_chunk=pages_per_chunk,
+            query_tile=query_tile if x.shape[0] > m.max_reqs else 1,
         )
         x = x + block.wo(out.reshape(x.shape[0], -1))
     if not reduced:

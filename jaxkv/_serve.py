@@ -237,6 +237,9 @@ class Engine:
             sample,
             fast_prefill is not None,
             self.pages_per_chunk,
+            # Buckets with more tokens than requests hold prefill chunks: their
+            # tokens share page reads in tiles of 16.
+            16 if layout.max_tokens > layout.max_reqs else 1,
         )
         return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -85,7 +85,8 @@ def batches(draw):
     mask = draw(st.sampled_from(["causal", "window", "chunk", "cap", "cross", "mm"]))
     layout = draw(st.sampled_from(["nhd", "kv_first", "split"]))
     chunk = draw(st.sampled_from([1, 3, 4, 64]))
-    return reqs, mask, layout, chunk, draw(st.integers(0, 2**31 - 1))
+    tile = draw(st.sampled_from([1, 2, 4]))
+    return reqs, mask, layout, (chunk, tile), draw(st.integers(0, 2**31 - 1))
 
 
 @settings(
@@ -95,7 +96,7 @@ def batches(draw):
 )
 @given(batch=batches())
 def test_paged_attention_matches_dense_reference(batch):
-    reqs, mask, layout, chunk, seed = batch
+    reqs, mask, layout, (chunk, tile), seed = batch
     rng = np.random.default_rng(seed)
     kernel = 4 if layout == "split" else None
     groups, kv, pools, view = _setup(
@@ -151,7 +152,7 @@ def test_paged_attention_matches_dense_reference(batch):
         mm_prefix_ranges=ranges_arr,
         mm_num_ranges=np.array([1] * len(reqs) + [0] * (4 - len(reqs))),
     )["l"]
-    kw: dict[str, Any] = dict(scale=0.5, pages_per_chunk=chunk)
+    kw: dict[str, Any] = dict(scale=0.5, pages_per_chunk=chunk, query_tile=tile)
     ref_kw = {}
     if mask == "window":
         kw["sliding_window"] = ref_kw["window"] = 5
