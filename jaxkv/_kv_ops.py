@@ -18,7 +18,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
-from jaxkv._strided import gather_items, make_plan, scatter_items
+from jaxkv._strided import from_bits, gather_items, make_plan, scatter_items, to_bits
 from jaxkv._views import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
@@ -46,7 +46,9 @@ def _kv_data(view: KVCacheView, key: jax.Array, value: jax.Array | None) -> jax.
     if value is None:
         raise ValueError(f"A {view.axes} view stores K and V; value is missing.")
     value = jnp.asarray(value).astype(view.dtype)
-    return jnp.concatenate([key, value], axis=-1)  # fused K|V last dim
+    # Concatenate as integers: moving bf16/fp8 through float could flush bits.
+    both = jnp.concatenate([to_bits(key), to_bits(value)], axis=-1)  # fused K|V
+    return from_bits(both, view.dtype)
 
 
 def _check_kv_shapes(
@@ -207,7 +209,8 @@ def gather_kv_pages(
                 view.shape,
                 view.dtype,
             )
-            out.append(pages.reshape(*table.shape, *pages.shape[1:]))
+            pages = pages.reshape(*table.shape, *pages.shape[1:])
+            out.append(from_bits(pages, view.dtype))
         return out[0], out[1]
     plan = _plan(view, (bd,))
     pages = gather_items(
@@ -215,8 +218,11 @@ def gather_kv_pages(
     )
     pages = pages.reshape(*table.shape, *pages.shape[1:])
     if "head" not in view.axes:
-        return pages, None
-    return pages[..., : view.head_size], pages[..., view.head_size :]
+        return from_bits(pages, view.dtype), None
+    return (
+        from_bits(pages[..., : view.head_size], view.dtype),
+        from_bits(pages[..., view.head_size :], view.dtype),
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -296,8 +302,11 @@ def read_mamba_state(
     _check_view(view, MambaView, "read_mamba_state")
     ids = jnp.asarray(block_ids).astype(jnp.int32)
     return tuple(
-        gather_items(
-            pools[s.pool], _plan(s, (0,)), (ids,), (s.num_blocks,), s.shape, s.dtype
+        from_bits(
+            gather_items(
+                pools[s.pool], _plan(s, (0,)), (ids,), (s.num_blocks,), s.shape, s.dtype
+            ),
+            s.dtype,
         )
         for s in view.states
     )
@@ -362,7 +371,7 @@ def read_view(pools: Pools, view: KVCacheView) -> jax.Array:
         view.shape,
         view.dtype,
     )
-    return jnp.moveaxis(items, 0, bd)
+    return from_bits(jnp.moveaxis(items, 0, bd), view.dtype)
 
 
 def validate_slot_mapping(

@@ -162,6 +162,32 @@ def _starts(
     return starts.reshape(-1, 1)
 
 
+def bits_dtype(dtype: np.dtype) -> np.dtype:
+    """The unsigned integer dtype as wide as `dtype`."""
+    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    """Same-width reinterpretation as unsigned integers.
+
+    Data is moved (transposed, concatenated, sliced) only as integers: XLA:CPU
+    may move bf16/fp8 through float32 with denormals flushed to zero, which
+    would change bytes that another layer's view reads (an overlay).
+    """
+    target = bits_dtype(x.dtype)
+    return x if x.dtype == target else lax.bitcast_convert_type(x, target)
+
+
+def from_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    """Inverse of :func:`to_bits` (the last step of a read).
+
+    Note: XLA:CPU materialises bf16 values through float32 with denormals off,
+    so a bf16 *subnormal* read back as a float comes out as a signed zero
+    (pools themselves always keep every bit).
+    """
+    return x if x.dtype == np.dtype(dtype) else lax.bitcast_convert_type(x, dtype)
+
+
 def to_words(x: jax.Array, word_dtype: np.dtype) -> jax.Array:
     """Bitcasts ``(m, e)`` elements to ``(m, q)`` carrier words."""
     src, dst = np.dtype(x.dtype).itemsize, np.dtype(word_dtype).itemsize
@@ -198,7 +224,9 @@ def scatter_items(
     """
     n = data.shape[0]
     starts = _starts(plan, indices, limits, pool.shape[0])
-    updates = jnp.transpose(data, plan.data_perm).reshape(n * plan.num_loops, -1)
+    updates = jnp.transpose(to_bits(data), plan.data_perm).reshape(
+        n * plan.num_loops, -1
+    )
     words = to_words(updates, pool.dtype)
     return lax.scatter(
         pool,
@@ -219,7 +247,9 @@ def gather_items(
 ) -> jax.Array:
     """Reads the items named by `indices` as ``(n, *rest)`` in logical order.
 
-    Invalid items read as all-ones bits (NaN for floats).
+    Returns the raw bits (unsigned integers as wide as `dtype`); convert with
+    :func:`from_bits` after any slicing. Invalid items read as all-ones bits
+    (NaN for floats).
     """
     n = indices[0].shape[0]
     starts = _starts(plan, indices, limits, pool.shape[0])
@@ -231,7 +261,7 @@ def gather_items(
         mode=lax.GatherScatterMode.FILL_OR_DROP,
         fill_value=np.iinfo(pool.dtype).max,
     )
-    elems = from_words(words, dtype)
+    elems = from_words(words, bits_dtype(dtype))
     moved = (n, *(shape[d] for d in (*plan.loop_dims, *plan.window_dims)))
     elems = elems.reshape(moved)
     return jnp.transpose(elems, tuple(int(i) for i in np.argsort(plan.data_perm)))
