@@ -8,10 +8,10 @@ from typing import Any
 from jaxkv._attn_group import AttentionGroup
 from jaxkv._config import RunnerConfig
 from jaxkv._init_backend import with_kv_sharing_layers
-from jaxkv._kv_cache import kernel_view
+from jaxkv._kv_cache import kernel_views
 from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv._layers import get_shared_kv_cache_layers
-from jaxkv._views import KVCacheView, LayerView
+from jaxkv._views import LayerView
 
 
 class BoundKVCaches(Mapping[str, LayerView]):
@@ -114,24 +114,7 @@ def bind_kv_caches(
     context = list(forward_context)
     bound = {name: views[name] for name in context if name in views}
     uncached = tuple(name for name in context if name not in views)
-    augmented = with_kv_sharing_layers(kv_cache_config, vllm_config)
-    flat = [
-        g
-        for item in attn_groups
-        for g in (item if isinstance(item, Sequence) else [item])
-    ]
-    kernel_views: dict[int, LayerView] = {}
-    for group in flat:
-        if group.kernel_block_size is None:
-            continue
-        for name in group.layer_names:
-            view = bound.get(name)
-            if not isinstance(view, KVCacheView):
-                continue
-            if id(view) not in kernel_views:
-                tensor = augmented.tensor_of(shared.get(name, name))
-                kernel_views[id(view)] = kernel_view(view, group, tensor)
-            bound[name] = kernel_views[id(view)]
+    bound.update(kernel_views(bound, attn_groups, kv_cache_config, vllm_config))
     return BoundKVCaches(bound, uncached)
 
 

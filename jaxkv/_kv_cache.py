@@ -408,6 +408,39 @@ def kernel_view(
     return dataclasses.replace(view, shape=tuple(shape), strides=tuple(strides))
 
 
+def kernel_views(
+    views: Mapping[str, LayerView],
+    attn_groups: Iterable[Any],
+    kv_cache_config: KVCacheConfig,
+    vllm_config: RunnerConfig,
+    *,
+    skip_unmapped: bool = False,
+) -> dict[str, KVCacheView]:
+    """The kernel-block view of every layer in `views` whose group splits blocks.
+
+    Layers sharing one view get one kernel view. With `skip_unmapped`, groups
+    whose slot mappings are not mapped are left out instead of raising.
+    """
+    shared = get_shared_kv_cache_layers(vllm_config)
+    augmented = with_kv_sharing_layers(kv_cache_config, vllm_config)
+    made: dict[int, KVCacheView] = {}
+    out: dict[str, KVCacheView] = {}
+    for group in _flat(attn_groups):
+        if group.kernel_block_size is None:
+            continue
+        if skip_unmapped and not group.maps_slot_mapping:
+            continue
+        for name in group.layer_names:
+            view = views.get(name)
+            if not isinstance(view, KVCacheView):
+                continue
+            if id(view) not in made:
+                tensor = augmented.tensor_of(shared.get(name, name))
+                made[id(view)] = kernel_view(view, group, tensor)
+            out[name] = made[id(view)]
+    return out
+
+
 def _view_granules(view: LayerView) -> list[int]:
     if isinstance(view, MambaView):
         return [
@@ -540,18 +573,8 @@ def plan_kv_cache(
     views = build_kv_cache_views(
         kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
     )
-    extra = []
-    for group in _flat(attn_groups):
-        if group.kernel_block_size is None or not group.maps_slot_mapping:
-            continue
-        for name in group.layer_names:
-            view = views.get(name)
-            if (
-                isinstance(view, KVCacheView)
-                and view.block_size != group.kernel_block_size
-            ):
-                tensor = with_kv_sharing_layers(kv_cache_config, vllm_config).tensor_of(
-                    get_shared_kv_cache_layers(vllm_config).get(name, name)
-                )
-                extra.append(kernel_view(view, group, tensor))
+    # Kernel views made at bind time need the same word width.
+    extra = kernel_views(
+        views, attn_groups, kv_cache_config, vllm_config, skip_unmapped=True
+    ).values()
     return plan_pools(kv_cache_config, views, extra)
