@@ -3,54 +3,116 @@
 Writes `--tokens` tokens of K and V (`--heads` x `--head-dim`) into one layer of
 a pool of at least `--pool-mib` MiB, donated, and compares with NumPy's in-place
 fancy assignment of the same bytes, in the same run. Also prints the naive
-`.at[].set` on a bf16 array for contrast.
+`.at[].set` on a bf16 array for contrast, and two rows that locate the cost:
+
+- "pipelined": the same write called `--calls` times back to back, one wait
+  (a step loop's pattern: the caller is woken once per round, not per call);
+- "one-kernel floor": the same scatter with its word offsets and carrier words
+  computed beforehand, so the program is a single scatter kernel. XLA:CPU runs
+  such a program inline on the caller's thread; a write also has to convert
+  bf16/fp8 to carrier words and slots to offsets, two more kernels, and on this
+  2-core VM each costs a thread hand-off of tens of microseconds.
 
     python benchmarks/bench_kv_write.py --pool-mib 256
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     measure_donated,
     measure_host,
+    measure_pipelined,
     parser,
     print_table,
     write_json,
 )
 
 import jaxkv  # noqa: E402
+from jaxkv._kv_ops import _plan  # noqa: E402
+from jaxkv._strided import _starts, to_bits, to_words  # noqa: E402
+
+_ROWS = lax.ScatterDimensionNumbers(
+    update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+)
 
 
-def _layer(dtype: str, block: int, heads: int, head: int, pool_mib: int):
+def _layers(dtype: str, block: int, heads: int, head: int, pool_mib: int, count: int):
+    """`count` full-attention layers, one pool each, `pool_mib` MiB in all."""
     spec = jaxkv.FullAttentionSpec(
         block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype
     )
+    names = [f"layers.{i}" for i in range(count)]
+    backend = jaxkv.get_backend("JAX_PAGED")
     cfg = jaxkv.RunnerConfig(
-        layers=[
-            jaxkv.LayerConfig(
-                name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
-            )
-        ]
+        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in names]
     )
-    num_blocks = -(-pool_mib * 2**20 // spec.page_size_bytes)
+    num_blocks = -(-pool_mib * 2**20 // (spec.page_size_bytes * count))
     kv = jaxkv.KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=["l"])
+            jaxkv.KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
+            for n in names
         ],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["l"], kv_cache_spec=spec)],
+        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
     )
     groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
     pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    return spec, num_blocks, pools, views["l"]
+    return spec, num_blocks, pools, tuple(views[n] for n in names)
+
+
+def _layer(dtype: str, block: int, heads: int, head: int, pool_mib: int):
+    spec, num_blocks, pools, views = _layers(dtype, block, heads, head, pool_mib, 1)
+    return spec, num_blocks, pools, views[0]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_step(pools, views, keys, values, slots):
+    """One step's writes: every layer's K/V in one program, as a model step does."""
+    for i, view in enumerate(views):
+        pools = jaxkv.write_kv(pools, view, keys[i], values[i], slots)
+    return pools
+
+
+def _step_writes(args, dtype: str, rng) -> dict:
+    """A step's K/V writes of `--layers` layers, one program, vs NumPy's loop."""
+    n, h, d, b, count = (
+        args.tokens,
+        args.heads,
+        args.head_dim,
+        args.block_size,
+        args.layers,
+    )
+    spec, num_blocks, pools, views = _layers(dtype, b, h, d, args.pool_mib, count)
+    slots = rng.choice(num_blocks * b, n, replace=False).astype(np.int32)
+    keys = jnp.asarray(rng.standard_normal((count, n, h, d)), spec.dtype)
+    values = jnp.asarray(rng.standard_normal((count, n, h, d)), spec.dtype)
+    _, t_jax, pools = measure_donated(
+        _write_step, pools, views, keys, values, jnp.asarray(slots), iters=args.iters
+    )
+    del pools
+    word = np.uint16 if keys.dtype.itemsize == 2 else np.uint8
+    npools = [np.zeros((num_blocks, 2, b, h * d), word) for _ in range(count)]
+    kn = np.asarray(keys).view(word).reshape(count, n, -1)
+    vn = np.asarray(values).view(word).reshape(count, n, -1)
+
+    def numpy_step():
+        blk, tok = slots // b, slots % b
+        for i, npool in enumerate(npools):
+            npool[blk, 0, tok] = kn[i]
+            npool[blk, 1, tok] = vn[i]
+
+    t_np = measure_host(numpy_step, iters=args.iters)
+    return {"jaxkv_ms": t_jax * 1e3, "numpy_ms": t_np * 1e3, "ratio": t_jax / t_np}
 
 
 def _numpy_time(key, value, slots, num_blocks, block, iters) -> float:
@@ -67,6 +129,29 @@ def _numpy_time(key, value, slots, num_blocks, block, iters) -> float:
     return measure_host(numpy_write, iters=iters)
 
 
+@jax.jit
+def _precompute(pools, view, key, value, slots):
+    """jaxkv's own word offsets and carrier words of a K/V write (not timed)."""
+    pool = pools[view.pool]
+    plan = _plan(view, (view.block_dim, view.dim("token"), view.dim("kv")))
+    k, n = view.block_size, slots.shape[0]
+    block, token = jnp.tile(slots // k, 2), jnp.tile(slots % k, 2)
+    halves = jnp.repeat(jnp.arange(2, dtype=jnp.int32), n)
+    limits = (view.shape[view.block_dim], k, 2)
+    starts = _starts(plan, (block, token, halves), limits, pool.shape[0])
+    data = jnp.concatenate([key, value]).astype(view.dtype)
+    bits = to_bits(data)
+    rows = jnp.transpose(bits, plan.data_perm).reshape(starts.shape[0], -1)
+    return starts, to_words(rows, pool.dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _one_kernel_scatter(pool, starts, words):
+    return lax.scatter(
+        pool, starts, words, _ROWS, mode=lax.GatherScatterMode.FILL_OR_DROP
+    )
+
+
 def run(args) -> dict:
     rng = np.random.default_rng(0)
     rows, results = [], {}
@@ -80,6 +165,16 @@ def run(args) -> dict:
         compile_s, t_jax, pools = measure_donated(
             jaxkv.write_kv, pools, view, key, value, slots_j, iters=args.iters
         )
+        compiled = jaxkv.write_kv.lower(pools, view, key, value, slots_j).compile()
+        t_pipe, pools = measure_pipelined(
+            compiled, pools, view, key, value, slots_j, calls=args.calls
+        )
+        starts, words = _precompute(pools, view, key, value, slots_j)
+        index = view.pool
+        _, t_floor, pool = measure_donated(
+            _one_kernel_scatter, pools[index], starts, words, iters=args.iters
+        )
+        pools = (*pools[:index], pool, *pools[index + 1 :])
         pool_bytes = sum(p.nbytes for p in pools)
         del pools
         # NumPy: the same bytes, assigned in place into a blocks-first array.
@@ -96,19 +191,48 @@ def run(args) -> dict:
                 "ratio": 1.0,
             }
         )
+        for impl, t in (
+            ("jaxkv.write_kv", t_jax),
+            ("jaxkv.write_kv pipelined", t_pipe),
+            ("one-kernel floor", t_floor),
+        ):
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "impl": impl,
+                    "ms": t * 1e3,
+                    "GB/s": written / t / 1e9,
+                    "ratio": t / t_np,
+                }
+            )
+        step = _step_writes(args, dtype, rng)
         rows.append(
             {
                 "dtype": dtype,
-                "impl": "jaxkv.write_kv",
-                "ms": t_jax * 1e3,
-                "GB/s": written / t_jax / 1e9,
-                "ratio": t_jax / t_np,
+                "impl": f"numpy, {args.layers} layers",
+                "ms": step["numpy_ms"],
+                "GB/s": args.layers * written / step["numpy_ms"] / 1e6,
+                "ratio": 1.0,
+            }
+        )
+        rows.append(
+            {
+                "dtype": dtype,
+                "impl": f"jaxkv, {args.layers} layers, 1 program",
+                "ms": step["jaxkv_ms"],
+                "GB/s": args.layers * written / step["jaxkv_ms"] / 1e6,
+                "ratio": step["ratio"],
             }
         )
         results[dtype] = {
+            "step": step,
             "jaxkv_ms": t_jax * 1e3,
             "numpy_ms": t_np * 1e3,
             "ratio": t_jax / t_np,
+            "pipelined_ms": t_pipe * 1e3,
+            "pipelined_ratio": t_pipe / t_np,
+            "floor_ms": t_floor * 1e3,
+            "floor_ratio": t_floor / t_np,
             "compile_s": compile_s,
             "pool_bytes": pool_bytes,
             "bytes_written": written,
@@ -146,6 +270,16 @@ def run(args) -> dict:
         f"\njaxkv / numpy (bf16): {results['bfloat16']['ratio']:.2f}x  (target <= 2.0x)"
     )
     print(f"jaxkv / numpy (fp8):  {results['float8_e4m3fn']['ratio']:.2f}x")
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        r = results[dtype]
+        print(
+            f"{dtype}: one step's writes of {args.layers} layers in one program "
+            f"{r['step']['ratio']:.2f}x numpy's  (target <= 2.0x)"
+        )
+        print(
+            f"{dtype}: pipelined {r['pipelined_ratio']:.2f}x, one-kernel floor "
+            f"{r['floor_ratio']:.2f}x of numpy"
+        )
     print(
         f"naive bf16 / jaxkv:   {t_naive * 1e3 / results['bfloat16']['jaxkv_ms']:.0f}x"
     )
@@ -159,6 +293,8 @@ def main(argv=None) -> dict:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=8, help="layers per step")
+    p.add_argument("--calls", type=int, default=20, help="calls per pipelined round")
     args = p.parse_args(argv)
     results = run(args)
     write_json(
