@@ -1,7 +1,8 @@
 """Scaling: attention step time and memory against requests, context and pool size.
 
 Three sweeps of the paged decode attention (and the KV write): the number of
-requests, the context length, and the pool size with the batch fixed. Reads
+requests, the context length, and the pool size with the batch fixed (pool
+sizes are measured in interleaved rounds, so the machine's noise is shared). Reads
 and writes must stay flat in pool size: they touch only the bytes they need.
 Writes `scaling.png` next to the JSON when matplotlib is installed.
 
@@ -10,7 +11,9 @@ Writes `scaling.png` next to the JSON when matplotlib is installed.
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import measure, measure_donated, parser, print_table, write_json  # noqa: E402
+from _harness import measure, parser, print_table, write_json  # noqa: E402
 from bench_attention import Batch  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -40,62 +43,100 @@ def _attention_point(args: Any, num_reqs: int, context: int) -> dict[str, float]
     return {"ms": t * 1e3, "temp_MiB": temp / 2**20, "kv_MiB": batch.kv_bytes / 2**20}
 
 
-def _pool_point(args: Any, pool_mib: int) -> dict[str, float]:
-    """Write 256 tokens and read a 32 x 512 decode batch in a pool of `pool_mib`."""
-    page, hk, d = args.page, args.num_kv_heads, args.head_dim
-    spec = jaxkv.FullAttentionSpec(
-        block_size=page, num_kv_heads=hk, head_size=d, dtype=args.dtype
-    )
-    cfg = jaxkv.RunnerConfig(
-        layers=[
-            jaxkv.LayerConfig(
-                name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
-            )
-        ]
-    )
-    num_blocks = max(pool_mib * 2**20 // spec.page_size_bytes, 2048)
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=int(num_blocks))
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    view = views["l"]
-    rng = np.random.default_rng(0)
-    slots = jnp.asarray(
-        rng.choice(int(num_blocks) * page, 256, replace=False).astype(np.int32)
-    )
-    k = jnp.asarray(rng.standard_normal((256, hk, d)), jnp.dtype(args.dtype))
-    _, t_write, pools = measure_donated(
-        jaxkv.write_kv, pools, view, k, k, slots, iters=args.iters
-    )
-    tables = jnp.asarray(
-        rng.integers(1, int(num_blocks), (32, 512 // page)).astype(np.int32)
-    )
-    meta = jaxkv.build_attn_metadata(
-        groups,
-        32,
-        32,
-        np.arange(33, dtype=np.int32),
-        None,
-        1,
-        np.full(32, 512, np.int32),
-        512,
-        [tables],
-        [np.full(32, -1, np.int32)],
-        kv,
-    )["l"]
-    q = jnp.asarray(rng.standard_normal((32, args.num_heads, d)), jnp.dtype(args.dtype))
-    fn = jax.jit(
-        lambda q, pools, meta: jaxkv.paged_attention(
-            q, pools, view, meta, scale=d**-0.5
+class _PoolPoint:
+    """A 256-token write and a 32 x 512 decode read in a pool of `pool_mib` MiB."""
+
+    def __init__(self, args: Any, pool_mib: int) -> None:
+        page, hk, d = args.page, args.num_kv_heads, args.head_dim
+        spec = jaxkv.FullAttentionSpec(
+            block_size=page, num_kv_heads=hk, head_size=d, dtype=args.dtype
         )
-    )
-    _, t_read = measure(fn, q, pools, meta, iters=args.iters)
-    pool_bytes = sum(p.nbytes for p in pools)
-    del pools
-    return {
-        "pool_MiB": pool_bytes / 2**20,
-        "write_ms": t_write * 1e3,
-        "attention_ms": t_read * 1e3,
-    }
+        cfg = jaxkv.RunnerConfig(
+            layers=[
+                jaxkv.LayerConfig(
+                    name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
+                )
+            ]
+        )
+        num_blocks = int(max(pool_mib * 2**20 // spec.page_size_bytes, 2048))
+        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
+        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+        self.pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+        view = views["l"]
+        rng = np.random.default_rng(0)
+        self.slots = jnp.asarray(
+            rng.choice(num_blocks * page, 256, replace=False).astype(np.int32)
+        )
+        self.k = jnp.asarray(rng.standard_normal((256, hk, d)), jnp.dtype(args.dtype))
+        self.write = jaxkv.write_kv.lower(
+            self.pools, view, self.k, self.k, self.slots
+        ).compile()
+        self.view = view
+        tables = jnp.asarray(
+            rng.integers(1, num_blocks, (32, 512 // page)).astype(np.int32)
+        )
+        self.meta = jaxkv.build_attn_metadata(
+            groups,
+            32,
+            32,
+            np.arange(33, dtype=np.int32),
+            None,
+            1,
+            np.full(32, 512, np.int32),
+            512,
+            [tables],
+            [np.full(32, -1, np.int32)],
+            kv,
+        )["l"]
+        self.q = jnp.asarray(
+            rng.standard_normal((32, args.num_heads, d)), jnp.dtype(args.dtype)
+        )
+        self.read = (
+            jax.jit(
+                lambda q, pools, meta: jaxkv.paged_attention(
+                    q, pools, view, meta, scale=d**-0.5
+                )
+            )
+            .lower(self.q, self.pools, self.meta)
+            .compile()
+        )
+        self.pool_bytes = sum(p.nbytes for p in self.pools)
+        self.write_s: list[float] = []
+        self.read_s: list[float] = []
+
+    def sample(self, iters: int) -> None:
+        """Appends `iters` timed writes and reads."""
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            self.pools = jax.block_until_ready(
+                self.write(self.pools, self.view, self.k, self.k, self.slots)
+            )
+            t1 = time.perf_counter()
+            jax.block_until_ready(self.read(self.q, self.pools, self.meta))
+            t2 = time.perf_counter()
+            self.write_s.append(t1 - t0)
+            self.read_s.append(t2 - t1)
+
+
+def _pool_sweep(args: Any) -> list[dict[str, float]]:
+    """Pool sizes measured in interleaved rounds, so machine noise hits all alike."""
+    points = [_PoolPoint(args, m) for m in args.pool_mib]
+    for point in points:
+        point.sample(2)  # warm-up
+        point.write_s.clear()
+        point.read_s.clear()
+    rounds = 10
+    for _ in range(rounds):
+        for point in points:
+            point.sample(max(1, args.iters // rounds))
+    return [
+        {
+            "pool_MiB": p.pool_bytes / 2**20,
+            "write_ms": statistics.median(p.write_s) * 1e3,
+            "attention_ms": statistics.median(p.read_s) * 1e3,
+        }
+        for p in points
+    ]
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -107,7 +148,7 @@ def run(args: Any) -> dict[str, Any]:
         _attention_point(args, args.num_reqs, c) | {"context": c} for c in args.contexts
     ]
     print_table(f"Decode attention vs context ({args.num_reqs} requests)", ctxs)
-    pools = [_pool_point(args, m) for m in args.pool_mib]
+    pools = _pool_sweep(args)
     print_table(
         "KV write (256 tokens) and decode attention (32 x 512) vs pool size", pools
     )
@@ -167,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser("Attention and KV-write scaling.")
     p.add_argument("--requests", type=_ints, default=[8, 32, 128, 256])
     p.add_argument("--contexts", type=_ints, default=[128, 512, 2048, 8192])
-    p.add_argument("--pool-mib", type=_ints, default=[64, 256, 1024])
+    p.add_argument("--pool-mib", type=_ints, default=[64, 256, 1024, 4096])
     p.add_argument("--num-reqs", type=int, default=8)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--num-heads", type=int, default=8)
