@@ -209,6 +209,22 @@ def test_bf16_write_has_no_pool_copy_and_donates():
     assert old.is_deleted()
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU kernel layout")
+def test_kv_write_is_one_scatter_and_two_small_kernels():
+    # On XLA:CPU each kernel of a small program costs a thread hand-off (tens of
+    # microseconds on a 2-core machine): K and V rows go out in one scatter,
+    # after one data kernel (carrier words) and one index kernel (offsets).
+    cfg, kv = _bf16_layer(num_blocks=64)
+    _, _, pools, views = _setup(cfg, kv)
+    k = jnp.ones((16, 8, 128), jnp.bfloat16)
+    slots = jnp.arange(16, dtype=jnp.int32)
+    hlo = jaxkv.write_kv.lower(pools, views["l"], k, k, slots).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    kernels = [line for line in entry.splitlines() if " fusion(" in line]
+    assert sum("scatter" in line for line in kernels) == 1, kernels
+    assert len(kernels) <= 3, kernels
+
+
 def test_new_step_values_do_not_retrace():
     cfg, kv = _bf16_layer(num_blocks=8)
     _, _, pools, views = _setup(cfg, kv)
