@@ -92,6 +92,7 @@ from jaxkv._serve import (
     EngineStats,
     Request,
     generate_dense,
+    get_num_skipped_tokens,
     progress_bar,
 )
 from jaxkv._specs import (
@@ -180,6 +181,7 @@ __all__ = [
     "get_backend",
     "get_kv_cache_spec",
     "get_kv_sharing_fast_prefill_eligible_layers",
+    "get_num_skipped_tokens",
     "get_query_lens_mismatch_unsupported_backend",
     "get_shared_kv_cache_layers",
     "get_varlen_cudagraph_unsupported_backend",

@@ -207,10 +207,28 @@ def paged_attention(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim_v), jnp.float32),
     )
-    # Only the chunks that hold a visible key of this step are visited.
+    # Only the chunks that hold a visible key of this step are visited: up to
+    # the longest context, and from the earliest key a window or local chunk
+    # still shows (older pages may be freed: null-block entries).
+    span = chunk * block
     longest = jnp.max(jnp.where(jnp.any(valid, axis=1), kv_len, 0))
-    trips = jnp.minimum((longest + chunk * block - 1) // (chunk * block), num_chunks)
-    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
+    trips = jnp.minimum((longest + span - 1) // span, num_chunks)
+    first = jnp.int32(0)
+    if not cross_attention and (
+        sliding_window is not None or attention_chunk_size is not None
+    ):
+        big = jnp.iinfo(jnp.int32).max
+        row_first = jnp.min(jnp.where(valid, pos, big), axis=1)  # (rows,)
+        lo = jnp.zeros_like(row_first)
+        if sliding_window is not None:
+            lo = jnp.maximum(lo, row_first - sliding_window + 1)
+        if attention_chunk_size is not None:
+            lo = jnp.maximum(
+                lo, row_first // attention_chunk_size * attention_chunk_size
+            )
+        lo = jnp.where(row_first == big, big, lo)  # empty rows constrain nothing
+        first = jnp.minimum(jnp.min(lo) // span, trips)
+    _, denom, acc = jax.lax.fori_loop(first, trips, body, init)
     rows_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     rows_out = rows_out.reshape(*tok.shape, num_heads, head_dim_v)
     out = jnp.zeros((num_tokens, num_heads, head_dim_v), jnp.float32)

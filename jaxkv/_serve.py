@@ -37,7 +37,13 @@ from jaxkv._metadata import (
 from jaxkv._model import TinyHybridModel, forward_dense, forward_paged
 from jaxkv._planner import make_kv_cache_config
 from jaxkv._pytree import cdiv
-from jaxkv._specs import MambaSpec
+from jaxkv._specs import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 
 @dataclasses.dataclass
@@ -114,6 +120,30 @@ class BlockAllocator:
         self._free.extend(ids)
 
 
+def get_num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Leading tokens no future query of a request attends to (vLLM's rule).
+
+    Sliding window ``w``: a query at position ``p >= num_computed_tokens`` sees
+    keys ``> p - w``, so ``num_computed_tokens - w + 1`` tokens are skipped.
+    Chunked local attention of chunk ``c``: keys of earlier chunks are never seen
+    again, ``(num_computed_tokens // c) * c``. Other specs skip nothing. Blocks
+    whose tokens are all skipped can be freed and replaced by the null block.
+
+    Example:
+      >>> import jaxkv
+      >>> swa = jaxkv.SlidingWindowSpec(block_size=16, num_kv_heads=1,
+      ...     head_size=8, dtype="float32", sliding_window=64)
+      >>> jaxkv.get_num_skipped_tokens(swa, 100), jaxkv.get_num_skipped_tokens(swa, 10)
+      (37, 0)
+    """
+    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+        return max(0, num_computed_tokens - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk = spec.attention_chunk_size
+        return (num_computed_tokens // chunk) * chunk
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """What a run did."""
@@ -137,7 +167,10 @@ class Engine:
     Each step: admit arrivals, schedule decodes then prefill chunks under the
     token budget, allocate blocks per KV-cache group, pack the step into one
     buffer, arm fast prefill, run the step's compiled executable (pools
-    donated), sample greedily, free finished requests' blocks.
+    donated), sample greedily, free finished requests' blocks. Sliding-window
+    and chunked-local groups also free, after every step, the blocks no future
+    query can see (:func:`get_num_skipped_tokens`); their block-table entries become
+    the null block 0, whose keys the attention masks.
 
     Args:
       config: The runner configuration (layers, limits, buckets).
@@ -173,6 +206,16 @@ class Engine:
         group_specs = [g.kv_cache_spec for g in self.kv_cache_config.kv_cache_groups]
         self.block_sizes = [s.block_size for s in group_specs]
         self.is_mamba = [isinstance(s, MambaSpec) for s in group_specs]
+        # A group frees skipped blocks only if every layer reading it (KV-sharing
+        # layers included) has the group's window: a wider reader would need them.
+        self.group_specs: list[KVCacheSpec | None] = [
+            spec
+            if all(config.layer(name).spec == spec for name in group.layer_names)
+            else None
+            for spec, group in zip(
+                group_specs, self.kv_cache_config.kv_cache_groups, strict=True
+            )
+        ]
         self.widths = tuple(
             1 if mamba else cdiv(config.max_model_len, b)
             for b, mamba in zip(self.block_sizes, self.is_mamba, strict=True)
@@ -418,6 +461,22 @@ class Engine:
             if req.num_computed == len(req.tokens):
                 req.output.append(int(next_host[k]))
                 k += 1
+            self._free_skipped(req)
+
+    def _free_skipped(self, req: Request) -> None:
+        """Frees the blocks of `req` that no future query attends to."""
+        for g, spec in enumerate(self.group_specs):
+            if spec is None:
+                continue
+            ids = req.blocks[g]
+            skipped = min(
+                get_num_skipped_tokens(spec, req.num_computed) // spec.block_size,
+                len(ids),
+            )
+            gone = [i for i in ids[:skipped] if i != 0]
+            if gone:
+                self.allocator.free(gone)
+                ids[:skipped] = [0] * skipped
 
     def run(
         self,
@@ -439,7 +498,7 @@ class Engine:
                 for req in [r for r in running if r.finished]:
                     running.remove(req)
                     for ids in req.blocks:
-                        self.allocator.free(ids)
+                        self.allocator.free([i for i in ids if i != 0])
                     req.blocks = []
             steps += 1
             if progress:

@@ -219,6 +219,7 @@ def test_kv_write_is_one_scatter_and_two_small_kernels():
     k = jnp.ones((16, 8, 128), jnp.bfloat16)
     slots = jnp.arange(16, dtype=jnp.int32)
     hlo = jaxkv.write_kv.lower(pools, views["l"], k, k, slots).compile().as_text()
+    assert hlo is not None
     entry = hlo[hlo.index("\nENTRY") :]
     kernels = [line for line in entry.splitlines() if " fusion(" in line]
     assert sum("scatter" in line for line in kernels) == 1, kernels

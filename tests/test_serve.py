@@ -68,6 +68,89 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
     assert steps > 0
 
 
+def test_sliding_window_blocks_are_freed_and_outputs_still_match():
+    cfg = jaxkv.tiny_hybrid_config(
+        block_size=16,
+        head_size=16,
+        num_heads=2,
+        num_kv_heads=2,
+        sliding_window=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        token_buckets=(4, 32),
+        request_buckets=(4,),
+    )
+    model = jaxkv.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(2))
+    engine = jaxkv.Engine(cfg, model, num_blocks=160)
+    swa = [i for i, s in enumerate(engine.group_specs) if s is not None]
+    assert swa, "the sliding-window group may free blocks"
+    engine.warm_up()
+    free = engine.allocator
+
+    def serve(free_skipped: bool):
+        rng = np.random.default_rng(3)
+        requests = [
+            jaxkv.Request(
+                req_id=f"r{i}",
+                prompt=rng.integers(1, 64, int(rng.integers(30, 70))).tolist(),
+                max_new_tokens=int(rng.integers(10, 24)),
+            )
+            for i in range(4)
+        ]
+        specs = engine.group_specs
+        if not free_skipped:
+            engine.group_specs = [None] * len(specs)
+        low = [free.num_free]
+        allocate = free.allocate
+
+        def tracked(n):
+            out = allocate(n)
+            low.append(free.num_free)
+            return out
+
+        free.allocate = tracked
+        try:
+            engine.run(requests)
+        finally:
+            free.allocate = allocate
+            engine.group_specs = specs
+        return requests, free.num_free - min(low)
+
+    with count_compiles() as compiles:
+        freed, peak_freed = serve(True)
+        kept, peak_kept = serve(False)
+    assert compiles == []
+    assert free.num_free == 159  # the null block never entered the free list
+    assert peak_freed < peak_kept, (peak_freed, peak_kept)
+    max_len = max(len(r.prompt) + r.max_new_tokens for r in freed)
+    for a, b in zip(freed, kept, strict=True):
+        dense = jaxkv.generate_dense(model, a.prompt, a.max_new_tokens, max_len)
+        assert a.output == dense == b.output, a.req_id
+
+
+def test_get_num_skipped_tokens_follows_vllm():
+    get_num_skipped_tokens = jaxkv.get_num_skipped_tokens
+    common = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": "float32"}
+    swa = jaxkv.SlidingWindowSpec(**common, sliding_window=128)
+    local = jaxkv.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
+    full = jaxkv.FullAttentionSpec(**common)
+    # vLLM: max(0, n - window + 1); (n // chunk) * chunk; 0 for full attention.
+    assert [get_num_skipped_tokens(swa, n) for n in (0, 127, 128, 300)] == [
+        0,
+        0,
+        1,
+        173,
+    ]
+    assert [get_num_skipped_tokens(local, n) for n in (0, 63, 64, 130)] == [
+        0,
+        0,
+        64,
+        128,
+    ]
+    assert get_num_skipped_tokens(full, 10_000) == 0
+
+
 def test_allocator_errors():
     a = jaxkv.BlockAllocator(3)
     a.allocate(2)
