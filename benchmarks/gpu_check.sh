@@ -46,10 +46,10 @@ echo "== 1. paged decode attention ($reqs x $ctx, $dtype)"
 timeout 150 $PY benchmarks/bench_attention.py --num-reqs "$reqs" --context "$ctx" --dtype "$dtype" \
   --iters 20 --json "$OUT/attention.json"
 echo "== 2. KV write, 256 tokens"
-$PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
+timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
   --json "$OUT/kv_write_256.json"
 echo "== 2. KV write, $big_tokens tokens"
-$PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 50 \
+timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 30 --layers 4 \
   --json "$OUT/kv_write_big.json"
 echo "== 3. step loop"
 timeout 150 $PY benchmarks/bench_step_loop.py --json "$OUT/step_loop.json"
