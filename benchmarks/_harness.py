@@ -13,6 +13,30 @@ from typing import Any
 
 import jax
 
+import jaxkv
+
+
+def paged_layers(
+    dtype: str, block: int, heads: int, head: int, num_blocks: int, count: int = 1
+) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """`count` full-attention JAX_PAGED layers, one pool of `num_blocks` each.
+
+    Returns:
+      ``(kv_cache_config, attention groups, pools, views in layer order)``.
+    """
+    spec = jaxkv.FullAttentionSpec(
+        block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype
+    )
+    names = [f"layers.{i}" for i in range(count)]
+    backend = jaxkv.get_backend("JAX_PAGED")
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in names]
+    )
+    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
+    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    return kv, groups, pools, tuple(views[n] for n in names)
+
 
 def measure(fn: Any, *args: Any, iters: int = 50) -> tuple[float, float]:
     """Returns (compile seconds, median steady-state seconds) of a jitted fn."""

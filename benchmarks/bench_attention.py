@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import measure, measure_host, parser, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    measure,
+    measure_host,
+    paged_layers,
+    parser,
+    print_table,
+    write_json,
+)
 
 import jaxkv  # noqa: E402
 
@@ -47,22 +54,12 @@ class Batch:
         rng = np.random.default_rng(seed)
         dtype = np.dtype(jnp.dtype(args.dtype))
         page, hk, d = args.page, args.num_kv_heads, args.head_dim
-        spec = jaxkv.FullAttentionSpec(
-            block_size=page, num_kv_heads=hk, head_size=d, dtype=args.dtype
-        )
-        cfg = jaxkv.RunnerConfig(
-            layers=[
-                jaxkv.LayerConfig(
-                    name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
-                )
-            ]
-        )
         width = max(-(-c // page) for c in ctx_lens)
         num_blocks = len(ctx_lens) * width + 1
-        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
-        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-        self.pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-        self.view = views["l"]
+        kv, groups, self.pools, views = paged_layers(
+            args.dtype, page, hk, d, num_blocks
+        )
+        self.view = views[0]
         perm = 1 + rng.permutation(num_blocks - 1)
         self.tables = (
             perm[: len(ctx_lens) * width].reshape(len(ctx_lens), width).astype(np.int32)
@@ -102,7 +99,7 @@ class Batch:
             [self.tables],
             [np.full(int(qsl[-1]), -1, np.int32)],
             kv,
-        )["l"]
+        )["layers.0"]
         # The new tokens' K/V (the last q_len positions), which ejkernel writes.
         self.new_k = np.concatenate(
             [k[c - q :] for k, c, q in zip(self.k, ctx_lens, q_lens, strict=True)]

@@ -32,6 +32,7 @@ from _harness import (  # noqa: E402
     measure_donated,
     measure_host,
     measure_pipelined,
+    paged_layers,
     parser,
     print_table,
     write_json,
@@ -48,31 +49,15 @@ _ROWS = lax.ScatterDimensionNumbers(
 
 def _layers(dtype: str, block: int, heads: int, head: int, pool_mib: int, count: int):
     """`count` full-attention layers, one pool each, `pool_mib` MiB in all."""
-    spec = jaxkv.FullAttentionSpec(
-        block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype
-    )
-    names = [f"layers.{i}" for i in range(count)]
-    backend = jaxkv.get_backend("JAX_PAGED")
-    cfg = jaxkv.RunnerConfig(
-        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in names]
-    )
-    num_blocks = -(-pool_mib * 2**20 // (spec.page_size_bytes * count))
-    kv = jaxkv.KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
-            for n in names
-        ],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
-    )
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    return spec, num_blocks, pools, tuple(views[n] for n in names)
+    page = 2 * block * heads * head * np.dtype(jnp.dtype(dtype)).itemsize
+    num_blocks = -(-pool_mib * 2**20 // (page * count))
+    _, _, pools, views = paged_layers(dtype, block, heads, head, num_blocks, count)
+    return views[0].dtype, num_blocks, pools, views
 
 
 def _layer(dtype: str, block: int, heads: int, head: int, pool_mib: int):
-    spec, num_blocks, pools, views = _layers(dtype, block, heads, head, pool_mib, 1)
-    return spec, num_blocks, pools, views[0]
+    dt, num_blocks, pools, views = _layers(dtype, block, heads, head, pool_mib, 1)
+    return dt, num_blocks, pools, views[0]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -92,10 +77,10 @@ def _step_writes(args, dtype: str, rng) -> dict:
         args.block_size,
         args.layers,
     )
-    spec, num_blocks, pools, views = _layers(dtype, b, h, d, args.pool_mib, count)
+    dt, num_blocks, pools, views = _layers(dtype, b, h, d, args.pool_mib, count)
     slots = rng.choice(num_blocks * b, n, replace=False).astype(np.int32)
-    keys = jnp.asarray(rng.standard_normal((count, n, h, d)), spec.dtype)
-    values = jnp.asarray(rng.standard_normal((count, n, h, d)), spec.dtype)
+    keys = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
+    values = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
     _, t_jax, pools = measure_donated(
         _write_step, pools, views, keys, values, jnp.asarray(slots), iters=args.iters
     )
@@ -157,10 +142,10 @@ def run(args) -> dict:
     rows, results = [], {}
     n, h, d, b = args.tokens, args.heads, args.head_dim, args.block_size
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        spec, num_blocks, pools, view = _layer(dtype, b, h, d, args.pool_mib)
+        dt, num_blocks, pools, view = _layer(dtype, b, h, d, args.pool_mib)
         slots = rng.choice(num_blocks * b, n, replace=False).astype(np.int32)
-        key = jnp.asarray(rng.standard_normal((n, h, d)), spec.dtype)
-        value = jnp.asarray(rng.standard_normal((n, h, d)), spec.dtype)
+        key = jnp.asarray(rng.standard_normal((n, h, d)), dt)
+        value = jnp.asarray(rng.standard_normal((n, h, d)), dt)
         slots_j = jnp.asarray(slots)
         compile_s, t_jax, pools = measure_donated(
             jaxkv.write_kv, pools, view, key, value, slots_j, iters=args.iters
@@ -238,7 +223,7 @@ def run(args) -> dict:
             "bytes_written": written,
         }
     # Naive contrast: .at[].set on a bf16 array shaped like the view.
-    spec, num_blocks, _, _ = _layer("bfloat16", b, h, d, args.pool_mib)
+    _, num_blocks, _, _ = _layer("bfloat16", b, h, d, args.pool_mib)
     cache = jnp.zeros((num_blocks, 2, b, h, d), jnp.bfloat16)
     slots = jnp.asarray(rng.choice(num_blocks * b, n, replace=False).astype(np.int32))
     key = jnp.asarray(rng.standard_normal((n, h, d)), jnp.bfloat16)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import measure, parser, print_table, write_json  # noqa: E402
+from _harness import measure, paged_layers, parser, print_table, write_json  # noqa: E402
 from bench_attention import Batch  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -48,21 +48,12 @@ class _PoolPoint:
 
     def __init__(self, args: Any, pool_mib: int) -> None:
         page, hk, d = args.page, args.num_kv_heads, args.head_dim
-        spec = jaxkv.FullAttentionSpec(
-            block_size=page, num_kv_heads=hk, head_size=d, dtype=args.dtype
+        page_bytes = 2 * page * hk * d * np.dtype(jnp.dtype(args.dtype)).itemsize
+        num_blocks = int(max(pool_mib * 2**20 // page_bytes, 2048))
+        kv, groups, self.pools, views = paged_layers(
+            args.dtype, page, hk, d, num_blocks
         )
-        cfg = jaxkv.RunnerConfig(
-            layers=[
-                jaxkv.LayerConfig(
-                    name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED")
-                )
-            ]
-        )
-        num_blocks = int(max(pool_mib * 2**20 // spec.page_size_bytes, 2048))
-        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
-        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-        self.pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-        view = views["l"]
+        view = views[0]
         rng = np.random.default_rng(0)
         self.slots = jnp.asarray(
             rng.choice(num_blocks * page, 256, replace=False).astype(np.int32)
@@ -87,7 +78,7 @@ class _PoolPoint:
             [tables],
             [np.full(32, -1, np.int32)],
             kv,
-        )["l"]
+        )["layers.0"]
         self.q = jnp.asarray(
             rng.standard_normal((32, args.num_heads, d)), jnp.dtype(args.dtype)
         )
