@@ -57,7 +57,8 @@ class Request:
       arrival_step: Step at which the request arrives.
       num_computed: Tokens whose K/V (and state) are in the cache.
       output: Generated tokens.
-      blocks: Block ids per KV-cache group.
+      blocks: Block ids per KV-cache group (0, the null block, where a
+        sliding-window or chunked-local group freed a block).
     """
 
     req_id: str
