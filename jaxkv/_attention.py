@@ -2,10 +2,11 @@
 
 Every query token reads the pages of its own request through the layer's view
 (``gather_kv_pages``: index arithmetic on the pool, never a pool copy), a chunk
-of pages at a time, with an online softmax; the loop stops at the step's
-longest context. One kernel covers mixed
-prefill/decode batches, GQA, causal, sliding-window and chunked-local masks,
-cross-attention over cached encoder K/V, PrefixLM multimodal ranges and
+of pages at a time, with an online softmax; each row of queries visits only
+the chunks that can hold a key it sees (up to its context, from the start of
+its window or local chunk). One kernel covers mixed prefill/decode batches,
+GQA, causal, sliding-window and chunked-local masks, cross-attention over
+cached encoder K/V, PrefixLM multimodal ranges and
 logits soft-capping. Padding pages and padded tokens never reach an output:
 masked keys are removed with ``where`` (so NaN pages cannot leak) and tokens
 with no visible key produce zeros.
@@ -89,7 +90,7 @@ def paged_attention(
       use_mm_prefix: Tokens inside one multimodal range see each other
         bidirectionally (PrefixLM).
       pages_per_chunk: Pages gathered per step of the online softmax; only the
-        chunks up to the step's longest context are visited.
+        chunks holding keys a row can see are visited.
       query_tile: Query tokens of one request that share one read of its
         pages. 1 suits decode batches; prefill chunks want 8-32 (each request
         then costs at most one partly empty tile).
@@ -146,10 +147,16 @@ def paged_attention(
         meta.encoder_seq_lens[row_req] if cross_attention else meta.seq_lens[row_req]
     )
     p = pos[:, :, None]  # (rows, tile, 1)
+    span = chunk * block
+    windowed = not cross_attention and (
+        sliding_window is not None or attention_chunk_size is not None
+    )
+    page_ids = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    key_ids = jnp.arange(span, dtype=jnp.int32)
 
     def visible(j: jax.Array) -> jax.Array:
-        """(rows, tile, span) mask of the keys at absolute positions `j` (span,)."""
-        j = j[None, None, :]
+        """(rows, tile, span) mask of the keys at positions `j` (rows or 1, span)."""
+        j = j[:, None, :]
         mask = (j < kv_len[:, None, None]) & valid[:, :, None]
         if cross_attention:
             return mask
@@ -175,14 +182,22 @@ def paged_attention(
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         top, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(table, c * chunk, chunk, axis=1)
+        # Row r reads its chunk first_chunk[r] + c; past its table it re-reads
+        # the last chunk, whose keys the mask then hides (j >= kv_len).
+        if windowed:
+            at = first_chunk + c  # (rows,)
+            cols_at = jnp.minimum(at, num_chunks - 1)[:, None] * chunk + page_ids
+            pages = jnp.take_along_axis(table, cols_at, axis=1)
+            j = at[:, None] * span + key_ids[None, :]  # (rows, span)
+        else:  # every row starts at chunk 0: one slice of the table
+            pages = jax.lax.dynamic_slice_in_dim(table, c * chunk, chunk, axis=1)
+            j = (c * span + key_ids)[None, :]  # (1, span)
         k_pages, v_pages = gather_kv_pages(pools, view, pages)
         if v_pages is None:  # MLA: the latent is both key and value
             v_pages = k_pages
         rows = pages.shape[0]
         k = k_pages.reshape(rows, chunk * block, kv_heads, -1)
         v = v_pages.reshape(rows, chunk * block, kv_heads, -1)
-        j = c * chunk * block + jnp.arange(chunk * block, dtype=jnp.int32)
         mask = visible(j)  # (rows, tile, span)
         # Zero invisible keys/values first: a NaN padding page times 0 is NaN.
         seen = jnp.any(mask, axis=1)[:, :, None, None]
@@ -207,16 +222,14 @@ def paged_attention(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim_v), jnp.float32),
     )
-    # Only the chunks that hold a visible key of this step are visited: up to
-    # the longest context, and from the earliest key a window or local chunk
-    # still shows (older pages may be freed: null-block entries).
-    span = chunk * block
-    longest = jnp.max(jnp.where(jnp.any(valid, axis=1), kv_len, 0))
-    trips = jnp.minimum((longest + span - 1) // span, num_chunks)
-    first = jnp.int32(0)
-    if not cross_attention and (
-        sliding_window is not None or attention_chunk_size is not None
-    ):
+    # Each row visits only the chunks that can hold a key it sees: up to its
+    # context, and from the earliest key its window or local chunk still shows
+    # (older pages may be freed: null-block entries). Rows share the loop, so it
+    # runs as many steps as the row spanning the most chunks.
+    live = jnp.any(valid, axis=1)
+    end_chunk = (kv_len + span - 1) // span  # (rows,) exclusive
+    first_chunk = jnp.zeros_like(end_chunk)
+    if windowed:
         big = jnp.iinfo(jnp.int32).max
         row_first = jnp.min(jnp.where(valid, pos, big), axis=1)  # (rows,)
         lo = jnp.zeros_like(row_first)
@@ -226,9 +239,10 @@ def paged_attention(
             lo = jnp.maximum(
                 lo, row_first // attention_chunk_size * attention_chunk_size
             )
-        lo = jnp.where(row_first == big, big, lo)  # empty rows constrain nothing
-        first = jnp.minimum(jnp.min(lo) // span, trips)
-    _, denom, acc = jax.lax.fori_loop(first, trips, body, init)
+        first_chunk = jnp.where(live, lo // span, 0)
+    row_trips = jnp.where(live, jnp.maximum(end_chunk - first_chunk, 0), 0)
+    trips = jnp.minimum(jnp.max(row_trips), num_chunks)
+    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
     rows_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     rows_out = rows_out.reshape(*tok.shape, num_heads, head_dim_v)
     out = jnp.zeros((num_tokens, num_heads, head_dim_v), jnp.float32)
