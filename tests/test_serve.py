@@ -68,8 +68,16 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
     assert steps > 0
 
 
-def test_sliding_window_blocks_are_freed_and_outputs_still_match():
+@pytest.mark.parametrize("kernel", [None, 8])
+def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
+    # kernel=8: freed manager blocks become null entries of a kernel-block table.
+    backend = jaxkv.AttentionBackend(
+        name=f"SW{kernel}",
+        layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
+        supported_kernel_block_sizes=(kernel,) if kernel else (jaxkv.MultipleOf(1),),
+    )
     cfg = jaxkv.tiny_hybrid_config(
+        attention_backend=backend,
         block_size=16,
         head_size=16,
         num_heads=2,
@@ -85,6 +93,8 @@ def test_sliding_window_blocks_are_freed_and_outputs_still_match():
     engine = jaxkv.Engine(cfg, model, num_blocks=160)
     swa = [i for i, s in enumerate(engine.group_specs) if s is not None]
     assert swa, "the sliding-window group may free blocks"
+    if kernel:
+        assert {g.kernel_block_size for gs in engine.groups for g in gs} >= {kernel}
     engine.warm_up()
     free = engine.allocator
 
