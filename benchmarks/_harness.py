@@ -114,6 +114,15 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_attention_shape_args(p: argparse.ArgumentParser) -> None:
+    """Layer-shape flags of the attention benchmarks: heads, head dim, page, dtype."""
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+
+
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     """Prints rows (dicts with the same keys) as an aligned table."""
     print(f"\n{title}  [{jax.default_backend()}: {jax.devices()[0].device_kind}]")

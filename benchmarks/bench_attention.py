@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
+    add_attention_shape_args,
     measure,
     measure_host,
     paged_layers,
@@ -265,11 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser("Paged attention through views vs ejkernel.")
     p.add_argument("--num-reqs", type=int, default=32)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--num-heads", type=int, default=8)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
+    add_attention_shape_args(p)
     p.add_argument("--pages-per-chunk", type=int, default=4)
     p.add_argument("--query-tile", type=int, default=16, help="for the mixed batch")
     args = p.parse_args(argv)

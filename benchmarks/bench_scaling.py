@@ -22,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import measure, paged_layers, parser, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    add_attention_shape_args,
+    measure,
+    paged_layers,
+    parser,
+    print_table,
+    write_json,
+)
 from bench_attention import Batch  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -202,11 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--pool-mib", type=_ints, default=[64, 256, 1024, 4096])
     p.add_argument("--num-reqs", type=int, default=8)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--num-heads", type=int, default=8)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
+    add_attention_shape_args(p)
     p.add_argument("--plot", type=Path, default=None, help="figure path (PNG)")
     args = p.parse_args(argv)
     results = run(args)

@@ -6,15 +6,19 @@ import jaxkv
 from tests.helpers import count_compiles
 
 
-def _engine(fast_prefill=True, kernel=None):
-    backend = jaxkv.AttentionBackend(
+def _backend(kernel=None):
+    """A blocks-first backend with kernel blocks of `kernel` tokens (or any)."""
+    return jaxkv.AttentionBackend(
         name=f"K{kernel}",
         layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
         supported_kernel_block_sizes=(kernel,) if kernel else (jaxkv.MultipleOf(1),),
     )
+
+
+def _engine(fast_prefill=True, kernel=None):
     cfg = jaxkv.tiny_hybrid_config(
         kv_sharing_fast_prefill=fast_prefill,
-        attention_backend=backend,
+        attention_backend=_backend(kernel),
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=256,
@@ -71,13 +75,8 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
 @pytest.mark.parametrize("kernel", [None, 8])
 def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
     # kernel=8: freed manager blocks become null entries of a kernel-block table.
-    backend = jaxkv.AttentionBackend(
-        name=f"SW{kernel}",
-        layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
-        supported_kernel_block_sizes=(kernel,) if kernel else (jaxkv.MultipleOf(1),),
-    )
     cfg = jaxkv.tiny_hybrid_config(
-        attention_backend=backend,
+        attention_backend=_backend(kernel),
         block_size=16,
         head_size=16,
         num_heads=2,
