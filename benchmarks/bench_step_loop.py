@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import parser, print_table, write_json  # noqa: E402
 
 import jaxkv  # noqa: E402
+import jaxkv.demo  # noqa: E402
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -37,16 +38,19 @@ def run(args: Any) -> dict[str, Any]:
         token_buckets=buckets,
         request_buckets=(args.max_num_seqs,),
     )
-    model = jaxkv.TinyHybridModel(cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(0))
-    engine = jaxkv.Engine(cfg, model, num_blocks=args.num_blocks)
+    model = jaxkv.demo.TinyHybridModel(
+        cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(0)
+    )
+    engine = jaxkv.demo.Engine(cfg, model, num_blocks=args.num_blocks)
     warm_s = engine.warm_up()
     pool_bytes = sum(p.nbytes for p in engine.pools)
     temps = [
-        exe.memory_analysis().temp_size_in_bytes for exe in engine.compiled.values()
+        exe.memory_analysis().temp_size_in_bytes
+        for exe in engine.programs.executables()
     ]
     rng = np.random.default_rng(0)
     requests = [
-        jaxkv.Request(
+        jaxkv.demo.Request(
             req_id=f"r{i}",
             prompt=rng.integers(
                 1, args.vocab_size, int(rng.integers(8, args.max_prompt))
@@ -73,7 +77,7 @@ def run(args: Any) -> dict[str, Any]:
     ]
     print_table(
         f"Step loop: built-in hybrid model, pools {pool_bytes / 2**20:.1f} MiB, "
-        f"{len(engine.compiled)} executables warmed up in {warm_s:.1f} s",
+        f"{len(engine.programs)} executables warmed up in {warm_s:.1f} s",
         rows,
     )
     print(
@@ -89,7 +93,7 @@ def run(args: Any) -> dict[str, Any]:
         "max_temp_over_pools": max(temps) / pool_bytes,
         "pool_bytes": pool_bytes,
         "warm_up_s": warm_s,
-        "executables": len(engine.compiled),
+        "executables": len(engine.programs),
         "fast_prefill_armed_steps": engine.counters["fast_prefill_armed"],
     }
 

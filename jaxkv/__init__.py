@@ -1,10 +1,18 @@
-"""jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving."""
+"""jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving.
+
+The core imports jax and numpy only. The layers, bottom to top: static data
+(``specs``, ``backends``, ``config``, ``kv_cache_config``, ``layers``, ``mm``);
+``groups`` (attention groups, kernel block sizes, compile support); ``cache``
+(planning, pools, views, reads and writes, binding, block ids, the plan);
+``step`` (the metadata record, packing, building, fast prefill, buckets,
+compiled programs, the step builder); ``attention``. The demo model and Engine
+live in :mod:`jaxkv.demo`, which ``import jaxkv`` does not load.
+"""
 
 import importlib.metadata
 
-from jaxkv._attention import paged_attention, token_requests_and_positions
-from jaxkv._attn_group import AttentionGroup
-from jaxkv._backend import (
+from jaxkv.attention import paged_attention, token_requests_and_positions
+from jaxkv.backends import (
     AttentionBackend,
     AttentionCGSupport,
     KVCacheLayout,
@@ -14,51 +22,14 @@ from jaxkv._backend import (
     register_backend,
     registered_backends,
 )
-from jaxkv._bind import BoundKVCaches, bind_kv_caches, build_slot_mappings_by_layer
-from jaxkv._buckets import (
-    BatchDescriptor,
-    BucketDispatcher,
-    CompileMode,
-    shape_struct,
-    smallest_bucket,
-)
-from jaxkv._cg_support import (
-    AttentionCGSupportInfo,
-    get_attn_cg_support,
-    get_query_lens_mismatch_unsupported_backend,
-    get_varlen_cudagraph_unsupported_backend,
-)
-from jaxkv._config import LayerConfig, RunnerConfig
-from jaxkv._fast_prefill import (
-    FastPrefillBatchMetadata,
-    FastPrefillHelper,
-    stage_logits_indices,
-    validate_logits_indices,
-    validate_query_start_loc,
-)
-from jaxkv._init_backend import init_attn_backend, with_kv_sharing_layers
-from jaxkv._kernel_blocks import (
-    expand_block_table,
-    map_slot_mapping_to_kernel,
-    prepare_kernel_block_sizes,
-    select_common_block_size,
-)
-from jaxkv._kv_cache import (
-    PoolSpec,
+from jaxkv.cache.bind import BoundKVCaches, bind_kv_caches, build_slot_mappings_by_layer
+from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
+from jaxkv.cache.layout import (
     _align_mixed_attention_kv_cache_views,
     _kv_first_layers_sharing_pool_with_mamba,
-    allocate_pools,
     build_kv_cache_views,
-    init_kv_cache,
-    plan_kv_cache,
 )
-from jaxkv._kv_cache_config import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    add_kv_sharing_layers_to_kv_cache_groups,
-)
-from jaxkv._kv_ops import (
+from jaxkv.cache.ops import (
     gather_kv_pages,
     read_mamba_state,
     read_view,
@@ -68,34 +39,40 @@ from jaxkv._kv_ops import (
     write_mamba_state,
     zero_blocks,
 )
-from jaxkv._layers import (
+from jaxkv.cache.plan import KVCachePlan, make_plan
+from jaxkv.cache.planner import make_kv_cache_config
+from jaxkv.cache.pools import PoolSpec, allocate_pools, init_kv_cache, plan_kv_cache
+from jaxkv.cache.views import KVCacheView, LayerView, MambaView
+from jaxkv.config import LayerConfig, RunnerConfig
+from jaxkv.examples import tiny_hybrid_config
+from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.cg_support import (
+    AttentionCGSupportInfo,
+    get_attn_cg_support,
+    get_query_lens_mismatch_unsupported_backend,
+    get_varlen_cudagraph_unsupported_backend,
+)
+from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
+from jaxkv.groups.kernel_blocks import (
+    expand_block_table,
+    map_slot_mapping_to_kernel,
+    prepare_kernel_block_sizes,
+    select_common_block_size,
+)
+from jaxkv.kv_cache_config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    add_kv_sharing_layers_to_kv_cache_groups,
+)
+from jaxkv.layers import (
     get_kv_cache_spec,
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
 )
-from jaxkv._metadata import (
-    CommonAttentionMetadata,
-    StepLayout,
-    build_attn_metadata,
-    build_attn_metadata_from_step,
-    make_kv_sharing_fast_prefill_common_attn_metadata,
-    pack_step,
-    unpack_step,
-)
-from jaxkv._mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
-from jaxkv._model import TinyHybridModel, forward_dense, forward_paged
-from jaxkv._monitoring import count_compilations
-from jaxkv._planner import make_kv_cache_config, tiny_hybrid_config
-from jaxkv._serve import (
-    BlockAllocator,
-    Engine,
-    EngineStats,
-    Request,
-    generate_dense,
-    get_num_skipped_tokens,
-    progress_bar,
-)
-from jaxkv._specs import (
+from jaxkv.mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
+from jaxkv.monitoring import count_compilations
+from jaxkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -108,8 +85,26 @@ from jaxkv._specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from jaxkv._step import PreparedStep, StepMetadataBuilder
-from jaxkv._views import KVCacheView, LayerView, MambaView
+from jaxkv.step.buckets import (
+    BatchDescriptor,
+    BucketDispatcher,
+    CompileMode,
+    shape_struct,
+    smallest_bucket,
+)
+from jaxkv.step.build import build_attn_metadata, build_attn_metadata_from_step
+from jaxkv.step.builder import PreparedStep, StepInputs, StepMetadataBuilder
+from jaxkv.step.fast_prefill import (
+    FastPrefillBatchMetadata,
+    FastPrefillHelper,
+    make_kv_sharing_fast_prefill_common_attn_metadata,
+    stage_logits_indices,
+    validate_logits_indices,
+    validate_query_start_loc,
+)
+from jaxkv.step.metadata import CommonAttentionMetadata
+from jaxkv.step.packing import StepLayout, pack_step, unpack_step
+from jaxkv.step.programs import Programs
 
 try:
     __version__ = importlib.metadata.version("jaxkv")
@@ -131,14 +126,13 @@ __all__ = [
     "CompileMode",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
-    "Engine",
-    "EngineStats",
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheLayout",
+    "KVCachePlan",
     "KVCacheSpec",
     "KVCacheTensor",
     "KVCacheView",
@@ -152,13 +146,13 @@ __all__ = [
     "PlaceholderRange",
     "PoolSpec",
     "PreparedStep",
-    "Request",
+    "Programs",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StepInputs",
     "StepLayout",
     "StepMetadataBuilder",
-    "TinyHybridModel",
     "UniformTypeKVCacheSpecs",
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",
@@ -173,10 +167,7 @@ __all__ = [
     "count_compilations",
     "create_fast_prefill_custom_backend",
     "expand_block_table",
-    "forward_dense",
-    "forward_paged",
     "gather_kv_pages",
-    "generate_dense",
     "get_attn_cg_support",
     "get_backend",
     "get_kv_cache_spec",
@@ -189,12 +180,12 @@ __all__ = [
     "init_kv_cache",
     "make_kv_cache_config",
     "make_kv_sharing_fast_prefill_common_attn_metadata",
+    "make_plan",
     "map_slot_mapping_to_kernel",
     "pack_step",
     "paged_attention",
     "plan_kv_cache",
     "prepare_kernel_block_sizes",
-    "progress_bar",
     "read_mamba_state",
     "read_view",
     "register_backend",

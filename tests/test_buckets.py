@@ -63,27 +63,21 @@ def test_check_and_bad_buckets():
         jaxkv.BucketDispatcher(token_buckets=(4, 2), max_num_tokens=8, max_num_reqs=2)
 
 
-def test_warm_up_compiles_every_executable_from_shapes_without_allocating():
+def test_programs_compile_every_bucket_from_shapes_without_allocating():
     d = jaxkv.BucketDispatcher(token_buckets=(4, 8), max_num_tokens=8, max_num_reqs=4)
-
-    @jax.jit
-    def fn(x, y):
-        return x.sum() + y.sum()
-
+    progs = jaxkv.Programs(lambda x, y: x.sum() + y.sum())
     live = len(jax.live_arrays())
-    compiled = d.warm_up(
-        fn,
-        lambda desc: (
+    for desc in d.executables():
+        progs.compile(
+            (desc.num_tokens, desc.num_reqs),
             jaxkv.shape_struct((desc.num_tokens,), jnp.int32),
             jaxkv.shape_struct((desc.num_reqs,), jnp.int32),
-        ),
-    )
+        )
     assert len(jax.live_arrays()) == live
-    assert set(compiled) == {e.key for e in d.executables()}
-    assert d.ready
-    exe = compiled[d.dispatch(num_reqs=2, num_tokens=3).key]
+    # FULL and PIECEWISE buckets of equal sizes are one program.
+    assert len(progs) == len({(e.num_tokens, e.num_reqs) for e in d.executables()})
     x = jax.device_put(jnp.ones(4, jnp.int32))
     with count_compiles() as compiles:
-        out = exe(x, x)
+        out = progs((4, 4), x, x)
     assert int(out) == 8
     assert compiles == []

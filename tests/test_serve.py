@@ -3,6 +3,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
+import jaxkv.demo
 from tests.helpers import count_compiles
 
 
@@ -25,14 +26,14 @@ def _engine(fast_prefill=True, kernel=None):
         token_buckets=(8, 32, 64),
         request_buckets=(8,),
     )
-    model = jaxkv.TinyHybridModel(cfg, vocab_size=96, rngs=nnx.Rngs(1))
-    return model, jaxkv.Engine(cfg, model, num_blocks=96)
+    model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=96, rngs=nnx.Rngs(1))
+    return model, jaxkv.demo.Engine(cfg, model, num_blocks=96)
 
 
 def _requests(seed=0, n=8):
     rng = np.random.default_rng(seed)
     return [
-        jaxkv.Request(
+        jaxkv.demo.Request(
             req_id=f"r{i}",
             prompt=rng.integers(1, 96, int(rng.integers(3, 60))).tolist(),
             max_new_tokens=int(rng.integers(4, 12)),
@@ -48,7 +49,12 @@ def _requests(seed=0, n=8):
 def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kernel):
     model, engine = _engine(fast_prefill, kernel)
     if kernel:
-        attn = [g for gs in engine.groups for g in gs if g.backend.name == f"K{kernel}"]
+        attn = [
+            g
+            for gs in engine.plan.attn_groups
+            for g in gs
+            if g.backend.name == f"K{kernel}"
+        ]
         assert attn
         assert all(g.kernel_block_size == kernel for g in attn)
     engine.warm_up()
@@ -64,7 +70,7 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
         assert engine.counters["fast_prefill_armed"] == 0
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     for r in requests:
-        assert r.output == jaxkv.generate_dense(
+        assert r.output == jaxkv.demo.generate_dense(
             model, r.prompt, r.max_new_tokens, max_len
         ), r.req_id
     # Every block went back to the allocator.
@@ -88,19 +94,21 @@ def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
         token_buckets=(4, 32),
         request_buckets=(4,),
     )
-    model = jaxkv.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(2))
-    engine = jaxkv.Engine(cfg, model, num_blocks=160)
+    model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(2))
+    engine = jaxkv.demo.Engine(cfg, model, num_blocks=160)
     swa = [i for i, s in enumerate(engine.group_specs) if s is not None]
     assert swa, "the sliding-window group may free blocks"
     if kernel:
-        assert {g.kernel_block_size for gs in engine.groups for g in gs} >= {kernel}
+        assert {g.kernel_block_size for gs in engine.plan.attn_groups for g in gs} >= {
+            kernel
+        }
     engine.warm_up()
     free = engine.allocator
 
     def serve(free_skipped: bool):
         rng = np.random.default_rng(3)
         requests = [
-            jaxkv.Request(
+            jaxkv.demo.Request(
                 req_id=f"r{i}",
                 prompt=rng.integers(1, 64, int(rng.integers(30, 70))).tolist(),
                 max_new_tokens=int(rng.integers(10, 24)),
@@ -134,7 +142,7 @@ def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
     assert peak_freed < peak_kept, (peak_freed, peak_kept)
     max_len = max(len(r.prompt) + r.max_new_tokens for r in freed)
     for a, b in zip(freed, kept, strict=True):
-        dense = jaxkv.generate_dense(model, a.prompt, a.max_new_tokens, max_len)
+        dense = jaxkv.demo.generate_dense(model, a.prompt, a.max_new_tokens, max_len)
         assert a.output == dense == b.output, a.req_id
 
 

@@ -12,22 +12,14 @@ BUCKETS = (8, 16, 32, 64)
 
 def _builder():
     cfg = jaxkv.tiny_hybrid_config(
-        block_size=32, max_num_seqs=8, max_num_batched_tokens=64
-    )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=64)
-    groups, info, _ = jaxkv.init_attn_backend(kv, cfg)
-    dispatcher = jaxkv.BucketDispatcher(
+        block_size=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
         token_buckets=BUCKETS,
         request_buckets=(4, 8),
-        max_num_tokens=64,
-        max_num_reqs=8,
-        cg_support=info.min_cg_support,
     )
-    helper = jaxkv.FastPrefillHelper(dispatcher, 64)
-    builder = jaxkv.StepMetadataBuilder(
-        groups, kv, dispatcher, block_table_widths=(8,) * 3, fast_prefill_helper=helper
-    )
-    return builder
+    return jaxkv.StepMetadataBuilder(jaxkv.make_plan(cfg, num_blocks=64))
 
 
 def _random_step(rng, block_size=32, widths=8) -> dict[str, Any]:
@@ -61,7 +53,7 @@ def _random_step(rng, block_size=32, widths=8) -> dict[str, Any]:
         query_start_loc=qsl,
         seq_lens=seq_lens,
         positions=positions,
-        block_tables=[tables] * 3,
+        block_tables=[tables, tables, tables[:, :1]],  # Mamba: one state block
         slot_mappings=[slots.astype(np.int32)] * 3,
         logits_indices=logits_indices if logits_indices.size else None,
         cu_num_logits=cu,
@@ -79,7 +71,7 @@ def test_200_step_replayed_trace_compiles_nothing_after_warm_up():
             step = builder.prepare(**inputs)
             meta = builder.build(step)
             jax.block_until_ready(meta)
-            seen["armed" if step.fast_prefill is not None else "unarmed"] += 1
+            seen["armed" if step.inputs.fast_prefill is not None else "unarmed"] += 1
             seen[step.desc.cg_mode.name] += 1
     assert compiles == [], f"{len(compiles)} traces/compiles after warm-up"
     assert min(seen.values()) > 10, seen
@@ -106,7 +98,7 @@ def test_step_metadata_matches_inputs():
         assert int(full.num_actual_tokens) == n
         np.testing.assert_array_equal(full.query_start_loc_cpu, qsl)
         yoco = meta["layers.6.self_attn"]
-        if step.fast_prefill is not None:
+        if step.inputs.fast_prefill is not None:
             cu = inputs["cu_num_logits"]
             np.testing.assert_array_equal(yoco.query_start_loc[: r + 1], cu)
             np.testing.assert_array_equal(yoco.query_start_loc_cpu, cu)
@@ -119,12 +111,49 @@ def test_step_metadata_matches_inputs():
             np.testing.assert_array_equal(yoco.query_start_loc, full.query_start_loc)
 
 
-def test_builder_rejects_bad_widths():
+def test_builder_rejects_a_block_table_per_group_missing():
     builder = _builder()
-    with pytest.raises(ValueError, match="expected one per KV-cache group"):
-        jaxkv.StepMetadataBuilder(
-            builder.attn_groups,
-            builder.kv_cache_config,
-            builder.dispatcher,
-            block_table_widths=(8,),
-        )
+    inputs = _random_step(np.random.default_rng(2))
+    inputs["block_tables"] = inputs["block_tables"][:2]
+    with pytest.raises(ValueError, match="one per KV-cache group"):
+        builder.prepare(**inputs)
+
+
+def test_full_and_piecewise_buckets_share_one_program():
+    builder = _builder()
+    descs = builder.dispatcher.executables()
+    modes = {d.cg_mode for d in descs}
+    assert modes == {jaxkv.CompileMode.FULL, jaxkv.CompileMode.PIECEWISE}
+    programs = builder.abstract_inputs()
+    keys = [p.program for p in programs]
+    assert len(keys) == len(set(keys))
+    # One unarmed program per (token bucket, request bucket) whatever the mode,
+    # plus the armed ones (fast prefill pads to token buckets <= the step's).
+    shapes = {(d.num_tokens, d.num_reqs) for d in descs}
+    unarmed = [k for k in keys if k[1] is None]
+    assert len(unarmed) == len(shapes)
+    armed = [k for k in keys if k[1] is not None]
+    expected = sum(1 for t, _ in shapes for b in BUCKETS if b <= t)
+    assert len(armed) == expected
+
+
+def test_metadata_inside_the_callers_jit_equals_build():
+    builder = _builder()
+    builder.warm_up()
+    step = builder.prepare(**_random_step(np.random.default_rng(3)))
+    built = builder.build(step)
+
+    @jax.jit
+    def user_step(inputs):
+        meta = builder.metadata(inputs)
+        return {name: m.slot_mapping for name, m in meta.items()}, {
+            name: m.query_start_loc for name, m in meta.items()
+        }
+
+    slots, qsl = user_step(step.inputs)
+    assert set(slots) == set(built)
+    for name, m in built.items():
+        np.testing.assert_array_equal(slots[name], m.slot_mapping)
+        np.testing.assert_array_equal(qsl[name], m.query_start_loc)
+    # Tracing twice gives the same program: nothing in the builder changed.
+    assert builder.metadata(step.inputs).keys() == built.keys()

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxkv._kv_ops import Pools, gather_kv_pages
-from jaxkv._metadata import CommonAttentionMetadata
-from jaxkv._views import KVCacheView
+from jaxkv.cache.ops import Pools, gather_kv_pages
+from jaxkv.cache.views import KVCacheView
+from jaxkv.step.build import CommonAttentionMetadata
 
 
 def token_requests_and_positions(

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-from jaxkv._attn_group import AttentionGroup
-from jaxkv._config import RunnerConfig
-from jaxkv._init_backend import with_kv_sharing_layers
-from jaxkv._kv_cache import kernel_views
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._layers import get_shared_kv_cache_layers
-from jaxkv._views import LayerView
+from jaxkv.cache.pools import kernel_views
+from jaxkv.cache.views import LayerView
+from jaxkv.config import RunnerConfig
+from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.init_backend import with_kv_sharing_layers
+from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.layers import get_shared_kv_cache_layers
 
 
 class BoundKVCaches(Mapping[str, LayerView]):
@@ -49,13 +49,15 @@ class BoundKVCaches(Mapping[str, LayerView]):
         return len(self._views)
 
     def __hash__(self) -> int:
-        """Hash of the binding (views are static values)."""
-        return hash(tuple(self._views.items()))
+        """Hash of the binding; equal bindings hash equally (order ignored)."""
+        return hash((frozenset(self._views.items()), frozenset(self.uncached_layers)))
 
     def __eq__(self, other: object) -> bool:
         """Equal bindings bind equal views to the same layers."""
         if isinstance(other, BoundKVCaches):
-            return self._views == other._views
+            return self._views == other._views and set(self.uncached_layers) == set(
+                other.uncached_layers
+            )
         return NotImplemented
 
     def __repr__(self) -> str:

@@ -8,9 +8,9 @@ from typing import Literal
 
 import jax
 
-from jaxkv._backend import AttentionBackend, KVCacheLayout
-from jaxkv._pytree import check_non_negative_int, check_positive_int
-from jaxkv._specs import KVCacheSpec, MambaSpec, MLAAttentionSpec
+from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv.backends import AttentionBackend, KVCacheLayout
+from jaxkv.specs import KVCacheSpec, MambaSpec, MLAAttentionSpec
 
 LayerType = Literal["attention", "mla", "mamba"]
 AttnType = Literal["decoder", "encoder", "encoder_only", "encoder_decoder"]

@@ -6,21 +6,24 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from jaxkv._attn_group import AttentionGroup
-from jaxkv._backend import AttentionBackend, create_fast_prefill_custom_backend
-from jaxkv._cg_support import AttentionCGSupportInfo, get_attn_cg_support
-from jaxkv._config import RunnerConfig
-from jaxkv._kernel_blocks import prepare_kernel_block_sizes, select_common_block_size
-from jaxkv._kv_cache_config import (
+from jaxkv.backends import AttentionBackend, create_fast_prefill_custom_backend
+from jaxkv.config import RunnerConfig
+from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.cg_support import AttentionCGSupportInfo, get_attn_cg_support
+from jaxkv.groups.kernel_blocks import (
+    prepare_kernel_block_sizes,
+    select_common_block_size,
+)
+from jaxkv.kv_cache_config import (
     KVCacheConfig,
     add_kv_sharing_layers_to_kv_cache_groups,
     packed_tensor_of_layers,
 )
-from jaxkv._layers import (
+from jaxkv.layers import (
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
 )
-from jaxkv._specs import (
+from jaxkv.specs import (
     AttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
@@ -146,6 +149,7 @@ def init_attn_backend(
                     kv_cache_spec=spec,
                     kv_cache_group_id=gid,
                     num_heads=heads,
+                    fast_prefill=names[0] in eligible,
                 )
                 for (backend, spec, heads), names in by_key.items()
             ]

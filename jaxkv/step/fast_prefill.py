@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,9 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
-from jaxkv._buckets import BatchDescriptor, BucketDispatcher, CompileMode
+from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
+from jaxkv.step.metadata import CommonAttentionMetadata
+from jaxkv.step.programs import Programs
 
 
 @functools.partial(
@@ -100,7 +101,6 @@ def stage_logits_indices(
     return new, new[:padded]
 
 
-@functools.partial(jax.jit, donate_argnums=0, keep_unused=True)
 def _stage_packed(
     buffer: jax.Array, packed: jax.Array
 ) -> tuple[jax.Array, FastPrefillBatchMetadata]:
@@ -151,7 +151,8 @@ class FastPrefillHelper:
         self.cudagraph_manager = cudagraph_manager
         self.max_num_tokens = max_num_tokens
         self.buffer = jnp.zeros(max_num_tokens, jnp.int32)
-        self._staging: dict[int, Any] = {}
+        # One staging program per padded length; the buffer is donated.
+        self.programs = Programs(_stage_packed, donate_argnums=0, keep_unused=True)
 
     def paddings(self) -> list[int]:
         """Every padded length :meth:`prepare` can produce (one kernel each)."""
@@ -162,9 +163,7 @@ class FastPrefillHelper:
         """Compiles the staging kernel for every padding, from shapes only."""
         buf = jax.ShapeDtypeStruct((self.max_num_tokens,), jnp.int32)
         for p in self.paddings():
-            if p not in self._staging:
-                packed = jax.ShapeDtypeStruct((p + 2,), jnp.int32)
-                self._staging[p] = _stage_packed.lower(buf, packed).compile()
+            self.programs.compile(p, buf, jax.ShapeDtypeStruct((p + 2,), jnp.int32))
 
     def prepare(
         self,
@@ -224,8 +223,7 @@ class FastPrefillHelper:
         host = np.full(padded + 2, -1, np.int32)  # [n, max, indices..., sentinels]
         host[0], host[1] = n, max_per_req
         host[2 : n + 2] = idx
-        stage = self._staging.get(padded, _stage_packed)
-        self.buffer, meta = stage(self.buffer, host)
+        self.buffer, meta = self.programs(padded, self.buffer, host)
         return dataclasses.replace(
             meta, num_logits_indices_cpu=n, max_logits_per_req_cpu=max_per_req
         )
@@ -305,3 +303,69 @@ def validate_query_start_loc(query_start_loc: ArrayLike) -> None:
             f"query_start_loc must not decrease; entry {i} is {int(qsl[i])} after "
             f"{int(qsl[i - 1])}."
         )
+
+
+def make_kv_sharing_fast_prefill_common_attn_metadata(
+    common: CommonAttentionMetadata,
+) -> CommonAttentionMetadata:
+    """The reduced record of the fast-prefill (KV-sharing) layers (spec §2.17).
+
+    Keeps only the logits positions: request ``r``'s query becomes its logits
+    tokens, ``query_start_loc' = [0, cumsum(counts)]``; ``seq_lens``, block
+    table and slot mapping are unchanged (logits positions are each request's
+    trailing tokens, so they attend exactly as in the full batch);
+    ``num_actual_tokens = num_logits_indices``, ``max_query_len =
+    max_logits_per_req``, causal. Per-token optional fields are cleared.
+    Returns `common` unchanged if fast prefill is not armed. When
+    ``max_query_len == 1`` vLLM returns the record unchanged; here the counts are
+    selected on device to the same values, but the optional per-token fields are
+    still cleared, since a jitted step cannot change its structure on a value.
+
+    Example:
+      >>> import dataclasses
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> i32 = lambda x: jnp.asarray(x, jnp.int32)
+      >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=3, max_tokens=28,
+      ...                                         max_blocks=1)
+      >>> m = dataclasses.replace(m, query_start_loc=i32([0, 15, 20, 28]),
+      ...     seq_lens=i32([41, 31, 40]), num_reqs=i32(3), max_query_len=i32(15),
+      ...     logits_indices_padded=i32([14, 18, 19, 27, 27, 27, 27, 27]),
+      ...     num_logits_indices=i32(4), max_logits_per_req=i32(2), fast_prefill=True)
+      >>> r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
+      >>> r.query_start_loc.tolist(), int(r.num_actual_tokens), int(r.max_query_len)
+      ([0, 1, 3, 4], 4, 2)
+    """
+    if not common.fast_prefill:
+        return common
+    qsl = common.query_start_loc
+    idx = common.logits_indices_padded
+    n = common.num_logits_indices
+    max_reqs = common.max_reqs
+    # Owning request of each index: qsl = [0, 15, 20, 28], idx = [14, 18, 19, 27]
+    # -> [0, 1, 1, 2]; entries past n (padding) get max_reqs and are dropped.
+    owner = jnp.searchsorted(qsl[1:], idx, side="right").astype(jnp.int32)
+    valid = jnp.arange(idx.shape[0], dtype=jnp.int32) < n
+    owner = jnp.where(valid, owner, max_reqs)
+    counts = jnp.zeros(max_reqs, jnp.int32).at[owner].add(1, mode="drop")
+    reduced_qsl = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)]
+    )
+    decode_only = common.max_query_len == 1
+    max_tokens = common.positions.shape[0]
+    return dataclasses.replace(
+        common,
+        query_start_loc=jnp.where(decode_only, qsl, reduced_qsl),
+        num_actual_tokens=jnp.where(decode_only, common.num_actual_tokens, n),
+        max_query_len=jnp.where(
+            decode_only, common.max_query_len, common.max_logits_per_req
+        ),
+        positions=jnp.zeros(max_tokens, jnp.int32),
+        is_prefilling=jnp.zeros(max_reqs, jnp.bool_),
+        token_to_req=jnp.zeros(max_tokens, jnp.int32),
+        encoder_seq_lens=jnp.zeros(max_reqs, jnp.int32),
+        mm_prefix_ranges=jnp.zeros_like(common.mm_prefix_ranges),
+        mm_num_ranges=jnp.zeros(max_reqs, jnp.int32),
+        causal=True,
+        query_start_loc_cpu=None,
+    )

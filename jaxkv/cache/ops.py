@@ -18,8 +18,14 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
-from jaxkv._strided import from_bits, gather_items, make_plan, scatter_items, to_bits
-from jaxkv._views import KVCacheView, LayerView, MambaView
+from jaxkv.cache.strided import (
+    from_bits,
+    gather_items,
+    make_plan,
+    scatter_items,
+    to_bits,
+)
+from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
 

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv._attention import paged_attention, token_requests_and_positions
-from jaxkv._config import RunnerConfig
-from jaxkv._kv_ops import Pools, read_mamba_state, write_kv, write_mamba_state
-from jaxkv._metadata import CommonAttentionMetadata
-from jaxkv._specs import AttentionSpec, MambaSpec, SlidingWindowSpec
-from jaxkv._views import KVCacheView, LayerView, MambaView
+from jaxkv.attention import paged_attention, token_requests_and_positions
+from jaxkv.cache.ops import Pools, read_mamba_state, write_kv, write_mamba_state
+from jaxkv.cache.views import KVCacheView, LayerView, MambaView
+from jaxkv.config import RunnerConfig
+from jaxkv.specs import AttentionSpec, MambaSpec, SlidingWindowSpec
+from jaxkv.step.build import CommonAttentionMetadata
 
 
 def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -136,11 +136,11 @@ class TinyHybridModel(nnx.Module):
     """The built-in model of a :class:`RunnerConfig` (random weights).
 
     Example:
-      >>> import jaxkv
+      >>> import jaxkv, jaxkv.demo
       >>> from flax import nnx
-      >>> model = jaxkv.TinyHybridModel(jaxkv.tiny_hybrid_config(), vocab_size=64,
-      ...                               rngs=nnx.Rngs(0))
-      >>> jaxkv.forward_dense(model, jax.numpy.array([1, 2, 3])).shape
+      >>> model = jaxkv.demo.TinyHybridModel(jaxkv.tiny_hybrid_config(),
+      ...                                    vocab_size=64, rngs=nnx.Rngs(0))
+      >>> jaxkv.demo.forward_dense(model, jax.numpy.array([1, 2, 3])).shape
       (3, 64)
     """
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import jax
 
-from jaxkv._pytree import check_positive_int
+from jaxkv._util import check_positive_int
 
 
 class AttentionCGSupport(enum.IntEnum):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterator, Sequence
 
-from jaxkv._attn_group import AttentionGroup
-from jaxkv._backend import AttentionCGSupport
-from jaxkv._config import RunnerConfig
+from jaxkv.backends import AttentionCGSupport
+from jaxkv.config import RunnerConfig
+from jaxkv.groups.attn_group import AttentionGroup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxkv._pytree import check_non_negative_int, check_positive_int
+from jaxkv._util import check_non_negative_int, check_positive_int
 
 _T = TypeVar("_T")
 

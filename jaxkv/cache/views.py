@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv._backend import AttentionBackend, KVCacheLayout
+from jaxkv.backends import AttentionBackend, KVCacheLayout
 
 # Role of each logical axis, per layout.
 _AXES = {

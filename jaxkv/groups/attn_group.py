@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxkv._backend import AttentionBackend
-from jaxkv._kernel_blocks import expand_block_table, map_slot_mapping_to_kernel
-from jaxkv._specs import KVCacheSpec
+from jaxkv.backends import AttentionBackend
+from jaxkv.groups.kernel_blocks import expand_block_table, map_slot_mapping_to_kernel
+from jaxkv.specs import KVCacheSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -29,6 +29,8 @@ class AttentionGroup:
       num_heads: Query heads of the layers (0 if unknown).
       maps_slot_mapping: Whether this group's slot mappings are converted to
         kernel space by the caller (spec §2.7.5).
+      fast_prefill: Whether the layers run on the KV-sharing fast-prefill path
+        (YOCO early exit) and so get the reduced metadata record (spec §2.17).
 
     Example:
       >>> import numpy as np
@@ -50,6 +52,7 @@ class AttentionGroup:
     kernel_block_stride: int = 0
     num_heads: int = 0
     maps_slot_mapping: bool = False
+    fast_prefill: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))

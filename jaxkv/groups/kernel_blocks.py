@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._backend import AttentionBackend, MultipleOf
-from jaxkv._kv_cache_config import KVCacheConfig, packed_tensor_of_layers
-from jaxkv._specs import (
+from jaxkv.backends import AttentionBackend, MultipleOf
+from jaxkv.kv_cache_config import KVCacheConfig, packed_tensor_of_layers
+from jaxkv.specs import (
     AttentionSpec,
     EncoderOnlyAttentionSpec,
     MambaSpec,
@@ -18,7 +18,7 @@ from jaxkv._specs import (
 )
 
 if TYPE_CHECKING:
-    from jaxkv._attn_group import AttentionGroup
+    from jaxkv.groups.attn_group import AttentionGroup
 
 _A = TypeVar("_A", np.ndarray, Any)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from jaxkv._backend import AttentionCGSupport
-from jaxkv._pytree import check_positive_int
+from jaxkv._util import check_positive_int
+from jaxkv.backends import AttentionCGSupport
 
 
 class CompileMode(enum.Enum):
@@ -127,7 +127,6 @@ class BucketDispatcher:
         self.max_num_reqs = max_num_reqs
         self.cg_support = AttentionCGSupport(cg_support)
         self.ready = False
-        self.compiled: dict[Any, Any] = {}
 
     def mark_ready(self) -> None:
         """Start padding to buckets (as after capture)."""
@@ -142,6 +141,10 @@ class BucketDispatcher:
         if support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
             return uniform_token_count == 1
         return False
+
+    def token_bucket(self, num_tokens: int) -> int | None:
+        """The smallest token bucket holding `num_tokens`, or ``None``."""
+        return smallest_bucket(self.token_buckets, num_tokens)
 
     def request_bucket(self, num_reqs: int, num_tokens_padded: int) -> int | None:
         """Padded request count for a step of `num_tokens_padded` tokens."""
@@ -256,32 +259,6 @@ class BucketDispatcher:
                         BatchDescriptor(num_tokens=tokens, num_reqs=reqs, cg_mode=mode)
                     )
         return out
-
-    def warm_up(
-        self,
-        fn: Any,
-        abstract_args: Callable[[BatchDescriptor], Sequence[Any]],
-        descriptors: Sequence[BatchDescriptor] | None = None,
-    ) -> dict[tuple[int, int, str, int, int], Any]:
-        """Compiles `fn` for every executable from ``jax.ShapeDtypeStruct``s.
-
-        Nothing is allocated: `abstract_args(desc)` returns shape/dtype
-        structures (or static values), which are lowered and compiled. Marks the
-        dispatcher ready.
-
-        Args:
-          fn: A ``jax.jit``-wrapped function.
-          abstract_args: Builds the abstract arguments of one descriptor.
-          descriptors: Which executables (default :meth:`executables`).
-
-        Returns:
-          ``descriptor key -> compiled executable`` (also kept in ``compiled``).
-        """
-        for desc in descriptors if descriptors is not None else self.executables():
-            if desc.key not in self.compiled:
-                self.compiled[desc.key] = fn.lower(*abstract_args(desc)).compile()
-        self.ready = True
-        return self.compiled
 
 
 def shape_struct(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:

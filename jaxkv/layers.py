@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from jaxkv._config import RunnerConfig
-from jaxkv._specs import KVCacheSpec
+from jaxkv.config import RunnerConfig
+from jaxkv.specs import KVCacheSpec
 
 
 def get_kv_cache_spec(vllm_config: RunnerConfig) -> dict[str, KVCacheSpec]:

@@ -1,58 +1,34 @@
-"""Planning and allocating pools and per-layer views (spec §1.4, §2.11-§2.13)."""
+"""Per-layer views of the pools: the bytes of each layer's blocks (§1.4, §2.11-§2.13).
+
+Pure Python over static data: every rule here maps a layer's spec, backend,
+kernel block size and pool to a :class:`KVCacheView` (or :class:`MambaView`);
+nothing is allocated or compiled.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._attn_group import AttentionGroup
-from jaxkv._config import RunnerConfig
-from jaxkv._init_backend import with_kv_sharing_layers
-from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
-from jaxkv._layers import get_shared_kv_cache_layers
-from jaxkv._specs import AttentionSpec, MambaSpec
-from jaxkv._strided import carrier_dtype, granule
-from jaxkv._views import (
+from jaxkv.cache.views import (
     KVCacheView,
     LayerView,
     MambaView,
     attention_view,
     restride_blocks_first_to_kv_first,
 )
+from jaxkv.config import RunnerConfig
+from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.init_backend import with_kv_sharing_layers
+from jaxkv.kv_cache_config import KVCacheConfig, KVCacheTensor
+from jaxkv.layers import get_shared_kv_cache_layers
+from jaxkv.specs import AttentionSpec, MambaSpec
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PoolSpec:
-    """One physical pool: a flat array of carrier words.
-
-    Example:
-      >>> import jaxkv
-      >>> jaxkv.PoolSpec(size_bytes=1024, word=4).shape
-      (256,)
-    """
-
-    size_bytes: int
-    word: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The carrier dtype (uint8, uint16 or uint32)."""
-        return carrier_dtype(self.word)
-
-    @property
-    def shape(self) -> tuple[int]:
-        """Shape of the pool array."""
-        return (self.size_bytes // self.word,)
-
-
-def _pool_index(kv_cache_config: KVCacheConfig) -> tuple[list[int], dict[int, int]]:
+def pool_index(kv_cache_config: KVCacheConfig) -> tuple[list[int], dict[int, int]]:
     """Pool sizes and ``tensor index -> pool index`` (all packed tensors: one pool)."""
     sizes: list[int] = []
     of_tensor: dict[int, int] = {}
@@ -102,7 +78,7 @@ def _kv_first_layers_sharing_pool_with_mamba(
         return set()
     kv_first: set[str] = set()
     mamba: set[str] = set()
-    for group in _flat(attn_groups):
+    for group in flat_groups(attn_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             mamba.update(group.layer_names)
@@ -158,7 +134,7 @@ def _align_mixed_attention_kv_cache_views(
       (32, 128, 2, 2, 1)
     """
     block_dims: dict[str, int] = {}
-    for group in _flat(attn_groups):
+    for group in flat_groups(attn_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
         if group.kv_cache_group_id >= len(kernel_block_sizes):
@@ -189,7 +165,8 @@ def _align_mixed_attention_kv_cache_views(
     return out
 
 
-def _flat(groups: Iterable[Any]) -> list[AttentionGroup]:
+def flat_groups(groups: Iterable[Any]) -> list[AttentionGroup]:
+    """Attention groups from a flat or a per-KV-cache-group nested sequence."""
     flat: list[AttentionGroup] = []
     for item in groups:
         if isinstance(item, AttentionGroup):
@@ -315,7 +292,7 @@ def build_kv_cache_views(
     """
     kv_cache_config = with_kv_sharing_layers(kv_cache_config, vllm_config)
     shared = get_shared_kv_cache_layers(vllm_config)
-    _, pool_of_tensor = _pool_index(kv_cache_config)
+    _, pool_of_tensor = pool_index(kv_cache_config)
     tensor_index = {
         name: tid
         for tid, t in enumerate(kv_cache_config.kv_cache_tensors)
@@ -325,7 +302,7 @@ def build_kv_cache_views(
         attn_groups, kernel_block_sizes, vllm_config.cache_dtype, kv_cache_config
     )
     views: dict[str, LayerView] = {}
-    for group in _flat(attn_groups):
+    for group in flat_groups(attn_groups):
         gid = group.kv_cache_group_id
         if gid >= len(kernel_block_sizes):
             continue
@@ -359,222 +336,3 @@ def build_kv_cache_views(
         if target in views:
             views[layer] = views[target]
     return views
-
-
-def kernel_view(
-    view: KVCacheView, group: AttentionGroup, tensor: KVCacheTensor
-) -> KVCacheView:
-    """The §1.8 kernel-block view of a packed manager-block view.
-
-    Kernel id ``q`` addresses ``[offset + q*U_k, offset + (q+1)*U_k)``; ids
-    ``b*s + j`` (``j < r``) are manager block ``b``'s pieces.
-
-    Raises:
-      ValueError: If the group's slot mappings are not mapped to kernel space.
-    """
-    k = group.kernel_block_size
-    if k is None or view.block_size == k:
-        return view
-    spec = group.kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or not tensor.is_packed:
-        raise ValueError(
-            f"Layers {list(group.layer_names)} need kernel blocks of {k} tokens but "
-            f"their view has blocks of {view.block_size}; only packed attention pools "
-            "are re-viewed at bind time."
-        )
-    if not group.maps_slot_mapping:
-        raise ValueError(
-            f"Layers {list(group.layer_names)} live in a packed pool and need kernel "
-            f"blocks of {k} tokens, but their slot mappings are not mapped to kernel "
-            "space; pass maps_slot_mapping=True or name them in slot_mapped_layers."
-        )
-    r = spec.block_size // k
-    s = group.kernel_block_stride
-    kernel_page = spec.real_page_size_bytes // r
-    shape = list(view.shape)
-    shape[view.block_dim] = (tensor.size // tensor.block_stride - 1) * s + r
-    shape[view.dim("token")] = k
-    token_dim = view.dim("token")
-    strides = list(view.strides)
-    # Inner strides are recomputed densely for the smaller block; the block
-    # stride becomes one kernel page.
-    scale = view.block_size // k
-    for d in range(len(shape)):
-        if d in (view.block_dim, token_dim):
-            continue
-        if strides[d] > strides[token_dim]:
-            strides[d] //= scale
-    strides[view.block_dim] = kernel_page // view.itemsize
-    return dataclasses.replace(view, shape=tuple(shape), strides=tuple(strides))
-
-
-def kernel_views(
-    views: Mapping[str, LayerView],
-    attn_groups: Iterable[Any],
-    kv_cache_config: KVCacheConfig,
-    vllm_config: RunnerConfig,
-    *,
-    skip_unmapped: bool = False,
-) -> dict[str, KVCacheView]:
-    """The kernel-block view of every layer in `views` whose group splits blocks.
-
-    Layers sharing one view get one kernel view. With `skip_unmapped`, groups
-    whose slot mappings are not mapped are left out instead of raising.
-    """
-    shared = get_shared_kv_cache_layers(vllm_config)
-    augmented = with_kv_sharing_layers(kv_cache_config, vllm_config)
-    made: dict[int, KVCacheView] = {}
-    out: dict[str, KVCacheView] = {}
-    for group in _flat(attn_groups):
-        if group.kernel_block_size is None:
-            continue
-        if skip_unmapped and not group.maps_slot_mapping:
-            continue
-        for name in group.layer_names:
-            view = views.get(name)
-            if not isinstance(view, KVCacheView):
-                continue
-            if id(view) not in made:
-                tensor = augmented.tensor_of(shared.get(name, name))
-                made[id(view)] = kernel_view(view, group, tensor)
-            out[name] = made[id(view)]
-    return out
-
-
-def _view_granules(view: LayerView) -> list[int]:
-    if isinstance(view, MambaView):
-        return [
-            granule(s.offset, s.shape, s.strides, s.itemsize, (s.block_dim,))
-            for s in view.states
-        ]
-    out = [
-        granule(view.offset, view.shape, view.strides, view.itemsize, (view.block_dim,))
-    ]
-    if "token" in view.axes:
-        indexed = (view.block_dim, view.dim("token"))
-        out.append(
-            granule(view.offset, view.shape, view.strides, view.itemsize, indexed)
-        )
-    return out
-
-
-def plan_pools(
-    kv_cache_config: KVCacheConfig,
-    views: Mapping[str, LayerView],
-    extra_views: Iterable[LayerView] = (),
-    *,
-    max_word: int = 4,
-) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
-    """Chooses each pool's carrier word and stamps it on the views.
-
-    The word is the widest of 4, 2, 1 bytes dividing the pool size and every
-    window start and length of every view's block and token accesses: wide
-    words make XLA:CPU scatters several times faster than byte scatters.
-
-    Returns:
-      ``(pool specs, views with their word set)``; aliased layers keep sharing
-      one view object.
-    """
-    sizes, _ = _pool_index(kv_cache_config)
-    g = [s for s in sizes]
-    for view in (*views.values(), *extra_views):
-        pool = view.pool
-        g[pool] = math.gcd(g[pool], *_view_granules(view))
-    words = [next(w for w in (4, 2, 1) if w <= max_word and gv % w == 0) for gv in g]
-    for size, word in zip(sizes, words, strict=True):
-        if size // word >= 2**31:
-            raise ValueError(
-                f"A pool of {size} bytes has {size // word} {word}-byte words, past "
-                "int32 indexing; split it into several KVCacheTensors."
-            )
-    stamped: dict[int, LayerView] = {}
-    out: dict[str, LayerView] = {}
-    for name, view in views.items():
-        if id(view) not in stamped:
-            stamped[id(view)] = with_word(view, words[view.pool])
-        out[name] = stamped[id(view)]
-    pools = tuple(
-        PoolSpec(size_bytes=s, word=w) for s, w in zip(sizes, words, strict=True)
-    )
-    return pools, out
-
-
-def with_word(view: LayerView, word: int) -> LayerView:
-    """`view` with its pool's carrier word set."""
-    if isinstance(view, MambaView):
-        return MambaView(
-            states=tuple(dataclasses.replace(s, word=word) for s in view.states)
-        )
-    return dataclasses.replace(view, word=word)
-
-
-def allocate_pools(
-    pools: Sequence[PoolSpec], sharding: jax.sharding.Sharding | None = None
-) -> tuple[jax.Array, ...]:
-    """Zero-initialised pools, created under jit (no host-sized array).
-
-    Example:
-      >>> import jaxkv
-      >>> (pool,) = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=64, word=4)])
-      >>> pool.shape, pool.dtype
-      ((16,), dtype('uint32'))
-    """
-    return tuple(
-        jax.jit(lambda p=p: jnp.zeros(p.shape, p.dtype), out_shardings=sharding)()
-        for p in pools
-    )
-
-
-def init_kv_cache(
-    kv_cache_config: KVCacheConfig,
-    vllm_config: RunnerConfig,
-    kernel_block_sizes: Sequence[int],
-    attn_groups: Sequence[Sequence[AttentionGroup]],
-    *,
-    sharding: jax.sharding.Sharding | None = None,
-) -> tuple[tuple[jax.Array, ...], dict[str, LayerView]]:
-    """Allocates one zeroed array per pool and builds every layer's view of it.
-
-    One array per unpacked KVCacheTensor plus one for all packed tensors: the
-    single source of truth for every layer viewing it, whatever their dtypes.
-
-    Args:
-      kv_cache_config: Pools and groups.
-      vllm_config: The runner configuration.
-      kernel_block_sizes: From :func:`init_attn_backend`.
-      attn_groups: From :func:`init_attn_backend`.
-      sharding: Optional sharding of every pool.
-
-    Returns:
-      ``(pools, kv_caches)``: the pool arrays and ``layer -> view``.
-
-    Example:
-      >>> import jaxkv
-      >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-      >>> [p.nbytes for p in pools], views["layers.2.mixer"].pool
-      ([65536, 65536], 0)
-    """
-    pools, views = plan_kv_cache(
-        kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
-    )
-    return allocate_pools(pools, sharding), views
-
-
-def plan_kv_cache(
-    kv_cache_config: KVCacheConfig,
-    vllm_config: RunnerConfig,
-    kernel_block_sizes: Sequence[int],
-    attn_groups: Sequence[Sequence[AttentionGroup]],
-) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
-    """The pools and views :func:`init_kv_cache` would create, allocating nothing."""
-    views = build_kv_cache_views(
-        kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
-    )
-    # Kernel views made at bind time need the same word width.
-    extra = kernel_views(
-        views, attn_groups, kv_cache_config, vllm_config, skip_unmapped=True
-    ).values()
-    return plan_pools(kv_cache_config, views, extra)

@@ -1,0 +1,176 @@
+"""One static plan: from a runner config and a block count (or a byte budget) to
+groups, kernel block sizes, compile support, pools and every layer's view.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jaxkv._util import cdiv, check_positive_int
+from jaxkv.cache.bind import BoundKVCaches, bind_kv_caches
+from jaxkv.cache.planner import make_kv_cache_config
+from jaxkv.cache.pools import PoolSpec, allocate_pools, plan_kv_cache
+from jaxkv.config import RunnerConfig
+from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.cg_support import AttentionCGSupportInfo
+from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
+from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.specs import MambaSpec
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class KVCachePlan:
+    """Everything static about a model's KV cache, computed once.
+
+    Built by :func:`make_plan`; later calls (:meth:`allocate`,
+    :class:`StepMetadataBuilder`, the demo Engine) take the plan instead of the
+    four objects it holds. Hashable by identity (like vLLM's attention groups),
+    so it can be a static argument of ``jax.jit``. Nothing here is an array.
+
+    Attributes:
+      runner_config: The model's layers and limits.
+      kv_cache_config: Pools and groups, KV-sharing layers included.
+      attn_groups: Attention groups per KV-cache group.
+      kernel_block_sizes: Kernel block size per KV-cache group (up to the first
+        encoder-only group).
+      cg_support: The weakest compile support of the model's backends.
+      pools: Shape, dtype and carrier word of each physical pool.
+      views: Every cached layer's view (KV-sharing layers alias their target's).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> [p.size_bytes for p in plan.pools], plan.block_table_widths
+      ([65536, 65536], (128, 128, 1))
+      >>> plan.views["layers.6.self_attn"] is plan.views["layers.3.self_attn"]
+      True
+    """
+
+    runner_config: RunnerConfig
+    kv_cache_config: KVCacheConfig
+    attn_groups: tuple[tuple[AttentionGroup, ...], ...]
+    kernel_block_sizes: tuple[int, ...]
+    cg_support: AttentionCGSupportInfo
+    pools: tuple[PoolSpec, ...]
+    views: BoundKVCaches
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per pool (block 0 is the null block)."""
+        return self.kv_cache_config.num_blocks
+
+    @functools.cached_property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Tokens per manager block, per KV-cache group."""
+        return tuple(
+            g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups
+        )
+
+    @functools.cached_property
+    def block_table_widths(self) -> tuple[int, ...]:
+        """Block-table columns per KV-cache group for ``max_model_len`` tokens.
+
+        A Mamba group holds one state block per request; an attention group
+        ``ceil(max_model_len / block_size)``.
+        """
+        return tuple(
+            1
+            if isinstance(g.kv_cache_spec, MambaSpec)
+            else cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
+            for g in self.kv_cache_config.kv_cache_groups
+        )
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of all pools together."""
+        return sum(p.size_bytes for p in self.pools)
+
+    def allocate(
+        self, *, sharding: jax.sharding.Sharding | None = None
+    ) -> tuple[jax.Array, ...]:
+        """Zero-initialised pool arrays, made under jit (see :func:`allocate_pools`).
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+          >>> [p.shape for p in plan.allocate()]
+          [(16384,), (16384,)]
+        """
+        return allocate_pools(self.pools, sharding)
+
+
+def make_plan(
+    runner_config: RunnerConfig,
+    *,
+    num_blocks: int | None = None,
+    memory_bytes: int | None = None,
+    packed: bool = False,
+    maps_slot_mapping: bool = False,
+) -> KVCachePlan:
+    """Plans a model's KV cache: groups, kernel blocks, pools and views.
+
+    Exactly one of `num_blocks` and `memory_bytes` is given. With a byte budget
+    the plan is probed with one block, and the budget divided by the bytes one
+    block costs over all pools gives the block count (rounded down).
+
+    Args:
+      runner_config: The model's layers and limits.
+      num_blocks: Blocks per pool, the null block 0 included.
+      memory_bytes: Or a budget for all pools together, in bytes.
+      packed: Pack the pools into one backing (see :func:`make_kv_cache_config`).
+      maps_slot_mapping: The caller maps its slot mappings to kernel blocks
+        (see :func:`init_attn_backend`).
+
+    Returns:
+      The plan.
+
+    Raises:
+      ValueError: If neither or both of `num_blocks` and `memory_bytes` are
+        given, or the budget holds fewer than two blocks.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> jaxkv.make_plan(cfg, memory_bytes=2**20).num_blocks  # 32 KiB per block
+      32
+    """
+    if (num_blocks is None) == (memory_bytes is None):
+        raise ValueError(
+            "make_plan: give exactly one of num_blocks and memory_bytes, got "
+            f"num_blocks={num_blocks!r}, memory_bytes={memory_bytes!r}."
+        )
+    if memory_bytes is not None:
+        check_positive_int("make_plan", "memory_bytes", memory_bytes)
+        probe = make_plan(
+            runner_config,
+            num_blocks=1,
+            packed=packed,
+            maps_slot_mapping=maps_slot_mapping,
+        )
+        num_blocks = memory_bytes // probe.pool_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"make_plan: memory_bytes={memory_bytes} holds {num_blocks} blocks of "
+                f"{probe.pool_bytes} bytes (all pools); at least 2 are needed (block "
+                "0 is the null block)."
+            )
+    kv = make_kv_cache_config(runner_config, int(num_blocks or 0), packed=packed)
+    groups, info, sizes = init_attn_backend(
+        kv, runner_config, maps_slot_mapping=maps_slot_mapping
+    )
+    pools, views = plan_kv_cache(kv, runner_config, sizes, groups)
+    bound = bind_kv_caches(
+        views, [layer.name for layer in runner_config.layers], kv, runner_config, groups
+    )
+    return KVCachePlan(
+        runner_config=runner_config,
+        kv_cache_config=with_kv_sharing_layers(kv, runner_config),
+        attn_groups=tuple(tuple(g) for g in groups),
+        kernel_block_sizes=tuple(sizes),
+        cg_support=info,
+        pools=pools,
+        views=bound,
+    )

@@ -1,0 +1,319 @@
+"""A small serving loop: continuous batching on the built-in model through jaxkv.
+
+The Engine is a thin user of the library's own pipeline: a :class:`KVCachePlan`,
+a :class:`StepMetadataBuilder` whose :meth:`~StepMetadataBuilder.metadata` runs
+inside the Engine's jitted step (one executable per step), and
+:class:`Programs` for the compiled steps. What it adds is the scheduler: block
+allocation, chunked prefill and sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv._util import cdiv
+from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
+from jaxkv.cache.plan import make_plan
+from jaxkv.config import RunnerConfig
+from jaxkv.demo.model import TinyHybridModel, forward_paged
+from jaxkv.specs import KVCacheSpec, MambaSpec
+from jaxkv.step.buckets import BucketDispatcher
+from jaxkv.step.builder import StepInputs, StepMetadataBuilder
+from jaxkv.step.programs import Programs
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and its progress.
+
+    Attributes:
+      req_id: Identifier.
+      prompt: Prompt token ids.
+      max_new_tokens: Tokens to generate (greedy).
+      arrival_step: Step at which the request arrives.
+      num_computed: Tokens whose K/V (and state) are in the cache.
+      output: Generated tokens.
+      blocks: Block ids per KV-cache group (0, the null block, where a
+        sliding-window or chunked-local group freed a block).
+    """
+
+    req_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    num_computed: int = 0
+    output: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and output so far."""
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        """Whether all tokens were generated."""
+        return len(self.output) >= self.max_new_tokens
+
+
+class Engine:
+    """Continuous batching on the built-in model through jaxkv.
+
+    Each step: admit arrivals, schedule decodes then prefill chunks under the
+    token budget, allocate blocks per KV-cache group, let the
+    :class:`StepMetadataBuilder` pack the step and arm fast prefill, run the
+    step's compiled program (pools donated; metadata built inside it), sample
+    greedily, free finished requests' blocks. Sliding-window and chunked-local
+    groups also free, after every step, the blocks no future query can see
+    (:func:`get_num_skipped_tokens`); their block-table entries become the null
+    block 0, whose keys the attention masks.
+
+    Args:
+      config: The runner configuration (layers, limits, buckets).
+      model: The model.
+      num_blocks: Blocks per pool.
+      token_buckets: Token buckets (default: the config's).
+      request_buckets: Request buckets (default: the config's, or
+        ``(max_num_seqs,)``).
+      pages_per_chunk: Pages per step of the attention's online softmax;
+        default 4 on CPU and 64 on accelerators (measured best on each: 4.7 vs
+        5.7 ms for a 32 x 512 decode on CPU, 2.3 vs 4.0 ms for 256 x 4096 on an
+        H200).
+    """
+
+    def __init__(
+        self,
+        config: RunnerConfig,
+        model: TinyHybridModel,
+        *,
+        num_blocks: int,
+        token_buckets: Sequence[int] | None = None,
+        request_buckets: Sequence[int] | None = None,
+        pages_per_chunk: int | None = None,
+    ) -> None:
+        """Plans and allocates the pools, and prepares the step builder."""
+        self.config = config
+        self.plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
+        self.pools = self.plan.allocate()
+        self.views = self.plan.views
+        group_specs = [
+            g.kv_cache_spec for g in self.plan.kv_cache_config.kv_cache_groups
+        ]
+        self.block_sizes = list(self.plan.block_sizes)
+        self.is_mamba = [isinstance(s, MambaSpec) for s in group_specs]
+        # A group frees skipped blocks only if every layer reading it (KV-sharing
+        # layers included) has the group's window: a wider reader would need them.
+        self.group_specs: list[KVCacheSpec | None] = [
+            spec
+            if all(config.layer(name).spec == spec for name in group.layer_names)
+            else None
+            for spec, group in zip(
+                group_specs, self.plan.kv_cache_config.kv_cache_groups, strict=True
+            )
+        ]
+        self.widths = self.plan.block_table_widths
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.max_num_reqs = config.max_num_seqs
+        buckets = tuple(
+            token_buckets if token_buckets is not None else config.token_buckets
+        )
+        reqs = tuple(
+            request_buckets if request_buckets is not None else config.request_buckets
+        )
+        self.dispatcher = BucketDispatcher(
+            token_buckets=buckets,
+            max_num_tokens=self.max_num_tokens,
+            max_num_reqs=self.max_num_reqs,
+            request_buckets=reqs or (self.max_num_reqs,),
+            cg_support=self.plan.cg_support.min_cg_support,
+        )
+        self.builder = StepMetadataBuilder(
+            self.plan, self.dispatcher, model_inputs=True
+        )
+        self.allocator = BlockAllocator(num_blocks)
+        if pages_per_chunk is None:
+            pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
+        self.pages_per_chunk = pages_per_chunk
+        self.graphdef, self.state = nnx.split(model)
+        self.programs = Programs(self._device_step, donate_argnums=0)
+        # What the loop did: steps, steps with fast prefill armed, steps with a
+        # prefill chunk that did not finish its prompt.
+        self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
+
+    @property
+    def fast_prefill(self) -> bool:
+        """Whether the model has fast-prefill (YOCO) layers."""
+        return self.builder.fast_prefill_helper is not None
+
+    # --- device side -----------------------------------------------------------
+
+    def _device_step(
+        self, pools: tuple[jax.Array, ...], state: Any, inputs: StepInputs
+    ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        meta = self.builder.metadata(inputs)
+        token_ids, sample = self.builder.model_inputs_of(inputs)
+        model = nnx.merge(self.graphdef, state)
+        layout = inputs.layout
+        pools, logits = forward_paged(
+            model,
+            pools,
+            self.views,
+            meta,
+            token_ids,
+            sample,
+            inputs.fast_prefill is not None,
+            self.pages_per_chunk,
+            # Buckets with more tokens than requests hold prefill chunks: their
+            # tokens share page reads in tiles of 16.
+            16 if layout.max_tokens > layout.max_reqs else 1,
+        )
+        return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
+        """Compiles every step program from shapes; returns the seconds spent."""
+
+        def sds(x: Any) -> Any:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        t0 = time.perf_counter()
+        pools, state = jax.tree.map(sds, self.pools), jax.tree.map(sds, self.state)
+        todo = self.builder.abstract_inputs()
+        for i, inputs in enumerate(todo):
+            self.programs.compile(inputs.program, pools, state, inputs)
+            if progress:
+                progress(i + 1, len(todo))
+        self.builder.warm_up_host()
+        return time.perf_counter() - t0
+
+    # --- host side -------------------------------------------------------------
+
+    def _schedule(self, running: list[Request]) -> list[tuple[Request, int]]:
+        budget, out = self.max_num_tokens, []
+        decodes = [r for r in running if r.num_computed >= len(r.prompt)]
+        prefills = [r for r in running if r.num_computed < len(r.prompt)]
+        for req in [*decodes, *prefills]:
+            if len(out) == self.max_num_reqs or budget == 0:
+                break
+            n = min(len(req.tokens) - req.num_computed, budget)
+            out.append((req, n))
+            budget -= n
+        return out
+
+    def _allocate(self, req: Request, new_len: int) -> None:
+        if not req.blocks:
+            req.blocks = [[] for _ in self.widths]
+        for g, (b, mamba) in enumerate(
+            zip(self.block_sizes, self.is_mamba, strict=True)
+        ):
+            need = 1 if mamba else cdiv(new_len, b)
+            if need > self.widths[g]:
+                raise ValueError(
+                    f"Request {req.req_id!r} needs {new_len} tokens, more than "
+                    f"max_model_len={self.config.max_model_len}."
+                )
+            if need > len(req.blocks[g]):
+                req.blocks[g] += self.allocator.allocate(need - len(req.blocks[g]))
+
+    def step(self, batch: list[tuple[Request, int]]) -> None:
+        """Runs one scheduled step and appends the sampled tokens."""
+        q_lens = np.array([n for _, n in batch], np.int32)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        num_reqs, num_tokens = len(batch), int(qsl[-1])
+        tokens, positions, seq_lens, samples, cu = [], [], [], [], [0]
+        prefilling = []
+        tables = [np.zeros((num_reqs, w), np.int32) for w in self.widths]
+        slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
+        self.counters["steps"] += 1
+        for r, (req, n) in enumerate(batch):
+            start = req.num_computed
+            self.counters["partial_prefills"] += start + n < len(req.prompt)
+            prefilling.append(start < len(req.prompt))
+            self._allocate(req, start + n)
+            pos = np.arange(start, start + n)
+            tokens.append(req.tokens[start : start + n])
+            positions.append(pos)
+            seq_lens.append(start + n)
+            for g, (b, mamba) in enumerate(
+                zip(self.block_sizes, self.is_mamba, strict=True)
+            ):
+                ids = np.asarray(req.blocks[g], np.int32)
+                tables[g][r, : ids.size] = ids
+                if not mamba:
+                    slots[g][qsl[r] : qsl[r + 1]] = ids[pos // b] * b + pos % b
+            sampled = start + n == len(req.tokens)
+            if sampled:
+                samples.append(int(qsl[r + 1]) - 1)
+            cu.append(cu[-1] + int(sampled))
+        step = self.builder.prepare(
+            query_start_loc=qsl,
+            seq_lens=np.asarray(seq_lens),
+            positions=np.concatenate(positions),
+            block_tables=tables,
+            slot_mappings=slots,
+            logits_indices=np.asarray(samples, np.int32) if samples else None,
+            cu_num_logits=np.asarray(cu),
+            token_ids=np.concatenate([np.asarray(t, np.int32) for t in tokens]),
+            is_prefilling=np.asarray(prefilling),
+        )
+        self.counters["fast_prefill_armed"] += step.inputs.fast_prefill is not None
+        self.pools, next_tokens = self.programs(
+            step.inputs.program, self.pools, self.state, step.inputs
+        )
+        next_host = np.asarray(next_tokens)  # the loop needs the tokens on the host
+        k = 0
+        for req, n in batch:
+            req.num_computed += n
+            if req.num_computed == len(req.tokens):
+                req.output.append(int(next_host[k]))
+                k += 1
+            self._free_skipped(req)
+
+    def _free_skipped(self, req: Request) -> None:
+        """Frees the blocks of `req` that no future query attends to."""
+        for g, spec in enumerate(self.group_specs):
+            if spec is None:
+                continue
+            ids = req.blocks[g]
+            skipped = min(
+                get_num_skipped_tokens(spec, req.num_computed) // spec.block_size,
+                len(ids),
+            )
+            gone = [i for i in ids[:skipped] if i != 0]
+            if gone:
+                self.allocator.free(gone)
+                ids[:skipped] = [0] * skipped
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[int, int]:
+        """Serves `requests` to completion; returns (steps, generated tokens)."""
+        pending = sorted(requests, key=lambda r: r.arrival_step)
+        running: list[Request] = []
+        steps = generated = 0
+        total = sum(r.max_new_tokens for r in requests)
+        while pending or running:
+            while pending and pending[0].arrival_step <= steps:
+                running.append(pending.pop(0))
+            if running:
+                before = sum(len(r.output) for r in running)
+                self.step(self._schedule(running))
+                generated += sum(len(r.output) for r in running) - before
+                for req in [r for r in running if r.finished]:
+                    running.remove(req)
+                    for ids in req.blocks:
+                        self.allocator.free([i for i in ids if i != 0])
+                    req.blocks = []
+            steps += 1
+            if progress:
+                progress(generated, total)
+        return steps, generated

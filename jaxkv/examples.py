@@ -1,0 +1,86 @@
+"""Example runner configurations used by docstrings, tests and the demo."""
+
+from __future__ import annotations
+
+from jaxkv.backends import AttentionBackend, get_backend
+from jaxkv.config import LayerConfig, RunnerConfig
+from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+
+def tiny_hybrid_config(
+    *,
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    num_heads: int = 4,
+    block_size: int = 32,
+    sliding_window: int = 64,
+    dtype: str = "float32",
+    kv_sharing_fast_prefill: bool = True,
+    attention_backend: str | AttentionBackend = "JAX_PAGED",
+    **runner_kwargs: object,
+) -> RunnerConfig:
+    """The built-in small hybrid model: attention, sliding window, Mamba and YOCO.
+
+    Eight layers: ``0`` full, ``1`` sliding window, ``2`` Mamba, ``3`` full,
+    ``4`` sliding window, ``5`` Mamba, then ``6`` and ``7`` reading the caches of
+    ``3`` and ``4`` (the YOCO cross-decoder, eligible for fast prefill). The
+    Mamba page is padded to the attention page so all three share pools.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> [layer.name for layer in cfg.layers][-2:]
+      ['layers.6.self_attn', 'layers.7.self_attn']
+      >>> cfg.layer("layers.2.mixer").spec.page_size_bytes
+      16384
+    """
+    attn = (
+        attention_backend
+        if isinstance(attention_backend, AttentionBackend)
+        else get_backend(attention_backend)
+    )
+    full = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+    )
+    swa = SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        sliding_window=sliding_window,
+    )
+    hidden = num_heads * head_size
+    mamba = MambaSpec(
+        block_size=block_size,
+        shapes=((3, hidden), (num_heads, head_size, 16)),
+        dtypes=(dtype, "float32"),
+        page_size_padded=full.page_size_bytes,
+    )
+    kinds = [
+        ("self_attn", full, None),
+        ("self_attn", swa, None),
+        ("mixer", mamba, None),
+        ("self_attn", full, None),
+        ("self_attn", swa, None),
+        ("mixer", mamba, None),
+        ("self_attn", full, "layers.3.self_attn"),
+        ("self_attn", swa, "layers.4.self_attn"),
+    ]
+    layers = [
+        LayerConfig(
+            name=f"layers.{i}.{kind}",
+            spec=spec,
+            backend=get_backend("MAMBA2") if isinstance(spec, MambaSpec) else attn,
+            kv_sharing_target=target,
+            num_heads=num_heads,
+        )
+        for i, (kind, spec, target) in enumerate(kinds)
+    ]
+    return RunnerConfig(
+        layers=tuple(layers),
+        kv_sharing_fast_prefill=kv_sharing_fast_prefill,
+        **runner_kwargs,  # pyright: ignore[reportArgumentType]
+    )

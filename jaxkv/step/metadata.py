@@ -1,0 +1,121 @@
+"""The per-step attention metadata record (spec §1.12).
+
+Its pytree structure is fixed by static flags and capacities (shapes), never by
+a step's values: optional features are zero-filled arrays, counts are int32
+leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from jaxkv._util import static_field
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "query_start_loc",
+        "seq_lens",
+        "block_table_tensor",
+        "slot_mapping",
+        "num_reqs",
+        "num_actual_tokens",
+        "max_query_len",
+        "max_seq_len",
+        "positions",
+        "is_prefilling",
+        "token_to_req",
+        "encoder_seq_lens",
+        "mm_prefix_ranges",
+        "mm_num_ranges",
+        "logits_indices_padded",
+        "num_logits_indices",
+        "max_logits_per_req",
+    ],
+    meta_fields=["causal", "fast_prefill"],
+    drop_fields=["query_start_loc_cpu"],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommonAttentionMetadata:
+    """Attention inputs of one KV-cache group for one step, padded to capacities.
+
+    Only the first ``num_reqs`` rows of per-request arrays and the first
+    ``num_actual_tokens`` entries of per-token arrays are meaningful; padded
+    rows of ``query_start_loc`` repeat its last value (zero-length requests),
+    padded slots are ``-1``, padded block-table entries are ``0`` (null block).
+    ``query_start_loc_cpu`` is the host copy (NumPy), kept outside the traced
+    leaves: it is ``None`` inside ``jit``.
+
+    Example:
+      >>> import jax
+      >>> import jaxkv
+      >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=4, max_tokens=8,
+      ...                                         max_blocks=2)
+      >>> len(jax.tree.leaves(m)), m.query_start_loc.shape
+      (17, (5,))
+    """
+
+    query_start_loc: Int[Array, " max_reqs_plus_1"]
+    seq_lens: Int[Array, " max_reqs"]
+    block_table_tensor: Int[Array, "max_reqs max_blocks"]
+    slot_mapping: Int[Array, " max_tokens"]
+    num_reqs: Int[Array, ""]
+    num_actual_tokens: Int[Array, ""]
+    max_query_len: Int[Array, ""]
+    max_seq_len: Int[Array, ""]
+    positions: Int[Array, " max_tokens"]
+    is_prefilling: Bool[Array, " max_reqs"]
+    token_to_req: Int[Array, " max_tokens"]
+    encoder_seq_lens: Int[Array, " max_reqs"]
+    mm_prefix_ranges: Int[Array, "max_reqs max_ranges 2"]
+    mm_num_ranges: Int[Array, " max_reqs"]
+    logits_indices_padded: Int[Array, " max_logits"]
+    num_logits_indices: Int[Array, ""]
+    max_logits_per_req: Int[Array, ""]
+    causal: bool = static_field(default=True)
+    fast_prefill: bool = static_field(default=False)
+    query_start_loc_cpu: np.ndarray | None = None
+
+    @classmethod
+    def empty(
+        cls,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_blocks: int,
+        max_ranges: int = 0,
+        max_logits: int = 1,
+    ) -> CommonAttentionMetadata:
+        """An all-zero record of the given capacities (padding everywhere)."""
+        z = functools.partial(jnp.zeros, dtype=jnp.int32)
+        return cls(
+            query_start_loc=z(max_reqs + 1),
+            seq_lens=z(max_reqs),
+            block_table_tensor=z((max_reqs, max_blocks)),
+            slot_mapping=jnp.full(max_tokens, -1, jnp.int32),
+            num_reqs=z(()),
+            num_actual_tokens=z(()),
+            max_query_len=z(()),
+            max_seq_len=z(()),
+            positions=z(max_tokens),
+            is_prefilling=jnp.zeros(max_reqs, jnp.bool_),
+            token_to_req=z(max_tokens),
+            encoder_seq_lens=z(max_reqs),
+            mm_prefix_ranges=z((max_reqs, max_ranges, 2)),
+            mm_num_ranges=z(max_reqs),
+            logits_indices_padded=z(max_logits),
+            num_logits_indices=z(()),
+            max_logits_per_req=z(()),
+        )
+
+    @property
+    def max_reqs(self) -> int:
+        """Request capacity (static, from the shape)."""
+        return self.seq_lens.shape[0]
