@@ -28,6 +28,19 @@ def check_non_negative_int(owner: str, name: str, value: object) -> None:
         raise ValueError(f"{owner}.{name} must be >= 0, got {value}.")
 
 
+def reject_unsupported(owner: str, name: str, value: object, default: object) -> None:
+    """Raises if a field jaxkv accepts for vLLM parity but does not implement is set.
+
+    Raises:
+      NotImplementedError: Naming the field, its value and the default.
+    """
+    if value != default:
+        raise NotImplementedError(
+            f"{owner}.{name}={value!r} is not implemented by jaxkv; only the default "
+            f"{default!r} is supported."
+        )
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)

@@ -119,7 +119,6 @@ class RunnerConfig:
         graph capture sizes), ascending. Empty: no padding.
       request_buckets: Jit buckets for the request count, ascending.
       batch_invariant: Require batch-invariant backends.
-      num_ubatches: Micro-batches per step.
 
     Raises:
       ValueError: On duplicate names, bad KV-sharing targets (unknown, itself,
@@ -147,14 +146,12 @@ class RunnerConfig:
     token_buckets: Sequence[int] = ()
     request_buckets: Sequence[int] = ()
     batch_invariant: bool = False
-    num_ubatches: int = 1
 
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
         object.__setattr__(self, "layers", layers)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int("RunnerConfig", name, getattr(self, name))
-        check_positive_int("RunnerConfig", "num_ubatches", self.num_ubatches)
         for name in ("token_buckets", "request_buckets"):
             buckets = tuple(getattr(self, name))
             for b in buckets:

@@ -16,7 +16,11 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv._util import (
+    check_non_negative_int,
+    check_positive_int,
+    reject_unsupported,
+)
 
 _T = TypeVar("_T")
 
@@ -96,6 +100,7 @@ class AttentionSpec(KVCacheSpec):
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self._default_head_size_v())
         check_non_negative_int(owner, "head_size_v", self.head_size_v)
+        reject_unsupported(owner, "kv_quant_mode", self.kv_quant_mode, "none")
         if self.page_size_padded is not None:
             check_positive_int(owner, "page_size_padded", self.page_size_padded)
             if self.page_size_padded < self.real_page_size_bytes:
@@ -169,8 +174,8 @@ class SlidingWindowSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("SlidingWindowSpec", "sliding_window", self.sliding_window)
-        check_non_negative_int(
-            "SlidingWindowSpec", "extra_retained_tokens", self.extra_retained_tokens
+        reject_unsupported(
+            "SlidingWindowSpec", "extra_retained_tokens", self.extra_retained_tokens, 0
         )
 
 
@@ -315,8 +320,11 @@ class MambaSpec(KVCacheSpec):
         dtypes = tuple(normalize_dtype("MambaSpec", d) for d in self.dtypes)
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
-        check_non_negative_int(
-            "MambaSpec", "num_speculative_blocks", self.num_speculative_blocks
+        reject_unsupported(
+            "MambaSpec", "num_speculative_blocks", self.num_speculative_blocks, 0
+        )
+        reject_unsupported(
+            "MambaSpec", "mamba_cache_mode", self.mamba_cache_mode, "none"
         )
         for offset, dtype in zip(self.state_offsets, dtypes, strict=True):
             if offset % np.dtype(dtype).itemsize:

@@ -1,7 +1,6 @@
 import os
 
 import jax
-import pytest
 from hypothesis import settings
 
 # Deterministic examples by default, so CI is reproducible; set
@@ -15,13 +14,3 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # fp32 matmuls at full precision on every backend (GPUs default to TF32), so
 # results compare with NumPy references and the dense oracle exactly.
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-@pytest.fixture(params=["jit", "nojit"])
-def jit_mode(request):
-    """Runs a test compiled, then op by op (jax.disable_jit) for readable traces."""
-    if request.param == "nojit":
-        with jax.disable_jit():
-            yield request.param
-    else:
-        yield request.param

@@ -55,7 +55,7 @@ def test_bad_kv_sharing_targets(layers, message):
 
 
 @pytest.mark.parametrize(
-    "field", ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_ubatches"]
+    "field", ["max_model_len", "max_num_seqs", "max_num_batched_tokens"]
 )
 def test_non_positive_limits(field):
     kwargs: dict[str, Any] = {field: 0}

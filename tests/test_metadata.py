@@ -134,6 +134,7 @@ def test_fast_prefill_fields_attached_and_wrapped_group_reduced():
         backend=jaxkv.create_fast_prefill_custom_backend(
             "FastPrefill", groups[0][1].backend
         ),
+        fast_prefill=True,
     )
     fp = jaxkv.FastPrefillBatchMetadata(
         logits_indices_padded=i32([3, 4, 4, 4]),

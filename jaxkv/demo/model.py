@@ -257,7 +257,7 @@ def forward_paged(
         if isinstance(block, MambaLayer):
             if not isinstance(view, MambaView):
                 raise TypeError(f"Layer {name!r} needs a MambaView.")
-            pools, y = _mamba_paged(block, model.hidden, pools, view, m, x)
+            pools, y = _mamba_paged(block, pools, view, m, x)
             x = x + y
             continue
         if not isinstance(view, KVCacheView):
@@ -287,7 +287,6 @@ def forward_paged(
 
 def _mamba_paged(
     block: MambaLayer,
-    hidden: int,
     pools: Pools,
     view: MambaView,
     meta: CommonAttentionMetadata,
@@ -316,5 +315,4 @@ def _mamba_paged(
         step, (conv.astype(block.conv_dtype), ssm), (req, valid, x)
     )
     pools = write_mamba_state(pools, view, state_block, [conv, ssm])
-    del hidden
     return pools, y

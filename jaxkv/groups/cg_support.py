@@ -41,6 +41,24 @@ class AttentionCGSupportInfo:
         return self
 
 
+def _check_config(
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+    vllm_config: RunnerConfig | None,
+    caller: str,
+) -> None:
+    """Every grouped layer must belong to `vllm_config` (groups of another model)."""
+    if vllm_config is None:
+        return
+    for groups in attn_groups:
+        for group in groups:
+            for name in group.layer_names:
+                if name not in vllm_config:
+                    raise ValueError(
+                        f"{caller}: attention group layer {name!r} is not a layer of "
+                        "vllm_config; were the groups built for another model?"
+                    )
+
+
 def _checked_groups(
     attn_groups: Sequence[Sequence[AttentionGroup]],
     checked_layer_names: Collection[str] | None,
@@ -62,7 +80,8 @@ def get_attn_cg_support(
 
     Args:
       attn_groups: Attention groups per KV-cache group.
-      vllm_config: The runner configuration (kept for signature parity).
+      vllm_config: The runner configuration: every grouped layer must be one
+        of its layers (``None``: not checked).
       checked_layer_names: Only groups with a layer in this set are visited.
 
     Returns:
@@ -83,7 +102,7 @@ def get_attn_cg_support(
       ...      g("D", S.UNIFORM_SINGLE_TOKEN_DECODE)]]).min_cg_attn_backend
       'C'
     """
-    del vllm_config
+    _check_config(attn_groups, vllm_config, "get_attn_cg_support")
     info = AttentionCGSupportInfo()
     for group in _checked_groups(attn_groups, checked_layer_names):
         info = info.narrow(group.backend.cudagraph_support, group.backend.class_name)
@@ -128,6 +147,13 @@ def get_varlen_cudagraph_unsupported_backend(
     tokens per request. ``ALWAYS`` backends replay any batch; the others need a
     bound of at least `max_query_len` (``NEVER`` has no bound).
 
+    Args:
+      attn_groups: Attention groups per KV-cache group.
+      vllm_config: The runner configuration: every grouped layer must be one
+        of its layers (``None``: not checked).
+      max_query_len: Longest query per request a decode batch may have.
+      checked_layer_names: Only groups with a layer in this set are visited.
+
     Returns:
       ``(backend name, bound)`` of the first failing group, else ``None``.
 
@@ -146,7 +172,7 @@ def get_varlen_cudagraph_unsupported_backend(
       >>> jaxkv.get_varlen_cudagraph_unsupported_backend([[g]], None, 9)
       ('_DraftBackend', 8)
     """
-    del vllm_config
+    _check_config(attn_groups, vllm_config, "get_varlen_cudagraph_unsupported_backend")
     for group in _checked_groups(attn_groups, checked_layer_names):
         support = group.backend.cudagraph_support
         if support == AttentionCGSupport.ALWAYS:

@@ -86,8 +86,9 @@ def init_attn_backend(
     Args:
       kv_cache_config: Pools and KV-cache groups.
       vllm_config: The runner configuration.
-      device: Accepted for signature parity; jaxkv places arrays in
-        :func:`init_kv_cache`.
+      device: The seed's placement argument. jaxkv places nothing here (pools
+        are placed by :func:`init_kv_cache` or :meth:`KVCachePlan.allocate`
+        with a sharding), so only ``None`` is accepted.
       active_layer_names: Only these layers are grouped (a speculator passes its
         draft layers); group order is preserved.
       draft_layer_names: Layers the fast-prefill suffix walk skips.
@@ -114,7 +115,12 @@ def init_attn_backend(
       >>> [len(g) for g in groups], sizes, info.min_cg_support.name
       ([2, 2, 1], [32, 32, 32], 'UNIFORM_BATCH')
     """
-    del device
+    if device is not None:
+        raise ValueError(
+            f"init_attn_backend: device={device!r} is not used by jaxkv, which "
+            "groups layers without placing anything; pass device=None and place the "
+            "pools with init_kv_cache(sharding=...) or KVCachePlan.allocate."
+        )
     shared = get_shared_kv_cache_layers(vllm_config)
     kv_cache_config = add_kv_sharing_layers_to_kv_cache_groups(shared, kv_cache_config)
     _validate_group_layers(kv_cache_config, vllm_config, shared)

@@ -151,7 +151,12 @@ def build_attn_metadata(
             f"KV-cache group ({len(attn_groups)}), got {len(block_tables)} and "
             f"{len(slot_mappings)}."
         )
-    del kv_cache_config  # group ids index block_tables / slot_mappings directly
+    if len(attn_groups) > len(kv_cache_config.kv_cache_groups):
+        raise ValueError(
+            f"build_attn_metadata: {len(attn_groups)} attention-group lists for a "
+            f"KVCacheConfig of {len(kv_cache_config.kv_cache_groups)} KV-cache groups; "
+            "pass the config init_attn_backend grouped (with KV-sharing layers)."
+        )
     qsl = jnp.asarray(query_start_loc_gpu, jnp.int32)
     seq = jnp.asarray(seq_lens, jnp.int32)
     max_reqs = seq.shape[0]
@@ -232,7 +237,7 @@ def build_attn_metadata(
                 )
                 if isinstance(group.kv_cache_spec, MambaSpec):
                     mamba_cache.setdefault(key, meta)
-            if group.backend.prefix.startswith("FastPrefill"):
+            if group.fast_prefill:
                 meta = make_kv_sharing_fast_prefill_common_attn_metadata(meta)
             for name in group.layer_names:
                 out[name] = meta

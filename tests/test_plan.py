@@ -1,0 +1,169 @@
+"""The plan object, the core/demo split, fields jaxkv rejects rather than ignores."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxkv
+
+
+def test_core_import_loads_no_demo_libraries():
+    code = (
+        "import sys, jaxkv\n"
+        "print(sorted({'flax', 'optax', 'chex', 'matplotlib', 'jaxkv.demo'}"
+        " & set(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_plan_matches_the_seed_functions():
+    cfg = jaxkv.tiny_hybrid_config(max_model_len=256)
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=8)
+    groups, info, sizes = jaxkv.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+    bound = jaxkv.bind_kv_caches(
+        views, [layer.name for layer in cfg.layers], kv, cfg, groups
+    )
+    assert plan.kernel_block_sizes == tuple(sizes)
+    assert plan.cg_support == info
+    assert plan.pools == pools
+    assert plan.views == bound
+    assert [[g.layer_names for g in gs] for gs in plan.attn_groups] == [
+        [g.layer_names for g in gs] for gs in groups
+    ]
+    assert plan.kv_cache_config == jaxkv.with_kv_sharing_layers(kv, cfg)
+    # 256 tokens in blocks of 32: 8 columns; the Mamba group holds one block.
+    assert plan.block_table_widths == (8, 8, 1)
+    assert hash(plan) == hash(plan)
+
+
+def test_plan_from_a_memory_budget_probes_one_block():
+    cfg = jaxkv.tiny_hybrid_config()
+    one = jaxkv.make_plan(cfg, num_blocks=1).pool_bytes
+    assert one == 2 * 16384  # two pools of one 16 KiB page
+    plan = jaxkv.make_plan(cfg, memory_bytes=10 * one + one // 2)
+    assert plan.num_blocks == 10
+    assert plan.pool_bytes <= 10 * one + one // 2
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        jaxkv.make_plan(cfg, memory_bytes=one)
+    with pytest.raises(ValueError, match="exactly one of num_blocks and memory_bytes"):
+        jaxkv.make_plan(cfg, num_blocks=4, memory_bytes=one * 4)
+    with pytest.raises(ValueError, match="exactly one"):
+        jaxkv.make_plan(cfg)
+
+
+def test_plan_allocates_its_pools():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    pools = plan.allocate()
+    assert [(p.shape, p.dtype) for p in pools] == [
+        (s.shape, s.dtype) for s in plan.pools
+    ]
+    assert not np.asarray(pools[0]).any()
+
+
+def test_equal_bindings_are_equal_and_hash_equal():
+    cfg = jaxkv.tiny_hybrid_config()
+    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    _, views = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+    names = [layer.name for layer in cfg.layers]
+    a = jaxkv.bind_kv_caches(views, names, kv, cfg, groups)
+    b = jaxkv.bind_kv_caches(views, list(reversed(names)), kv, cfg, groups)
+    assert a == b
+    assert hash(a) == hash(b)
+    c = jaxkv.bind_kv_caches(views, [*names, "encoder.attn"], kv, cfg, groups)
+    assert c != a
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (
+            lambda: jaxkv.FullAttentionSpec(
+                block_size=16,
+                num_kv_heads=1,
+                head_size=8,
+                dtype="float32",
+                kv_quant_mode="int8",
+            ),
+            "kv_quant_mode",
+        ),
+        (
+            lambda: jaxkv.SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=1,
+                head_size=8,
+                dtype="float32",
+                sliding_window=32,
+                extra_retained_tokens=4,
+            ),
+            "extra_retained_tokens",
+        ),
+        (
+            lambda: jaxkv.MambaSpec(
+                block_size=16,
+                shapes=((4,),),
+                dtypes=("float32",),
+                mamba_cache_mode="all",
+            ),
+            "mamba_cache_mode",
+        ),
+        (
+            lambda: jaxkv.MambaSpec(
+                block_size=16,
+                shapes=((4,),),
+                dtypes=("float32",),
+                num_speculative_blocks=2,
+            ),
+            "num_speculative_blocks",
+        ),
+    ],
+)
+def test_unsupported_spec_fields_raise_instead_of_being_ignored(make, field):
+    with pytest.raises(NotImplementedError, match=f"{field}=.*not implemented"):
+        make()
+
+
+def test_init_attn_backend_rejects_a_device_it_would_ignore():
+    cfg = jaxkv.tiny_hybrid_config()
+    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    with pytest.raises(ValueError, match="device=.*not used by jaxkv"):
+        jaxkv.init_attn_backend(kv, cfg, "cuda:0")
+
+
+def test_capability_checks_reject_groups_of_another_model():
+    cfg = jaxkv.tiny_hybrid_config()
+    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, _ = jaxkv.init_attn_backend(kv, cfg)
+    other = jaxkv.RunnerConfig(layers=[cfg.layers[0]])
+    with pytest.raises(ValueError, match="'layers.3.self_attn' is not a layer"):
+        jaxkv.get_attn_cg_support(groups, other)
+    with pytest.raises(ValueError, match="is not a layer"):
+        jaxkv.get_varlen_cudagraph_unsupported_backend(groups, other, 4)
+
+
+def test_build_attn_metadata_rejects_a_config_with_fewer_groups():
+    cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
+    plan = jaxkv.make_plan(cfg, num_blocks=4)
+    small = jaxkv.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[])
+    i32 = np.int32
+    with pytest.raises(ValueError, match="3 attention-group lists for a KVCacheConfig"):
+        jaxkv.build_attn_metadata(
+            plan.attn_groups,
+            i32(1),
+            i32(1),
+            np.array([0, 1], i32),
+            None,
+            i32(1),
+            np.array([1], i32),
+            i32(1),
+            [np.zeros((1, 1), i32)] * 3,
+            [np.zeros(1, i32)] * 3,
+            small,
+        )
