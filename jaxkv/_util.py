@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
+
+import jax
+
+_T = TypeVar("_T")
 
 
 def static_field(**kwargs: Any) -> Any:
     """Dataclass field kept in the treedef: hashable, part of jit's cache key."""
     metadata = {**kwargs.pop("metadata", {}), "static": True}
     return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def host_field(**kwargs: Any) -> Any:
+    """Dataclass field left out of the pytree: a host copy, ``None`` inside jit."""
+    metadata = {**kwargs.pop("metadata", {}), "host": True}
+    return dataclasses.field(default=None, metadata=metadata, **kwargs)
+
+
+def pytree_dataclass(cls: type[_T]) -> type[_T]:
+    """Registers a dataclass as a pytree from its field declarations alone.
+
+    Fields made with :func:`static_field` go to the treedef, fields made with
+    :func:`host_field` are dropped (rebuilt as ``None``), every other field is a
+    leaf: each field is declared once, where it is defined.
+    """
+    fields = dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
+    return jax.tree_util.register_dataclass(
+        cls,
+        data_fields=[
+            f.name for f in fields if not ({"static", "host"} & set(f.metadata))
+        ],
+        meta_fields=[f.name for f in fields if f.metadata.get("static")],
+        drop_fields=[f.name for f in fields if f.metadata.get("host")],
+    )
 
 
 def check_positive_int(owner: str, name: str, value: object) -> None:

@@ -11,7 +11,6 @@ compiled program (:meth:`StepMetadataBuilder.build`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from jaxkv._util import pytree_dataclass, static_field
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step.build import build_attn_metadata_from_step
@@ -29,11 +29,7 @@ from jaxkv.step.packing import StepLayout, pack_step, unpack_step
 from jaxkv.step.programs import Programs
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["packed", "fast_prefill"],
-    meta_fields=["layout"],
-)
+@pytree_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepInputs:
     """The device inputs of one step: the argument of a jitted step function.
@@ -55,7 +51,7 @@ class StepInputs:
 
     packed: Int[Array, " size"]
     fast_prefill: FastPrefillBatchMetadata | None
-    layout: StepLayout
+    layout: StepLayout = static_field()
 
     @property
     def program(self) -> tuple[StepLayout, int | None]:

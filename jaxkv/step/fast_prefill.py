@@ -11,17 +11,13 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
+from jaxkv._util import host_field, pytree_dataclass
 from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step.metadata import CommonAttentionMetadata
 from jaxkv.step.programs import Programs
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["logits_indices_padded", "num_logits_indices", "max_logits_per_req"],
-    meta_fields=[],
-    drop_fields=["num_logits_indices_cpu", "max_logits_per_req_cpu"],
-)
+@pytree_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FastPrefillBatchMetadata:
     """Per-step inputs for the KV-sharing fast prefill path.
@@ -48,8 +44,8 @@ class FastPrefillBatchMetadata:
     logits_indices_padded: Int[Array, " padded"]
     num_logits_indices: Int[Array, ""]
     max_logits_per_req: Int[Array, ""]
-    num_logits_indices_cpu: int | None = None
-    max_logits_per_req_cpu: int | None = None
+    num_logits_indices_cpu: int | None = host_field()
+    max_logits_per_req_cpu: int | None = host_field()
 
 
 # keep_unused: the result never reads the old buffer, but keeping it as a

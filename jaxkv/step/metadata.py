@@ -10,38 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from jaxkv._util import static_field
+from jaxkv._util import host_field, pytree_dataclass, static_field
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "query_start_loc",
-        "seq_lens",
-        "block_table_tensor",
-        "slot_mapping",
-        "num_reqs",
-        "num_actual_tokens",
-        "max_query_len",
-        "max_seq_len",
-        "positions",
-        "is_prefilling",
-        "token_to_req",
-        "encoder_seq_lens",
-        "mm_prefix_ranges",
-        "mm_num_ranges",
-        "logits_indices_padded",
-        "num_logits_indices",
-        "max_logits_per_req",
-    ],
-    meta_fields=["causal", "fast_prefill"],
-    drop_fields=["query_start_loc_cpu"],
-)
+@pytree_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CommonAttentionMetadata:
     """Attention inputs of one KV-cache group for one step, padded to capacities.
@@ -81,7 +57,7 @@ class CommonAttentionMetadata:
     max_logits_per_req: Int[Array, ""]
     causal: bool = static_field(default=True)
     fast_prefill: bool = static_field(default=False)
-    query_start_loc_cpu: np.ndarray | None = None
+    query_start_loc_cpu: np.ndarray | None = host_field()
 
     @classmethod
     def empty(
