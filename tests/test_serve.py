@@ -16,7 +16,7 @@ def _backend(kernel=None):
     )
 
 
-def _engine(fast_prefill=True, kernel=None):
+def _engine(fast_prefill=True, kernel=None, record_logits=False):
     cfg = jaxkv.tiny_hybrid_config(
         kv_sharing_fast_prefill=fast_prefill,
         attention_backend=_backend(kernel),
@@ -27,7 +27,9 @@ def _engine(fast_prefill=True, kernel=None):
         request_buckets=(8,),
     )
     model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=96, rngs=nnx.Rngs(1))
-    return model, jaxkv.demo.Engine(cfg, model, num_blocks=96)
+    return model, jaxkv.demo.Engine(
+        cfg, model, num_blocks=96, record_logits=record_logits
+    )
 
 
 def _requests(seed=0, n=8):
@@ -76,6 +78,23 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
     # Every block went back to the allocator.
     assert engine.allocator.num_free == 95
     assert steps > 0
+
+
+@pytest.mark.parametrize(("fast_prefill", "kernel"), [(True, None), (False, 16)])
+def test_step_loop_logits_equal_the_dense_model(fast_prefill, kernel):
+    """Every sampled token's logits, not only its argmax, equal the dense model's."""
+    model, engine = _engine(fast_prefill, kernel, record_logits=True)
+    engine.warm_up()
+    requests = _requests(seed=3, n=6)
+    engine.run(requests)
+    for r in requests:
+        tokens = np.asarray(r.prompt + r.output, np.int32)
+        dense = np.asarray(jaxkv.demo.forward_dense(model, tokens))
+        # Token i of the output was sampled from the logits at position
+        # len(prompt) - 1 + i.
+        want = dense[len(r.prompt) - 1 : len(r.prompt) - 1 + len(r.output)]
+        got = np.stack(r.logits)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=r.req_id)
 
 
 @pytest.mark.parametrize("kernel", [None, 8])
