@@ -161,6 +161,47 @@ def test_padding_and_out_of_range_slots_write_nothing():
     np.testing.assert_array_equal(_pool_bytes(pools)[0], after)
 
 
+@pytest.mark.parametrize(
+    ("layout", "packed"),
+    [("FLASH_ATTN", True), ("ROCM_ATTN", True), ("ROCM_ATTN", False)],
+)
+def test_negative_ids_touch_nothing_where_they_would_land_inside_the_pool(
+    layout, packed
+):
+    """Block -1 of a view that does not start at the pool's byte 0 is live memory.
+
+    Packed: layers behind others start one or two pages in. Dense K/V-first:
+    the V half starts mid-pool, so V of block -1 is K of the last block. Only
+    jaxkv's guard (not XLA's drop of negative flat indices) keeps them safe.
+    """
+    spec = full_spec(block_size=16, heads=2, head=8, dtype="float32")
+    cfg = jaxkv.RunnerConfig(
+        layers=[layer(f"l{i}", spec, layout) for i in range(3)], max_model_len=64
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=4, packed=packed)
+    rng = np.random.default_rng(0)
+    pools = tuple(
+        jnp.asarray(rng.integers(0, 2**31, p.shape).astype(p.dtype)) for p in plan.pools
+    )
+    before = _pool_bytes(pools)
+    for name in ("l1", "l2"):
+        view = plan.views[name]
+        k = jnp.full((3, 2, 8), 7.0, jnp.float32)
+        # -1 (padding), -16 (token 0 of block -1), 4 * 16 (one block past).
+        slots = jnp.array([-1, -16, 64], jnp.int32)
+        pools = jaxkv.write_kv(pools, view, k, k, slots)
+        after = _pool_bytes(pools)
+        for i, (a, b) in enumerate(zip(after, before, strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} pool {i}")
+        pools = jaxkv.zero_blocks(pools, (view,), jnp.array([-1, 4], jnp.int32))
+        after = _pool_bytes(pools)
+        for i, (a, b) in enumerate(zip(after, before, strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} pool {i}")
+        kp, vp = jaxkv.gather_kv_pages(pools, view, jnp.array([[-1, 4]], jnp.int32))
+        assert np.isnan(np.asarray(kp)).all()
+        assert np.isnan(np.asarray(vp)).all()
+
+
 def _check_no_pool_copy(fn, pools, *args, reads_only=False):
     compiled = fn.lower(pools, *args).compile()
     analysis = compiled.memory_analysis()

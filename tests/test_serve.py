@@ -1,3 +1,4 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -88,7 +89,7 @@ def test_step_loop_logits_equal_the_dense_model(fast_prefill, kernel):
     requests = _requests(seed=3, n=6)
     engine.run(requests)
     for r in requests:
-        tokens = np.asarray(r.prompt + r.output, np.int32)
+        tokens = jnp.asarray(r.prompt + r.output, jnp.int32)
         dense = np.asarray(jaxkv.demo.forward_dense(model, tokens))
         # Token i of the output was sampled from the logits at position
         # len(prompt) - 1 + i.
