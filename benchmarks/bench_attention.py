@@ -16,6 +16,7 @@ are checked against ejkernel's.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -39,12 +40,14 @@ from _harness import (  # noqa: E402
 
 import jaxkv  # noqa: E402
 
-try:  # benchmark-only peer; never a dependency of jaxkv
-    from ejkernel.kernels._xla.ragged_page_attention_v3 import (  # pyright: ignore[reportMissingImports]
-        ragged_page_attention_v3,
-    )
+# Benchmark-only peer, never a dependency of jaxkv; imported by name so type
+# checks pass with and without it installed.
+ragged_page_attention_v3: Any = None
+try:
+    ragged_page_attention_v3 = importlib.import_module(
+        "ejkernel.kernels._xla.ragged_page_attention_v3"
+    ).ragged_page_attention_v3
 except Exception as err:  # noqa: BLE001
-    ragged_page_attention_v3 = None
     EJKERNEL_ERROR = f"{type(err).__name__}: {err}"
 else:
     EJKERNEL_ERROR = ""
