@@ -40,7 +40,11 @@ from jaxkv.cache.ops import (
     zero_blocks,
 )
 from jaxkv.cache.plan import KVCachePlan, make_plan
-from jaxkv.cache.planner import make_kv_cache_config
+from jaxkv.cache.planner import (
+    HybridBlockAlignment,
+    align_hybrid_block_size,
+    make_kv_cache_config,
+)
 from jaxkv.cache.pools import PoolSpec, allocate_pools, init_kv_cache, plan_kv_cache
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import LayerConfig, RunnerConfig
@@ -81,6 +85,7 @@ from jaxkv.specs import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RawPageSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -129,6 +134,7 @@ __all__ = [
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
     "FullAttentionSpec",
+    "HybridBlockAlignment",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheLayout",
@@ -147,6 +153,7 @@ __all__ = [
     "PoolSpec",
     "PreparedStep",
     "Programs",
+    "RawPageSpec",
     "RunnerConfig",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
@@ -157,6 +164,7 @@ __all__ = [
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",
     "add_kv_sharing_layers_to_kv_cache_groups",
+    "align_hybrid_block_size",
     "allocate_pools",
     "bind_kv_caches",
     "build_attn_metadata",

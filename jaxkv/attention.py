@@ -161,7 +161,8 @@ def paged_attention(
         if cross_attention:
             return mask
         if meta.causal:
-            causal = j <= p
+            # Requests marked non-causal see their whole context.
+            causal = (j <= p) | ~meta.request_causal[row_req][:, None, None]
             if use_mm_prefix:
                 # Inclusive ranges [s, e]: a query inside one sees the whole range.
                 ranges = meta.mm_prefix_ranges[row_req]  # (rows, max_ranges, 2)

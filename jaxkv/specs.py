@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, TypeVar, dataclass_transform
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import jax
 import numpy as np
@@ -53,10 +53,18 @@ class KVCacheSpec:
     Subclasses define ``block_size`` (tokens per manager block) and the page
     arithmetic: ``real_page_size_bytes`` (unpadded, ``U``) and
     ``page_size_bytes`` (reserved per block, ``P``).
+
+    ``has_layer_views`` (a class attribute, vLLM's flag of the same name) says
+    whether layers of this kind get a typed per-layer view. A kind without
+    (``False``) registers by subclassing: its group takes no part in backend
+    or kernel-block selection, contributes an empty attention-group list, and
+    its layers receive their raw pages as bytes (spec §1.1, §2.7.2); see
+    :class:`RawPageSpec`.
     """
 
     block_size: int
     is_draft: bool
+    has_layer_views: ClassVar[bool] = True
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -428,6 +436,44 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def page_size_bytes(self) -> int:
         """Sum of the per-layer pages."""
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+
+@_static_dataclass
+class RawPageSpec(KVCacheSpec):
+    """A cache kind without per-layer views: each block is ``page_bytes`` raw bytes.
+
+    For caches whose layout only the layer itself knows (vLLM's
+    ``has_layer_views == False`` kinds, e.g. sparse-attention indices). Its
+    layers get a ``uint8`` view of shape ``(num_blocks, page_bytes)`` over their
+    pages, and no attention group. Subclass it (or any :class:`KVCacheSpec` with
+    ``has_layer_views = False``) for a kind of your own.
+
+    Example:
+      >>> import jaxkv
+      >>> spec = jaxkv.RawPageSpec(block_size=16, page_bytes=4096)
+      >>> spec.page_size_bytes, spec.has_layer_views
+      (4096, False)
+    """
+
+    block_size: int
+    page_bytes: int
+    is_draft: bool = _draft_field()
+    has_layer_views: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_positive_int(owner, "block_size", self.block_size)
+        check_positive_int(owner, "page_bytes", self.page_bytes)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``page_bytes``."""
+        return self.page_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_bytes``."""
+        return self.page_bytes
 
 
 class _FrozenSpecMap(Mapping[str, KVCacheSpec]):

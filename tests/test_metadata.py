@@ -17,7 +17,7 @@ def test_metadata_pytree_structure():
     m = jaxkv.CommonAttentionMetadata.empty(max_reqs=4, max_tokens=8, max_blocks=2)
     m = dataclasses.replace(m, query_start_loc_cpu=np.zeros(5, np.int32))
     leaves, treedef = jax.tree.flatten(m)
-    assert len(leaves) == 17
+    assert len(leaves) == 18  # request_causal included
     assert all(isinstance(x, jax.Array) for x in leaves)
     back = jax.tree.unflatten(treedef, leaves)
     assert back.causal is True

@@ -25,7 +25,7 @@ from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.init_backend import with_kv_sharing_layers
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv.layers import get_shared_kv_cache_layers
-from jaxkv.specs import AttentionSpec, MambaSpec
+from jaxkv.specs import AttentionSpec, MambaSpec, layer_spec, representative_spec
 
 
 def pool_index(kv_cache_config: KVCacheConfig) -> tuple[list[int], dict[int, int]]:
@@ -261,6 +261,45 @@ def _layer_view(
     )
 
 
+def _raw_page_views(
+    kv_cache_config: KVCacheConfig,
+    tensor_index: Mapping[str, int],
+    pool_of_tensor: Mapping[int, int],
+    shared: Mapping[str, str],
+) -> dict[str, LayerView]:
+    """Byte views ``(num_blocks, page)`` for layers of kinds without per-layer views.
+
+    vLLM hands such layers their raw allocation; here each gets a ``uint8``
+    view of its own pages (block ``b`` = bytes ``[offset + b*stride, + page)``).
+    """
+    out: dict[str, LayerView] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if representative_spec(spec).has_layer_views:
+            continue
+        for name in group.layer_names:
+            if name in shared:
+                continue
+            if name not in tensor_index:
+                raise ValueError(
+                    f"Layer {name!r} of KV-cache group {gid} is in no KVCacheTensor's "
+                    "shared_by."
+                )
+            tid = tensor_index[name]
+            tensor = kv_cache_config.kv_cache_tensors[tid]
+            page = layer_spec(spec, name).page_size_bytes
+            stride = tensor.block_stride if tensor.is_packed else page
+            out[name] = KVCacheView(
+                pool=pool_of_tensor[tid],
+                offset=tensor.offset if tensor.is_packed else 0,
+                shape=(tensor.size // stride, page),
+                strides=(stride, 1),
+                dtype=np.uint8,
+                axes=("block", "state"),
+            )
+    return out
+
+
 def build_kv_cache_views(
     kv_cache_config: KVCacheConfig,
     vllm_config: RunnerConfig,
@@ -324,6 +363,7 @@ def build_kv_cache_views(
                 name in page_aligned,
                 vllm_config.cache_dtype,
             )
+    views.update(_raw_page_views(kv_cache_config, tensor_index, pool_of_tensor, shared))
     views = _align_mixed_attention_kv_cache_views(
         attn_groups,
         views,

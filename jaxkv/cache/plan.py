@@ -11,7 +11,7 @@ import jax
 
 from jaxkv._util import cdiv, check_positive_int
 from jaxkv.cache.bind import BoundKVCaches, bind_kv_caches
-from jaxkv.cache.planner import make_kv_cache_config
+from jaxkv.cache.planner import align_hybrid_block_size, make_kv_cache_config
 from jaxkv.cache.pools import PoolSpec, allocate_pools, plan_kv_cache
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
@@ -109,6 +109,7 @@ def make_plan(
     memory_bytes: int | None = None,
     packed: bool = False,
     maps_slot_mapping: bool = False,
+    align_hybrid: bool = False,
 ) -> KVCachePlan:
     """Plans a model's KV cache: groups, kernel blocks, pools and views.
 
@@ -123,6 +124,9 @@ def make_plan(
       packed: Pack the pools into one backing (see :func:`make_kv_cache_config`).
       maps_slot_mapping: The caller maps its slot mappings to kernel blocks
         (see :func:`init_attn_backend`).
+      align_hybrid: First raise the attention block size and pad the Mamba
+        pages so both share pages (:func:`align_hybrid_block_size`); the plan's
+        ``runner_config`` is then the aligned one (build the model from it).
 
     Returns:
       The plan.
@@ -142,6 +146,8 @@ def make_plan(
             "make_plan: give exactly one of num_blocks and memory_bytes, got "
             f"num_blocks={num_blocks!r}, memory_bytes={memory_bytes!r}."
         )
+    if align_hybrid:
+        runner_config = align_hybrid_block_size(runner_config).runner_config
     if memory_bytes is not None:
         check_positive_int("make_plan", "memory_bytes", memory_bytes)
         probe = make_plan(

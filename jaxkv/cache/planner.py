@@ -1,14 +1,21 @@
-"""Planning a KV-cache config for a model, and the built-in example model config."""
+"""Planning a KV-cache config for a model, and hybrid attention/Mamba page alignment."""
 
 from __future__ import annotations
 
-from jaxkv._util import check_positive_int
+import dataclasses
+import math
+
+from jaxkv._util import cdiv, check_positive_int
+from jaxkv.backends import AttentionBackend, MultipleOf
 from jaxkv.config import RunnerConfig
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from jaxkv.layers import get_kv_cache_spec
 from jaxkv.specs import (
+    AttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
 )
 
 
@@ -35,7 +42,8 @@ def make_kv_cache_config(
 
     Raises:
       ValueError: If several specs have different page sizes (pad the smaller
-        pages with ``page_size_padded``), or the model has no cache layer.
+        pages with ``page_size_padded``, or align a hybrid model with
+        :func:`align_hybrid_block_size`), or the model has no cache layer.
 
     Example:
       >>> import jaxkv
@@ -62,7 +70,8 @@ def make_kv_cache_config(
         )
         raise ValueError(
             "make_kv_cache_config: hybrid layers must have equal page sizes, got "
-            f"{detail}; set page_size_padded on the smaller pages."
+            f"{detail}; set page_size_padded on the smaller pages, or plan with "
+            "make_plan(..., align_hybrid=True) (align_hybrid_block_size)."
         )
     page = pages.pop()
     if len(by_spec) == 1:
@@ -105,4 +114,131 @@ def make_kv_cache_config(
         num_blocks=num_blocks,
         kv_cache_tensors=tuple(tensors),
         kv_cache_groups=tuple(group_specs),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridBlockAlignment:
+    """The outcome of :func:`align_hybrid_block_size`.
+
+    Attributes:
+      runner_config: The config with every attention spec at ``block_size`` and
+        every Mamba spec padded to ``page_size_bytes``.
+      block_size: The attention block size.
+      page_size_bytes: The common page of attention and Mamba layers.
+      mamba_page_size_bytes: The largest unpadded Mamba page (``m``).
+    """
+
+    runner_config: RunnerConfig
+    block_size: int
+    page_size_bytes: int
+    mamba_page_size_bytes: int
+
+
+def _smallest_kernel_size(backend: AttentionBackend) -> int:
+    return min(
+        s.base if isinstance(s, MultipleOf) else s
+        for s in backend.supported_kernel_block_sizes
+    )
+
+
+def align_hybrid_block_size(runner_config: RunnerConfig) -> HybridBlockAlignment:
+    """Raises the attention block size until an attention page holds a Mamba state.
+
+    vLLM's hybrid planning (spec §1.9): with ``a1`` the attention bytes per
+    token and ``m`` the largest unpadded Mamba page, ``align = max(smallest
+    kernel block size of the first attention backend, block_size)`` (at least
+    128 with MLA), ``B = align * ceil(m / (align * a1))`` rounded up to a
+    multiple of the lcm of every attention backend's smallest kernel size; the
+    block size becomes ``B`` if it was smaller; the attention page is ``P =
+    block_size * a1`` and every Mamba page is padded to ``P``. A config without
+    both attention and Mamba layers is returned unchanged.
+
+    Args:
+      runner_config: The model's layers.
+
+    Returns:
+      The aligned config, block size and pages.
+
+    Raises:
+      ValueError: If attention layers differ in bytes per token or block size
+        (their pages could not all equal a Mamba page).
+
+    Example (spec §1.9: H=8, D=128, bf16, FlashAttention; Mamba states
+    ``(3, 2304)`` bf16 and ``(8, 64, 128)`` fp32):
+      >>> import jaxkv
+      >>> attn = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=8,
+      ...     head_size=128, dtype="bfloat16")
+      >>> mamba = jaxkv.MambaSpec(block_size=16, shapes=((3, 2304), (8, 64, 128)),
+      ...     dtypes=("bfloat16", "float32"))
+      >>> cfg = jaxkv.RunnerConfig(layers=[
+      ...     jaxkv.LayerConfig(name="attn", spec=attn,
+      ...                       backend=jaxkv.get_backend("FLASH_ATTN")),
+      ...     jaxkv.LayerConfig(name="mamba", spec=mamba,
+      ...                       backend=jaxkv.get_backend("MAMBA2"))])
+      >>> a = jaxkv.align_hybrid_block_size(cfg)
+      >>> a.mamba_page_size_bytes, a.block_size, a.page_size_bytes
+      (275968, 80, 327680)
+      >>> a.runner_config.layer("mamba").spec.page_size_bytes
+      327680
+    """
+    attn = [
+        (layer, layer.spec)
+        for layer in runner_config.layers
+        if isinstance(layer.spec, AttentionSpec)
+    ]
+    mamba_pages = [
+        layer.spec.real_page_size_bytes
+        for layer in runner_config.layers
+        if isinstance(layer.spec, MambaSpec)
+    ]
+    m = max(mamba_pages, default=0)
+    if not attn or not mamba_pages:
+        return HybridBlockAlignment(
+            runner_config=runner_config,
+            block_size=attn[0][1].block_size if attn else 0,
+            page_size_bytes=attn[0][1].page_size_bytes if attn else m,
+            mamba_page_size_bytes=m,
+        )
+    per_token = {spec.real_page_size_bytes // spec.block_size for _, spec in attn}
+    block_sizes = {spec.block_size for _, spec in attn}
+    if len(per_token) > 1 or len(block_sizes) > 1:
+        detail = ", ".join(
+            f"{layer.name}: {spec.real_page_size_bytes // spec.block_size} "
+            f"bytes/token, block {spec.block_size}"
+            for layer, spec in attn
+        )
+        raise ValueError(
+            "align_hybrid_block_size: attention layers must share bytes per token "
+            f"and block size to share pages with Mamba layers, got {detail}."
+        )
+    (a1,) = per_token
+    (block_size,) = block_sizes
+    align = max(_smallest_kernel_size(attn[0][0].backend), block_size)
+    if any(isinstance(spec, MLAAttentionSpec) for _, spec in attn):
+        align = max(align, 128)
+    aligned = align * cdiv(m, align * a1)
+    step = math.lcm(*(_smallest_kernel_size(layer.backend) for layer, _ in attn))
+    aligned = cdiv(aligned, step) * step
+    block_size = max(block_size, aligned)
+    page = block_size * a1
+
+    def aligned_spec(spec: KVCacheSpec) -> KVCacheSpec:
+        if isinstance(spec, AttentionSpec):
+            return dataclasses.replace(spec, block_size=block_size)
+        if isinstance(spec, MambaSpec) and page > spec.real_page_size_bytes:
+            return dataclasses.replace(spec, page_size_padded=page)
+        return spec
+
+    layers = [
+        layer
+        if layer.spec is None
+        else dataclasses.replace(layer, spec=aligned_spec(layer.spec))
+        for layer in runner_config.layers
+    ]
+    return HybridBlockAlignment(
+        runner_config=dataclasses.replace(runner_config, layers=layers),
+        block_size=block_size,
+        page_size_bytes=page,
+        mamba_page_size_bytes=m,
     )

@@ -132,6 +132,9 @@ def init_attn_backend(
     # Phase 1: one attention group per (backend, per-layer spec, query heads).
     proto: list[list[AttentionGroup]] = []
     for gid, group_spec in enumerate(kv_cache_config.kv_cache_groups):
+        if not representative_spec(group_spec.kv_cache_spec).has_layer_views:
+            proto.append([])  # no per-layer views: no attention group (§2.7.2)
+            continue
         by_key: dict[tuple[AttentionBackend, KVCacheSpec, int], list[str]] = {}
         for name in group_spec.layer_names:
             if active is not None and name not in active:

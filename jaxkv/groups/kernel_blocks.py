@@ -114,7 +114,7 @@ def prepare_kernel_block_sizes(
         block_size = group_spec.kv_cache_spec.block_size
         if isinstance(spec, EncoderOnlyAttentionSpec):
             continue
-        if isinstance(spec, MambaSpec):
+        if not spec.has_layer_views or isinstance(spec, MambaSpec):
             sizes.append(block_size)
         elif isinstance(spec, AttentionSpec):
             if packed_tensor_of_layers(kv_cache_config, group_spec.layer_names):

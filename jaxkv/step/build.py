@@ -65,6 +65,7 @@ def build_attn_metadata_from_step(
         mm_prefix_ranges=fields["mm_prefix_ranges"],
         mm_num_ranges=fields["mm_num_ranges"],
         causal=causal,
+        request_causal=fields["request_causal"],
         fast_prefill=fast_prefill,
     )
 
@@ -88,7 +89,8 @@ def build_attn_metadata(
     encoder_seq_lens: Any = None,
     mm_prefix_ranges: Any = None,
     mm_num_ranges: Any = None,
-    causal: bool | Mapping[int, bool] = True,
+    causal: bool | Mapping[int, bool] | Any = True,
+    request_causal: Any = None,
     fast_prefill: Any = None,
 ) -> dict[str, CommonAttentionMetadata]:
     """Builds one metadata record per attention group; maps every layer to it.
@@ -120,7 +122,13 @@ def build_attn_metadata(
       encoder_seq_lens: ``(max_reqs,)``; zeros if ``None``.
       mm_prefix_ranges: ``(max_reqs, max_ranges, 2)``; empty if ``None``.
       mm_num_ranges: ``(max_reqs,)`` valid ranges per request.
-      causal: Per-group causality.
+      causal: Causality, as in vLLM: a bool for every group, a mapping
+        ``gid -> bool`` (default ``True``), or a per-request boolean array
+        (``(num_reqs,)`` or ``(max_reqs,)``) handed to every group: requests
+        marked ``False`` attend to their whole context.
+      request_causal: Per-request causality combined with a bool or mapping
+        `causal` (how :func:`build_attn_metadata_from_step` passes the packed
+        field); default all ``True``.
       fast_prefill: A :class:`FastPrefillBatchMetadata`, attached to every
         group's record, or ``None``.
 
@@ -173,8 +181,17 @@ def build_attn_metadata(
         if mm_prefix_ranges is None
         else i32(mm_prefix_ranges)
     )
+    per_request = not isinstance(causal, bool | Mapping)
+    if per_request:
+        if request_causal is not None:
+            raise ValueError(
+                "build_attn_metadata: causal is already a per-request array; "
+                "request_causal must be None."
+            )
+        request_causal, causal = causal, True
     fp = fast_prefill
     base: dict[str, Any] = dict(
+        request_causal=_request_causal(request_causal, num_reqs, max_reqs),
         query_start_loc=qsl,
         seq_lens=seq,
         num_reqs=i32(num_reqs),
@@ -208,13 +225,16 @@ def build_attn_metadata(
         max_logits_per_req=i32(0) if fp is None else i32(fp.max_logits_per_req),
         fast_prefill=fp is not None,
         query_start_loc_cpu=query_start_loc_cpu,
+        logits_indices_cpu=None if fp is None else fp.logits_indices_cpu,
     )
     out: dict[str, CommonAttentionMetadata] = {}
     mamba_cache: dict[tuple[Any, Any], CommonAttentionMetadata] = {}
     for gid, groups in enumerate(attn_groups):
         if not groups:
             continue
-        group_causal = causal if isinstance(causal, bool) else causal.get(gid, True)
+        group_causal = (
+            causal if isinstance(causal, bool) else bool(causal.get(gid, True))
+        )
         table = i32(block_tables[gid])
         slots = i32(slot_mappings[gid])
         for group in groups:
@@ -242,3 +262,35 @@ def build_attn_metadata(
             for name in group.layer_names:
                 out[name] = meta
     return out
+
+
+def _request_causal(values: Any, num_reqs: Any, max_reqs: int) -> jax.Array:
+    """``(max_reqs,)`` bools: `values` padded with ``True`` (or all ``True``).
+
+    Raises:
+      ValueError: If `values` has neither ``num_reqs`` nor ``max_reqs`` entries,
+        or is not boolean (a 0/1 int32 array from a packed step is accepted).
+    """
+    if values is None:
+        return jnp.ones(max_reqs, jnp.bool_)
+    arr = jnp.asarray(values)
+    if arr.ndim != 1 or not (
+        arr.dtype == jnp.bool_ or jnp.issubdtype(arr.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"build_attn_metadata: a per-request causal must be a 1-D boolean "
+            f"array, got shape {arr.shape} and dtype {arr.dtype}."
+        )
+    n = arr.shape[0]
+    if n == max_reqs:
+        return arr.astype(jnp.bool_)
+    try:
+        expected = int(num_reqs)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        expected = n  # traced count: trust the shape, pad to capacity
+    if n != expected or n > max_reqs:
+        raise ValueError(
+            f"build_attn_metadata: the per-request causal array has {n} entries, "
+            f"expected num_reqs={expected} or max_reqs={max_reqs}."
+        )
+    return jnp.concatenate([arr.astype(jnp.bool_), jnp.ones(max_reqs - n, jnp.bool_)])

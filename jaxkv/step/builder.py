@@ -305,6 +305,7 @@ class StepMetadataBuilder:
         is_prefilling: np.ndarray | None = None,
         encoder_seq_lens: np.ndarray | None = None,
         mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+        request_causal: np.ndarray | None = None,
     ) -> PreparedStep:
         """Host work of a step: dispatch, pack, fast-prefill staging.
 
@@ -323,6 +324,8 @@ class StepMetadataBuilder:
           is_prefilling: ``(num_reqs,)`` (default: query length > 1).
           encoder_seq_lens: ``(num_reqs,)`` encoder lengths.
           mm_prefix_ranges: ``request -> inclusive ranges``.
+          request_causal: ``(num_reqs,)`` bools; ``False`` makes a request
+            attend to its whole context (default all causal).
 
         Returns:
           The prepared step.
@@ -372,6 +375,7 @@ class StepMetadataBuilder:
             is_prefilling=is_prefilling,
             encoder_seq_lens=encoder_seq_lens,
             mm_prefix_ranges=mm_prefix_ranges,
+            request_causal=request_causal,
             token_ids=token_ids,
             sample_idx=samples,
             out=np.empty(layout.size, np.int32),

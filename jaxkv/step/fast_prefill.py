@@ -30,6 +30,8 @@ class FastPrefillBatchMetadata:
       max_logits_per_req: Most logits positions of any request, int32 leaf.
       num_logits_indices_cpu: Host copy (``None`` inside jit).
       max_logits_per_req_cpu: Host copy (``None`` inside jit).
+      logits_indices_cpu: Host copy of the ``n`` real indices (``None`` inside
+        jit); gives the reduced record its host ``query_start_loc``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -46,6 +48,7 @@ class FastPrefillBatchMetadata:
     max_logits_per_req: Int[Array, ""]
     num_logits_indices_cpu: int | None = host_field()
     max_logits_per_req_cpu: int | None = host_field()
+    logits_indices_cpu: np.ndarray | None = host_field()
 
 
 # keep_unused: the result never reads the old buffer, but keeping it as a
@@ -221,7 +224,10 @@ class FastPrefillHelper:
         host[2 : n + 2] = idx
         self.buffer, meta = self.programs(padded, self.buffer, host)
         return dataclasses.replace(
-            meta, num_logits_indices_cpu=n, max_logits_per_req_cpu=max_per_req
+            meta,
+            num_logits_indices_cpu=n,
+            max_logits_per_req_cpu=max_per_req,
+            logits_indices_cpu=idx,
         )
 
 
@@ -319,7 +325,7 @@ def make_kv_sharing_fast_prefill_common_attn_metadata(
 
     Example:
       >>> import dataclasses
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp, numpy as np
       >>> import jaxkv
       >>> i32 = lambda x: jnp.asarray(x, jnp.int32)
       >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=3, max_tokens=28,
@@ -331,6 +337,10 @@ def make_kv_sharing_fast_prefill_common_attn_metadata(
       >>> r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
       >>> r.query_start_loc.tolist(), int(r.num_actual_tokens), int(r.max_query_len)
       ([0, 1, 3, 4], 4, 2)
+      >>> m = dataclasses.replace(m, query_start_loc_cpu=np.array([0, 15, 20, 28]))
+      >>> jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(
+      ...     m).query_start_loc_cpu.tolist()  # the host copy too
+      [0, 1, 3, 4]
     """
     if not common.fast_prefill:
         return common
@@ -362,6 +372,37 @@ def make_kv_sharing_fast_prefill_common_attn_metadata(
         encoder_seq_lens=jnp.zeros(max_reqs, jnp.int32),
         mm_prefix_ranges=jnp.zeros_like(common.mm_prefix_ranges),
         mm_num_ranges=jnp.zeros(max_reqs, jnp.int32),
+        request_causal=jnp.ones(max_reqs, jnp.bool_),
         causal=True,
-        query_start_loc_cpu=None,
+        query_start_loc_cpu=_reduced_query_start_loc_cpu(common),
     )
+
+
+def _reduced_query_start_loc_cpu(common: CommonAttentionMetadata) -> np.ndarray | None:
+    """The host copy of the reduced ``query_start_loc`` (spec §2.17.1), or ``None``.
+
+    Computed on the host by the same rule as on device, from the host query
+    start locations and the host logits indices (the record's host copy, or the
+    device values when they are concrete, outside jit). ``None`` where the host
+    data is not there (inside jit).
+    """
+    qsl = common.query_start_loc_cpu
+    if qsl is None:
+        return None
+    qsl = np.asarray(qsl)
+    if np.diff(qsl).max(initial=0) == 1:  # pure decode: vLLM keeps the record
+        return qsl
+    idx = common.logits_indices_cpu
+    if idx is None:
+        try:
+            n = int(common.num_logits_indices)
+            idx = np.asarray(common.logits_indices_padded)[:n]
+        except (
+            jax.errors.ConcretizationTypeError,
+            jax.errors.TracerIntegerConversionError,
+            jax.errors.TracerArrayConversionError,
+        ):  # traced device values (a record built inside jit)
+            return None
+    owner = np.searchsorted(qsl[1:], np.asarray(idx), side="right")
+    counts = np.bincount(owner, minlength=qsl.size - 1)[: qsl.size - 1]
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)

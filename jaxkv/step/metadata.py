@@ -26,8 +26,12 @@ class CommonAttentionMetadata:
     ``num_actual_tokens`` entries of per-token arrays are meaningful; padded
     rows of ``query_start_loc`` repeat its last value (zero-length requests),
     padded slots are ``-1``, padded block-table entries are ``0`` (null block).
+    Causality is ``causal`` (static, per group) and ``request_causal`` (per
+    request): a request attends causally when both hold, otherwise to its whole
+    context (vLLM's ``causal`` as a bool, or as a per-request array).
     ``query_start_loc_cpu`` is the host copy (NumPy), kept outside the traced
-    leaves: it is ``None`` inside ``jit``.
+    leaves: it is ``None`` inside ``jit``; ``logits_indices_cpu`` likewise holds
+    the host copy of the real fast-prefill logits indices.
 
     Example:
       >>> import jax
@@ -35,7 +39,7 @@ class CommonAttentionMetadata:
       >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=4, max_tokens=8,
       ...                                         max_blocks=2)
       >>> len(jax.tree.leaves(m)), m.query_start_loc.shape
-      (17, (5,))
+      (18, (5,))
     """
 
     query_start_loc: Int[Array, " max_reqs_plus_1"]
@@ -55,9 +59,11 @@ class CommonAttentionMetadata:
     logits_indices_padded: Int[Array, " max_logits"]
     num_logits_indices: Int[Array, ""]
     max_logits_per_req: Int[Array, ""]
+    request_causal: Bool[Array, " max_reqs"]
     causal: bool = static_field(default=True)
     fast_prefill: bool = static_field(default=False)
     query_start_loc_cpu: np.ndarray | None = host_field()
+    logits_indices_cpu: np.ndarray | None = host_field()
 
     @classmethod
     def empty(
@@ -89,6 +95,7 @@ class CommonAttentionMetadata:
             logits_indices_padded=z(max_logits),
             num_logits_indices=z(()),
             max_logits_per_req=z(()),
+            request_causal=jnp.ones(max_reqs, jnp.bool_),
         )
 
     @property

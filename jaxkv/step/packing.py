@@ -31,7 +31,7 @@ class StepLayout:
       >>> import jaxkv
       >>> layout = jaxkv.StepLayout(max_reqs=4, max_tokens=8, block_table_widths=(2,))
       >>> layout.size
-      57
+      61
     """
 
     max_reqs: int
@@ -53,6 +53,7 @@ class StepLayout:
             ("encoder_seq_lens", (r,)),
             ("mm_prefix_ranges", (r, self.max_mm_ranges, 2)),
             ("mm_num_ranges", (r,)),
+            ("request_causal", (r,)),
         ]
         for g, width in enumerate(self.block_table_widths):
             out.append((f"block_table.{g}", (r, width)))
@@ -91,6 +92,7 @@ def pack_step(
     is_prefilling: np.ndarray | None = None,
     encoder_seq_lens: np.ndarray | None = None,
     mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    request_causal: np.ndarray | None = None,
     token_ids: np.ndarray | None = None,
     sample_idx: np.ndarray | None = None,
     out: np.ndarray | None = None,
@@ -112,6 +114,8 @@ def pack_step(
       encoder_seq_lens: ``(num_reqs,)`` encoder lengths (default zeros).
       mm_prefix_ranges: ``request -> inclusive ranges`` from
         :func:`compute_mm_prefix_ranges`.
+      request_causal: ``(num_reqs,)`` bools, ``False`` for a request that
+        attends to its whole context (default all ``True``).
       token_ids: ``(num_tokens,)`` model inputs (layouts with ``num_samples``).
       sample_idx: Token indices whose logits are sampled; padded with the last.
       out: A preallocated buffer of ``layout.size`` int32 to fill (reused across
@@ -181,6 +185,11 @@ def pack_step(
             ranges[req, : len(rs)] = rs
     put("mm_prefix_ranges", ranges)
     put("mm_num_ranges", counts)
+    put(
+        "request_causal",
+        np.ones(0, np.int32) if request_causal is None else request_causal,
+        fill=1,
+    )
     for g, (table, slots) in enumerate(zip(block_tables, slot_mappings, strict=True)):
         put(f"block_table.{g}", table)
         put(f"slot_mapping.{g}", slots, fill=-1)
