@@ -3,6 +3,7 @@ hybrid block-size alignment, spec kinds without per-layer views (spec §1.1,
 §1.9, §1.12, §2.7.2, §2.16, §2.17.1), each with the spec's worked numbers."""
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,15 @@ from tests.test_attention import _reference
 from tests.test_metadata import _build, _groups_2_16
 
 i32 = np.int32
+
+
+def _host(x: Any) -> list[int]:
+    assert x is not None, "no host copy"
+    return np.asarray(x).tolist()
+
+
+def _spec(cfg: jaxkv.RunnerConfig, name: str) -> Any:
+    return cfg.layer(name).spec
 
 
 # --- 1. per-request causality ----------------------------------------------------
@@ -148,9 +158,9 @@ def test_reduced_record_carries_the_host_query_start_loc():
         kv,
         fast_prefill=fp,
     )
-    assert meta["b"].query_start_loc_cpu.tolist() == [0, 1, 3, 4]
+    assert _host(meta["b"].query_start_loc_cpu) == [0, 1, 3, 4]
     assert meta["b"].query_start_loc[:4].tolist() == [0, 1, 3, 4]
-    assert meta["a"].query_start_loc_cpu.tolist() == [0, 15, 20, 28]
+    assert _host(meta["a"].query_start_loc_cpu) == [0, 15, 20, 28]
 
 
 def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
@@ -178,7 +188,7 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         fast_prefill=True,
     )
     r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
-    assert r.query_start_loc_cpu.tolist() == [0, 1, 3, 4]
+    assert _host(r.query_start_loc_cpu) == [0, 1, 3, 4]
     # A one-token request whose logits index is its first token (the boundary
     # of the query ranges): qsl = [0, 15, 16, 20], idx = [14, 15, 19].
     mixed = dataclasses.replace(
@@ -191,7 +201,7 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         logits_indices_cpu=np.array([14, 15, 19]),
     )
     r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(mixed)
-    assert r.query_start_loc_cpu.tolist() == [0, 1, 2, 3]
+    assert _host(r.query_start_loc_cpu) == [0, 1, 2, 3]
     assert r.query_start_loc.tolist() == [0, 1, 2, 3]
     # Pure decode: vLLM keeps the record, so the host copy is the original.
     decode = dataclasses.replace(
@@ -202,14 +212,14 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         logits_indices_cpu=np.array([0, 1, 2]),
     )
     r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(decode)
-    assert r.query_start_loc_cpu.tolist() == [0, 1, 2, 3]
+    assert _host(r.query_start_loc_cpu) == [0, 1, 2, 3]
     assert r.query_start_loc.tolist() == [0, 1, 2, 3]
 
 
 # --- 3. hybrid block-size alignment -------------------------------------------------
 
 
-def _hybrid(block_size=16, backend="FLASH_ATTN"):
+def _hybrid(block_size: int = 16, backend: Any = "FLASH_ATTN") -> jaxkv.RunnerConfig:
     if isinstance(backend, str):
         backend = jaxkv.get_backend(backend)
     attn = jaxkv.FullAttentionSpec(
@@ -244,10 +254,10 @@ def test_hybrid_alignment_worked_example():
         327680,
     )
     cfg = a.runner_config
-    assert cfg.layer("attn0").spec.block_size == 80
-    assert cfg.layer("attn0").spec.page_size_bytes == 327680
-    assert cfg.layer("mamba0").spec.page_size_bytes == 327680
-    assert cfg.layer("mamba0").spec.real_page_size_bytes == 275968
+    assert _spec(cfg, "attn0").block_size == 80
+    assert _spec(cfg, "attn0").page_size_bytes == 327680
+    assert _spec(cfg, "mamba0").page_size_bytes == 327680
+    assert _spec(cfg, "mamba0").real_page_size_bytes == 275968
     # A larger starting block size is the alignment unit: 32 * cdiv(m, 131072).
     assert jaxkv.align_hybrid_block_size(_hybrid(block_size=32)).block_size == 96
     # FlashInfer declares 16, 32, 64: its smallest (16) sets the unit.
@@ -265,12 +275,13 @@ def test_planner_aligns_a_hybrid_model_when_asked():
     with pytest.raises(ValueError, match="equal page sizes.*align_hybrid"):
         jaxkv.make_plan(_hybrid(), num_blocks=4)
     plan = jaxkv.make_plan(_hybrid(), num_blocks=4, align_hybrid=True)
-    assert plan.runner_config.layer("attn1").spec.block_size == 80
+    views: Any = plan.views
+    assert _spec(plan.runner_config, "attn1").block_size == 80
     assert [p.size_bytes for p in plan.pools] == [4 * 327680] * 2
-    assert plan.views["attn0"].block_size == 80
+    assert views["attn0"].block_size == 80
     # Attention and Mamba views of one pool address the same pages.
-    assert plan.views["attn0"].strides[0] * 2 == 327680  # bf16 elements per page
-    assert plan.views["mamba0"].states[1].offset == 3 * 2304 * 2
+    assert views["attn0"].strides[0] * 2 == 327680  # bf16 elements per page
+    assert views["mamba0"].states[1].offset == 3 * 2304 * 2
 
 
 def test_alignment_rejects_attention_layers_that_cannot_share_one_page():
@@ -306,7 +317,7 @@ def test_a_spec_kind_without_views_gets_no_attention_group_and_raw_pages():
     assert [[g.layer_names for g in gs] for gs in groups] == [[("a0", "a1")], []]
     assert sizes == [16, 16]  # a kind without views keeps its block size
     plan = jaxkv.make_plan(cfg, num_blocks=4)
-    view = plan.views["idx0"]
+    view: Any = plan.views["idx0"]
     assert (view.shape, view.dtype, view.axes) == (
         (4, 2048),
         np.uint8,
@@ -338,6 +349,7 @@ def test_a_spec_kind_without_views_gets_no_attention_group_and_raw_pages():
     # Packed: idx1 shares the second page of each packed block with a1.
     packed = jaxkv.make_plan(cfg, num_blocks=4, packed=True)
     view = packed.views["idx1"]
+    assert isinstance(view, jaxkv.KVCacheView)
     assert view.offset == 2048
     assert view.strides == (2 * 2048, 1)
     assert set(view.block_byte_set(1).tolist()) == set(range(6144, 8192))
