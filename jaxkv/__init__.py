@@ -46,6 +46,12 @@ from jaxkv.cache.planner import (
     make_kv_cache_config,
 )
 from jaxkv.cache.pools import PoolSpec, allocate_pools, init_kv_cache, plan_kv_cache
+from jaxkv.cache.shard import (
+    ShardedPlan,
+    local_kv_heads,
+    local_runner_config,
+    shard_plan,
+)
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import LayerConfig, RunnerConfig
 from jaxkv.examples import tiny_hybrid_config
@@ -155,6 +161,7 @@ __all__ = [
     "Programs",
     "RawPageSpec",
     "RunnerConfig",
+    "ShardedPlan",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "StepInputs",
@@ -186,6 +193,8 @@ __all__ = [
     "get_varlen_cudagraph_unsupported_backend",
     "init_attn_backend",
     "init_kv_cache",
+    "local_kv_heads",
+    "local_runner_config",
     "make_kv_cache_config",
     "make_kv_sharing_fast_prefill_common_attn_metadata",
     "make_plan",
@@ -200,6 +209,7 @@ __all__ = [
     "registered_backends",
     "select_common_block_size",
     "shape_struct",
+    "shard_plan",
     "smallest_bucket",
     "stage_logits_indices",
     "tiny_hybrid_config",

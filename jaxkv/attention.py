@@ -15,6 +15,7 @@ with no visible key produce zeros.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +244,9 @@ def paged_attention(
         first_chunk = jnp.where(live, lo // span, 0)
     row_trips = jnp.where(live, jnp.maximum(end_chunk - first_chunk, 0), 0)
     trips = jnp.minimum(jnp.max(row_trips), num_chunks)
+    # Under shard_map (check_vma on) the carry must vary over the mesh axes the
+    # body's inputs vary over (the pool's, the queries', the metadata's).
+    init = _varying_like(init, (q, pools[view.pool], *jax.tree.leaves(meta)))
     _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
     rows_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     rows_out = rows_out.reshape(*tok.shape, num_heads, head_dim_v)
@@ -293,3 +297,30 @@ def _value_dim(view: KVCacheView, head_dim: int) -> int:
     if "head" in view.axes and "kv" not in view.axes:
         return view.shape[view.dim("dim")] - view.head_size
     return head_dim
+
+
+def _varying_like(values: Any, refs: tuple[Any, ...]) -> Any:
+    """`values` cast to vary over every mesh axis some of `refs` vary over.
+
+    Outside ``shard_map`` nothing varies and `values` come back unchanged.
+    """
+    axes: set[Any] = set()
+    for ref in refs:
+        axes |= _varying_axes(ref)
+    if not axes:
+        return values
+
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(sorted(axes - _varying_axes(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, values)
+
+
+def _varying_axes(x: Any) -> set[Any]:
+    """Mesh axes `x` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return set(manual.varying)
+    return set(getattr(aval, "vma", None) or ())  # later jax

@@ -58,6 +58,7 @@ def tiny_hybrid_config(
         shapes=((3, hidden), (num_heads, head_size, 16)),
         dtypes=(dtype, "float32"),
         page_size_padded=full.page_size_bytes,
+        shard_axes=(1, 0),  # channels of the conv state, heads of the SSM state
     )
     kinds = [
         ("self_attn", full, None),

@@ -290,7 +290,10 @@ class MambaSpec(KVCacheSpec):
 
     State ``i`` occupies ``prod(shapes[i]) * itemsize(dtypes[i])`` bytes and
     starts at ``state_offsets[i]`` inside the page; states are packed in
-    declaration order and ``[U, P)`` is padding.
+    declaration order and ``[U, P)`` is padding. ``shard_axes[i]`` is the axis
+    of state ``i`` split over a tensor-parallel mesh axis (its heads or
+    channels), ``None`` to replicate it; empty: every state replicated (a jaxkv
+    extension, see :func:`local_runner_config`).
 
     Example:
       >>> import jaxkv
@@ -305,6 +308,7 @@ class MambaSpec(KVCacheSpec):
     dtypes: tuple[DTypeLike, ...]
     page_size_padded: int | None = None
     mamba_type: str = "mamba2"
+    shard_axes: tuple[int | None, ...] = ()
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
     is_draft: bool = _draft_field()
@@ -328,6 +332,19 @@ class MambaSpec(KVCacheSpec):
         dtypes = tuple(normalize_dtype("MambaSpec", d) for d in self.dtypes)
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
+        axes = tuple(self.shard_axes)
+        if axes and (
+            len(axes) != len(shapes)
+            or any(
+                a is not None and not 0 <= a < len(s)
+                for a, s in zip(axes, shapes, strict=True)
+            )
+        ):
+            raise ValueError(
+                f"MambaSpec.shard_axes={axes} must give one axis (or None) per "
+                f"state of shapes {shapes}."
+            )
+        object.__setattr__(self, "shard_axes", axes)
         reject_unsupported(
             "MambaSpec", "num_speculative_blocks", self.num_speculative_blocks, 0
         )

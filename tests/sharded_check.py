@@ -1,0 +1,248 @@
+"""Run by tests/test_shard.py in a subprocess with 8 simulated CPU devices.
+
+For one mesh ``D x T`` (data x tensor) and the built-in hybrid model (full and
+sliding-window attention and Mamba sharing pools), checks that:
+
+* every device holds 1/(D*T) of every pool, allocated on its device;
+* K/V and Mamba state written inside ``shard_map`` (check_vma on) give, on
+  each rank, exactly the bytes a single-device run of the rank-local model
+  writes;
+* attention inside ``shard_map`` equals the single-device global model's,
+  head for head, within float32 rounding;
+* the compiled step has no collective at all and no pool-sized temp.
+
+Prints ``OK`` on success; any failure raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxkv  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def main(d: int, t: int, axis_type: str) -> None:
+    types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
+    mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
+    heads, kv_heads, head = 8, 8, 16
+    cfg = jaxkv.tiny_hybrid_config(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        block_size=16,
+        sliding_window=24,
+        kv_sharing_fast_prefill=False,
+        max_model_len=64,
+    )
+    blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
+    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks)
+    glob = jaxkv.make_plan(cfg, num_blocks=blocks)
+    local_cfg = jaxkv.local_runner_config(cfg, tensor_parallel=t)
+    ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks)
+    pools = sp.allocate()
+
+    # 1/(D*T) of every pool per device, on its own device.
+    for pool, spec in zip(pools, sp.local.pools, strict=True):
+        assert pool.shape == (d, t, *spec.shape), pool.shape
+        shards = pool.addressable_shards
+        assert len(shards) == d * t
+        assert {s.device for s in shards} == set(mesh.devices.flat)
+        for s in shards:
+            assert s.data.nbytes * d * t == pool.nbytes, (s.data.nbytes, pool.nbytes)
+
+    # One step per data-parallel rank: 2 requests each, different per rank.
+    rng = np.random.default_rng(d * 10 + t)
+    attn = ["layers.0.self_attn", "layers.1.self_attn"]
+    mamba = "layers.2.mixer"
+    q_lens, seqs = [3, 1], [5, 9]
+    qsl = np.array([0, 3, 4], np.int32)
+    n_tok = 4
+    pos = np.concatenate(
+        [np.arange(s - q, s) for s, q in zip(seqs, q_lens, strict=True)]
+    )
+    req = np.repeat([0, 1], q_lens)
+    # Per data-parallel rank, distinct block ids for the three groups (they
+    # share pages: one free list), DP-local ids.
+    tables, slots = [], []
+    for _ in range(d):
+        ids = rng.permutation(np.arange(1, blocks))[:18].astype(np.int32)
+        full, swa, state = ids[:8].reshape(2, 4), ids[8:16].reshape(2, 4), ids[16:18]
+        tables.append([full, swa, state.reshape(2, 1)])
+        slots.append(
+            [
+                (tb[req, pos // 16] * 16 + pos % 16).astype(np.int32)
+                for tb in (full, swa)
+            ]
+            + [np.full(n_tok, -1, np.int32)]
+        )
+    k = rng.standard_normal((d, n_tok, kv_heads, head)).astype(np.float32)
+    v = rng.standard_normal((d, n_tok, kv_heads, head)).astype(np.float32)
+    q = rng.standard_normal((d, n_tok, heads, head)).astype(np.float32)
+    m_shapes = [s.shape[1:] for s in glob.views[mamba].states]  # type: ignore[union-attr]
+    states = [rng.standard_normal((d, 2, *s)).astype(np.float32) for s in m_shapes]
+    builder = jaxkv.StepMetadataBuilder(sp.local)
+    steps = [
+        builder.prepare(
+            query_start_loc=qsl,
+            seq_lens=np.array(seqs),
+            positions=pos,
+            block_tables=tb,
+            slot_mappings=sl,
+        )
+        for tb, sl in zip(tables, slots, strict=True)
+    ]
+    layout = steps[0].inputs.layout
+    packed = np.stack([np.asarray(s.inputs.packed) for s in steps])
+    mstate_axes = glob.runner_config.layer(mamba).spec.shard_axes  # type: ignore[union-attr]
+
+    def put(x, *spec):
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    m_specs = tuple(
+        P("data", None, *["tensor" if a == ax else None for a in range(len(s))])
+        for s, ax in zip(m_shapes, mstate_axes, strict=True)
+    )
+
+    def step(pools, packed, k, v, q, *mstates):
+        local = sp.local_pools(pools)
+        inputs = jaxkv.StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
+        meta = builder.metadata(inputs)
+        # Writes first, then reads: with K/V given (not computed from the
+        # previous layer's output) XLA may otherwise order a later layer's
+        # write before an earlier layer's read and copy the pool to keep both.
+        for name in attn:
+            m = meta[name]
+            local = jaxkv.write_kv(
+                local, sp.local.views[name], k[0], v[0], m.slot_mapping[:n_tok]
+            )
+        ids = meta[mamba].block_table_tensor[:2, 0]
+        local = jaxkv.write_mamba_state(
+            local, sp.local.views[mamba], ids, [s[0] for s in mstates]
+        )
+        outs = []
+        for name in attn:
+            view = sp.local.views[name]
+            m = meta[name]
+            out = jaxkv.paged_attention(
+                q[0],
+                local,
+                view,
+                m,
+                scale=0.25,
+                sliding_window=24 if name.endswith("1.self_attn") else None,
+                pages_per_chunk=2,
+            )
+            outs.append(out[None])
+        return sp.global_pools(local), tuple(outs)
+
+    qkv_spec = P("data", None, "tensor", None)
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(
+                sp.pool_spec,
+                P("data", None),
+                qkv_spec,
+                qkv_spec,
+                qkv_spec,
+                *m_specs,
+            ),
+            out_specs=(sp.pool_spec, (qkv_spec, qkv_spec)),
+        ),
+        donate_argnums=0,
+    )
+    args = (
+        put(packed, "data", None),
+        put(k, *qkv_spec),
+        put(v, *qkv_spec),
+        put(q, *qkv_spec),
+        *(put(s, *spec) for s, spec in zip(states, m_specs, strict=True)),
+    )
+    compiled = fn.lower(pools, *args).compile()
+    text = compiled.as_text() or ""
+    for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+        assert op not in text, f"{op} in the compiled sharded step"
+    smallest_pool = min(p.size_bytes for p in sp.local.pools)
+    analysis: Any = compiled.memory_analysis()
+    temp = analysis.temp_size_in_bytes
+    assert temp <= 0.1 * smallest_pool, (temp, smallest_pool)
+    pools, outs = compiled(pools, *args)
+
+    # Single-device references.
+    hl = jaxkv.local_kv_heads(kv_heads, t)
+    for di in range(d):
+        gpools = glob.allocate()
+        for g, (name, window) in enumerate(zip(attn, (None, 24), strict=True)):
+            gview = glob.views[name]
+            gpools = jaxkv.write_kv(gpools, gview, k[di], v[di], slots[di][g])
+            meta = jaxkv.build_attn_metadata(
+                glob.attn_groups,
+                2,
+                n_tok,
+                qsl,
+                None,
+                3,
+                np.array(seqs),
+                9,
+                tables[di],
+                slots[di],
+                glob.kv_cache_config,
+            )[name]
+            want = jaxkv.paged_attention(
+                jnp.asarray(q[di]),
+                gpools,
+                gview,
+                meta,
+                scale=0.25,
+                sliding_window=window,
+                pages_per_chunk=2,
+            )
+            got = np.asarray(outs[attn.index(name)])[di]
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+        for ti in range(t):
+            rpools = ref_local.allocate()
+            hs = slice(ti * hl, (ti + 1) * hl)
+            for g, name in enumerate(attn):
+                rpools = jaxkv.write_kv(
+                    rpools,
+                    ref_local.views[name],
+                    k[di][:, hs],
+                    v[di][:, hs],
+                    slots[di][g],
+                )
+            local_states = []
+            for s, ax in zip(states, mstate_axes, strict=True):
+                x = s[di]
+                if ax is not None:
+                    n = x.shape[1 + ax] // t
+                    x = np.take(x, np.arange(ti * n, (ti + 1) * n), axis=1 + ax)
+                local_states.append(x)
+            rpools = jaxkv.write_mamba_state(
+                rpools,
+                ref_local.views[mamba],
+                jnp.asarray(tables[di][2][:, 0]),
+                local_states,
+            )
+            for pool, ref in zip(pools, rpools, strict=True):
+                got = sp.rank_pool(pool, data=di, tensor=ti)
+                np.testing.assert_array_equal(
+                    got.view(np.uint8), np.asarray(ref).view(np.uint8)
+                )
+    print("OK")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,72 @@
+"""Pools on a mesh of 8 simulated CPU devices (each case in its own subprocess,
+so the device-count flag never touches the rest of the suite)."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+
+import jaxkv
+
+CHECK = Path(__file__).with_name("sharded_check.py")
+
+
+@pytest.mark.parametrize(
+    ("data", "tensor", "axis_type"),
+    [
+        (1, 8, "explicit"),
+        (2, 4, "explicit"),
+        (4, 2, "explicit"),
+        (8, 1, "explicit"),
+        (2, 4, "auto"),
+    ],
+)
+def test_sharded_pools_match_single_device_runs(data, tensor, axis_type):
+    out = subprocess.run(
+        [sys.executable, str(CHECK), str(data), str(tensor), axis_type],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=CHECK.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")
+
+
+def test_local_config_splits_heads_and_mamba_states():
+    cfg = jaxkv.tiny_hybrid_config(num_heads=8, num_kv_heads=4, head_size=16)
+    local = jaxkv.local_runner_config(cfg, tensor_parallel=8)
+    attn = local.layer("layers.0.self_attn")
+    attn_spec: Any = attn.spec
+    assert attn_spec.num_kv_heads == 1  # 4 heads over 8 ranks: replicated
+    assert attn.num_heads == 1
+    mamba: Any = local.layer("layers.2.mixer").spec
+    assert mamba.shapes == ((3, 16), (1, 16, 16))  # channels and heads split
+    assert mamba.page_size_bytes == attn_spec.page_size_bytes  # pools still shared
+    mla = jaxkv.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=16, dtype="float32"
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(name="m", spec=mla, backend=jaxkv.get_backend("FLASHMLA"))
+        ]
+    )
+    assert jaxkv.local_runner_config(cfg, tensor_parallel=4).layer("m").spec == mla
+
+
+def test_heads_that_do_not_split_are_refused():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=3, head_size=8, dtype="float32"
+    )
+    layer = jaxkv.LayerConfig(
+        name="l", spec=spec, backend=jaxkv.get_backend("JAX_PAGED"), num_heads=12
+    )
+    cfg = jaxkv.RunnerConfig(layers=[layer])
+    with pytest.raises(ValueError, match="3 KV heads cannot be split over .* 4"):
+        jaxkv.local_runner_config(cfg, tensor_parallel=4)
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+    with pytest.raises(ValueError, match="tensor_axis='model' is not an axis"):
+        jaxkv.shard_plan(cfg, mesh=mesh, tensor_axis="model", num_blocks=4)
