@@ -18,15 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv._util import cdiv
 from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
 from jaxkv.cache.plan import make_plan
+from jaxkv.cache.shard import ShardedPlan, local_runner_config, shard_plan
 from jaxkv.config import RunnerConfig
 from jaxkv.demo.model import TinyHybridModel, forward_paged
+from jaxkv.demo.tensor_parallel import tensor_parallel_state
 from jaxkv.specs import KVCacheSpec, MambaSpec
-from jaxkv.step.buckets import BucketDispatcher
-from jaxkv.step.builder import StepInputs, StepMetadataBuilder
+from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher
+from jaxkv.step.builder import PreparedStep, StepInputs, StepMetadataBuilder
 from jaxkv.step.programs import Programs
 
 
@@ -44,7 +48,9 @@ class Request:
       logits: The logits each generated token was sampled from, when the
         Engine records them (``record_logits=True``).
       blocks: Block ids per KV-cache group (0, the null block, where a
-        sliding-window or chunked-local group freed a block).
+        sliding-window or chunked-local group freed a block); ids of its
+        data-parallel rank.
+      rank: The data-parallel rank serving the request (0 without a mesh).
     """
 
     req_id: str
@@ -55,6 +61,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     blocks: list[list[int]] = dataclasses.field(default_factory=list)
+    rank: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -79,10 +86,19 @@ class Engine:
     (:func:`get_num_skipped_tokens`); their block-table entries become the null
     block 0, whose keys the attention masks.
 
+    With a `mesh`, the model is served tensor-parallel over heads on
+    `tensor_axis` and data-parallel over requests on `data_axis`: pools from
+    :func:`shard_plan`, the model's weights split by
+    :func:`~jaxkv.demo.tensor_parallel.tensor_parallel_state`, one
+    ``shard_map`` per step (check_vma on). Each data-parallel rank has its own
+    requests, blocks and allocator; all ranks run one program per step (the
+    bucket of the largest rank). Fast prefill is not armed on a mesh (its
+    layers then run on every token).
+
     Args:
       config: The runner configuration (layers, limits, buckets).
       model: The model.
-      num_blocks: Blocks per pool.
+      num_blocks: Blocks per pool (per data-parallel rank).
       token_buckets: Token buckets (default: the config's).
       request_buckets: Request buckets (default: the config's, or
         ``(max_num_seqs,)``).
@@ -92,6 +108,9 @@ class Engine:
         H200).
       record_logits: Keep each sampled token's logits on its request (a
         device-to-host copy per step; for tests and debugging).
+      mesh: Serve over this device mesh (``None``: one device).
+      data_axis: The mesh's data-parallel axis.
+      tensor_axis: The mesh's tensor-parallel axis.
     """
 
     def __init__(
@@ -104,11 +123,47 @@ class Engine:
         request_buckets: Sequence[int] | None = None,
         pages_per_chunk: int | None = None,
         record_logits: bool = False,
+        mesh: Mesh | None = None,
+        data_axis: str = "data",
+        tensor_axis: str = "tensor",
     ) -> None:
         """Plans and allocates the pools, and prepares the step builder."""
         self.config = config
-        self.plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
-        self.pools = self.plan.allocate()
+        self.mesh = mesh
+        self.sharded: ShardedPlan | None = None
+        if mesh is None:
+            self.plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
+            self.pools = self.plan.allocate()
+            self.num_ranks, tensor_parallel = 1, 1
+            self.graphdef, self.state = nnx.split(model)
+            self._state_sharded: Any = None
+        else:
+            self.sharded = shard_plan(
+                config,
+                mesh=mesh,
+                data_axis=data_axis,
+                tensor_axis=tensor_axis,
+                num_blocks=num_blocks,
+                maps_slot_mapping=True,
+            )
+            self.plan = self.sharded.local
+            self.pools = self.sharded.allocate()
+            self.num_ranks = self.sharded.data_parallel
+            tensor_parallel = self.sharded.tensor_parallel
+            self.graphdef, state, self._state_sharded = tensor_parallel_state(
+                model,
+                local_runner_config(config, tensor_parallel=tensor_parallel),
+                tensor_parallel=tensor_parallel,
+                vocab_size=model.lm_head.out_features,
+            )
+            self.state = jax.tree.map(
+                lambda x, split: jax.device_put(
+                    x, NamedSharding(mesh, P(tensor_axis) if split else P())
+                ),
+                state,
+                self._state_sharded,
+            )
+        self.data_axis, self.tensor_axis = data_axis, tensor_axis
         self.views = self.plan.views
         group_specs = [
             g.kv_cache_spec for g in self.plan.kv_cache_config.kv_cache_groups
@@ -117,9 +172,10 @@ class Engine:
         self.is_mamba = [isinstance(s, MambaSpec) for s in group_specs]
         # A group frees skipped blocks only if every layer reading it (KV-sharing
         # layers included) has the group's window: a wider reader would need them.
+        local_cfg = self.plan.runner_config
         self.group_specs: list[KVCacheSpec | None] = [
             spec
-            if all(config.layer(name).spec == spec for name in group.layer_names)
+            if all(local_cfg.layer(name).spec == spec for name in group.layer_names)
             else None
             for spec, group in zip(
                 group_specs, self.plan.kv_cache_config.kv_cache_groups, strict=True
@@ -142,28 +198,36 @@ class Engine:
             cg_support=self.plan.cg_support.min_cg_support,
         )
         self.builder = StepMetadataBuilder(
-            self.plan, self.dispatcher, model_inputs=True
+            self.plan, self.dispatcher, model_inputs=True, fast_prefill=mesh is None
         )
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocators = [BlockAllocator(num_blocks) for _ in range(self.num_ranks)]
         if pages_per_chunk is None:
             pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
         self.record_logits = record_logits
-        self.graphdef, self.state = nnx.split(model)
         self.programs = Programs(self._device_step, donate_argnums=0)
         # What the loop did: steps, steps with fast prefill armed, steps with a
         # prefill chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
 
     @property
+    def allocator(self) -> BlockAllocator:
+        """Rank 0's block allocator (the only one without a mesh)."""
+        return self.allocators[0]
+
+    @property
     def fast_prefill(self) -> bool:
-        """Whether the model has fast-prefill (YOCO) layers."""
+        """Whether the fast-prefill (YOCO early exit) path can be armed."""
         return self.builder.fast_prefill_helper is not None
 
     # --- device side -----------------------------------------------------------
 
-    def _device_step(
-        self, pools: tuple[jax.Array, ...], state: Any, inputs: StepInputs
+    def _rank_step(
+        self,
+        pools: tuple[jax.Array, ...],
+        state: Any,
+        inputs: StepInputs,
+        tensor_axis: str | None,
     ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
         meta = self.builder.metadata(inputs)
         token_ids, sample = self.builder.model_inputs_of(inputs)
@@ -181,20 +245,70 @@ class Engine:
             # Buckets with more tokens than requests hold prefill chunks: their
             # tokens share page reads in tiles of 16.
             16 if layout.max_tokens > layout.max_reqs else 1,
+            tensor_axis=tensor_axis,
         )
         return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+    def _device_step(
+        self, pools: tuple[jax.Array, ...], state: Any, inputs: StepInputs
+    ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+        if self.sharded is None:
+            return self._rank_step(pools, state, inputs, None)
+        sp, layout = self.sharded, inputs.layout
+
+        def per_rank(pools: Any, state: Any, packed: jax.Array) -> Any:
+            local_state = jax.tree.map(
+                lambda x, split: x[0] if split else x, state, self._state_sharded
+            )
+            local = StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
+            pools, tokens, logits = self._rank_step(
+                sp.local_pools(pools), local_state, local, self.tensor_axis
+            )
+            return sp.global_pools(pools), tokens[None], logits[None]
+
+        state_specs = jax.tree.map(
+            lambda split: P(self.tensor_axis) if split else P(), self._state_sharded
+        )
+        return jax.shard_map(
+            per_rank,
+            mesh=sp.mesh,
+            in_specs=(sp.pool_spec, state_specs, P(self.data_axis, None)),
+            out_specs=(
+                sp.pool_spec,
+                P(self.data_axis, None),
+                P(self.data_axis, None, None),
+            ),
+        )(pools, state, inputs.packed)
+
+    def _abstract_step_inputs(self, inputs: StepInputs) -> StepInputs:
+        """A rank's abstract inputs, stacked over the data-parallel ranks."""
+        if self.sharded is None:
+            return inputs
+        packed: Any = jax.ShapeDtypeStruct(
+            (self.num_ranks, inputs.layout.size),
+            jnp.int32,
+            sharding=NamedSharding(self.sharded.mesh, P(self.data_axis, None)),
+        )
+        return StepInputs(packed=packed, fast_prefill=None, layout=inputs.layout)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles every step program from shapes; returns the seconds spent."""
 
         def sds(x: Any) -> Any:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+            )
 
         t0 = time.perf_counter()
         pools, state = jax.tree.map(sds, self.pools), jax.tree.map(sds, self.state)
-        todo = self.builder.abstract_inputs()
+        todo = [
+            inputs
+            for inputs in self.builder.abstract_inputs()
+            if self.sharded is None or inputs.fast_prefill is None
+        ]
         for i, inputs in enumerate(todo):
-            self.programs.compile(inputs.program, pools, state, inputs)
+            stacked = self._abstract_step_inputs(inputs)
+            self.programs.compile(inputs.program, pools, state, stacked)
             if progress:
                 progress(i + 1, len(todo))
         self.builder.warm_up_host()
@@ -227,10 +341,17 @@ class Engine:
                     f"max_model_len={self.config.max_model_len}."
                 )
             if need > len(req.blocks[g]):
-                req.blocks[g] += self.allocator.allocate(need - len(req.blocks[g]))
+                req.blocks[g] += self.allocators[req.rank].allocate(
+                    need - len(req.blocks[g])
+                )
 
-    def step(self, batch: list[tuple[Request, int]]) -> None:
-        """Runs one scheduled step and appends the sampled tokens."""
+    def _prepare(
+        self,
+        batch: list[tuple[Request, int]],
+        desc: BatchDescriptor | None,
+        num_samples: int | None,
+    ) -> PreparedStep:
+        """One rank's step: block tables, slots and sampled tokens, packed."""
         q_lens = np.array([n for _, n in batch], np.int32)
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         num_reqs, num_tokens = len(batch), int(qsl[-1])
@@ -238,7 +359,6 @@ class Engine:
         prefilling = []
         tables = [np.zeros((num_reqs, w), np.int32) for w in self.widths]
         slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
-        self.counters["steps"] += 1
         for r, (req, n) in enumerate(batch):
             start = req.num_computed
             self.counters["partial_prefills"] += start + n < len(req.prompt)
@@ -259,32 +379,71 @@ class Engine:
             if sampled:
                 samples.append(int(qsl[r + 1]) - 1)
             cu.append(cu[-1] + int(sampled))
-        step = self.builder.prepare(
+        return self.builder.prepare(
             query_start_loc=qsl,
-            seq_lens=np.asarray(seq_lens),
-            positions=np.concatenate(positions),
+            seq_lens=np.asarray(seq_lens, np.int32),
+            positions=np.concatenate([np.zeros(0, np.int64), *positions]),
             block_tables=tables,
             slot_mappings=slots,
             logits_indices=np.asarray(samples, np.int32) if samples else None,
             cu_num_logits=np.asarray(cu),
-            token_ids=np.concatenate([np.asarray(t, np.int32) for t in tokens]),
-            is_prefilling=np.asarray(prefilling),
+            token_ids=np.concatenate(
+                [np.zeros(0, np.int32), *(np.asarray(t, np.int32) for t in tokens)]
+            ),
+            is_prefilling=np.asarray(prefilling, bool),
+            desc=desc,
+            num_samples=num_samples,
         )
-        self.counters["fast_prefill_armed"] += step.inputs.fast_prefill is not None
+
+    def step(self, batches: list[list[tuple[Request, int]]]) -> None:
+        """Runs one scheduled step (one batch per data-parallel rank)."""
+        self.counters["steps"] += 1
+        desc = num_samples = None
+        if self.sharded is not None:
+            # One program for every rank: the bucket of the largest batch, and
+            # room for the most sampled tokens of any rank.
+            desc = self.dispatcher.dispatch(
+                num_reqs=max(1, *(len(b) for b in batches)),
+                num_tokens=max(1, *(sum(n for _, n in b) for b in batches)),
+            )
+            most = max(
+                1,
+                *(
+                    sum(r.num_computed + n == len(r.tokens) for r, n in b)
+                    for b in batches
+                ),
+            )
+            num_samples = self.builder.sample_padding(most, desc)
+        steps = [self._prepare(b, desc, num_samples) for b in batches]
+        inputs = steps[0].inputs
+        if self.sharded is not None:
+            inputs = StepInputs(
+                packed=jax.device_put(
+                    np.stack([np.asarray(s.inputs.packed) for s in steps]),
+                    NamedSharding(self.sharded.mesh, P(self.data_axis, None)),
+                ),
+                fast_prefill=None,
+                layout=inputs.layout,
+            )
+        self.counters["fast_prefill_armed"] += inputs.fast_prefill is not None
         self.pools, next_tokens, logits = self.programs(
-            step.inputs.program, self.pools, self.state, step.inputs
+            inputs.program, self.pools, self.state, inputs
         )
         next_host = np.asarray(next_tokens)  # the loop needs the tokens on the host
         logits_host = np.asarray(logits) if self.record_logits else None
-        k = 0
-        for req, n in batch:
-            req.num_computed += n
-            if req.num_computed == len(req.tokens):
-                req.output.append(int(next_host[k]))
-                if logits_host is not None:
-                    req.logits.append(logits_host[k])
-                k += 1
-            self._free_skipped(req)
+        if self.sharded is None:
+            next_host = next_host[None]
+            logits_host = None if logits_host is None else logits_host[None]
+        for rank, batch in enumerate(batches):
+            k = 0
+            for req, n in batch:
+                req.num_computed += n
+                if req.num_computed == len(req.tokens):
+                    req.output.append(int(next_host[rank, k]))
+                    if logits_host is not None:
+                        req.logits.append(logits_host[rank, k])
+                    k += 1
+                self._free_skipped(req)
 
     def _free_skipped(self, req: Request) -> None:
         """Frees the blocks of `req` that no future query attends to."""
@@ -298,7 +457,7 @@ class Engine:
             )
             gone = [i for i in ids[:skipped] if i != 0]
             if gone:
-                self.allocator.free(gone)
+                self.allocators[req.rank].free(gone)
                 ids[:skipped] = [0] * skipped
 
     def run(
@@ -308,21 +467,26 @@ class Engine:
     ) -> tuple[int, int]:
         """Serves `requests` to completion; returns (steps, generated tokens)."""
         pending = sorted(requests, key=lambda r: r.arrival_step)
-        running: list[Request] = []
+        running: list[list[Request]] = [[] for _ in range(self.num_ranks)]
         steps = generated = 0
         total = sum(r.max_new_tokens for r in requests)
-        while pending or running:
+        while pending or any(running):
             while pending and pending[0].arrival_step <= steps:
-                running.append(pending.pop(0))
-            if running:
-                before = sum(len(r.output) for r in running)
-                self.step(self._schedule(running))
-                generated += sum(len(r.output) for r in running) - before
-                for req in [r for r in running if r.finished]:
-                    running.remove(req)
-                    for ids in req.blocks:
-                        self.allocator.free([i for i in ids if i != 0])
-                    req.blocks = []
+                # A new request goes to the data-parallel rank with fewest.
+                req = pending.pop(0)
+                req.rank = min(range(self.num_ranks), key=lambda r: len(running[r]))
+                running[req.rank].append(req)
+            if any(running):
+                live = [r for rank in running for r in rank]
+                before = sum(len(r.output) for r in live)
+                self.step([self._schedule(rank) for rank in running])
+                generated += sum(len(r.output) for r in live) - before
+                for rank, reqs in enumerate(running):
+                    for req in [r for r in reqs if r.finished]:
+                        reqs.remove(req)
+                        for ids in req.blocks:
+                            self.allocators[rank].free([i for i in ids if i != 0])
+                        req.blocks = []
             steps += 1
             if progress:
                 progress(generated, total)

@@ -94,16 +94,20 @@ class MambaLayer(nnx.Module):
 
     def __init__(self, hidden: int, spec: MambaSpec, rngs: nnx.Rngs) -> None:
         """Creates the parameters; state shapes come from `spec`."""
-        (conv_len, _), (heads, head, n) = spec.shapes
+        # `channels` (the conv state's width) equals `hidden` in the whole
+        # model and hidden / T on one tensor-parallel rank.
+        (conv_len, channels), (heads, head, n) = spec.shapes
         self.conv_len, self.heads, self.head, self.n = conv_len, heads, head, n
         self.conv_dtype = spec.dtypes[0]
         self.norm = nnx.RMSNorm(hidden, rngs=rngs)
-        self.w_in = nnx.Linear(hidden, hidden, use_bias=False, rngs=rngs)
-        self.w_out = nnx.Linear(hidden, hidden, use_bias=False, rngs=rngs)
+        self.w_in = nnx.Linear(hidden, channels, use_bias=False, rngs=rngs)
+        self.w_out = nnx.Linear(channels, hidden, use_bias=False, rngs=rngs)
         key = rngs.params()
         k1, k2, k3, k4 = jax.random.split(key, 4)
         f32 = jnp.float32  # explicit: random defaults to float64 under x64
-        self.conv = nnx.Param(jax.random.normal(k1, (conv_len, hidden), f32) / conv_len)
+        self.conv = nnx.Param(
+            jax.random.normal(k1, (conv_len, channels), f32) / conv_len
+        )
         self.decay = nnx.Param(
             jax.random.uniform(k2, (heads, head, n), f32, minval=0.5, maxval=0.95)
         )
@@ -145,9 +149,19 @@ class TinyHybridModel(nnx.Module):
     """
 
     def __init__(
-        self, config: RunnerConfig, *, vocab_size: int, rngs: nnx.Rngs
+        self,
+        config: RunnerConfig,
+        *,
+        vocab_size: int,
+        rngs: nnx.Rngs,
+        hidden: int | None = None,
     ) -> None:
-        """Builds one block per layer of `config`."""
+        """Builds one block per layer of `config`.
+
+        `hidden` (default: query heads x head size of the first attention
+        layer) is the residual width; a tensor-parallel rank's model is built
+        from its local config with the global `hidden`.
+        """
         first = next(
             layer for layer in config.layers if isinstance(layer.spec, AttentionSpec)
         )
@@ -155,7 +169,7 @@ class TinyHybridModel(nnx.Module):
         spec = first.spec
         if not isinstance(spec, AttentionSpec):
             raise TypeError("The model needs at least one attention layer.")
-        self.hidden = num_heads * spec.head_size
+        self.hidden = hidden or num_heads * spec.head_size
         self.names = tuple(layer.name for layer in config.layers)
         self.targets = {
             layer.name: layer.kv_sharing_target
@@ -231,6 +245,7 @@ def forward_paged(
     fast_prefill: bool,
     pages_per_chunk: int = 4,
     query_tile: int = 1,
+    tensor_axis: str | None = None,
 ) -> tuple[Pools, jax.Array]:
     """One ragged step through jaxkv; returns the new pools and sampled logits.
 
@@ -245,6 +260,9 @@ def forward_paged(
         then run on the `sample_idx` tokens only, with reduced metadata).
       pages_per_chunk: Pages per step of the attention's online softmax.
       query_tile: Query tokens of a request sharing one read of its pages.
+      tensor_axis: Inside ``shard_map`` over a tensor-parallel axis: the model
+        holds this rank's heads, and the attention and Mamba outputs are
+        summed over the axis (``psum``) before the residual.
 
     Returns:
       ``(pools, logits (num_samples, vocab))``.
@@ -258,7 +276,7 @@ def forward_paged(
             if not isinstance(view, MambaView):
                 raise TypeError(f"Layer {name!r} needs a MambaView.")
             pools, y = _mamba_paged(block, pools, view, m, x)
-            x = x + y
+            x = x + _tensor_sum(y, tensor_axis)
             continue
         if not isinstance(view, KVCacheView):
             raise TypeError(f"Layer {name!r} needs a KVCacheView.")
@@ -279,7 +297,7 @@ def forward_paged(
             pages_per_chunk=pages_per_chunk,
             query_tile=query_tile if x.shape[0] > m.max_reqs else 1,
         )
-        x = x + block.wo(out.reshape(x.shape[0], -1))
+        x = x + _tensor_sum(block.wo(out.reshape(x.shape[0], -1)), tensor_axis)
     if not reduced:
         x = x[sample_idx]
     return pools, model.lm_head(model.final_norm(x))
@@ -316,3 +334,8 @@ def _mamba_paged(
     )
     pools = write_mamba_state(pools, view, state_block, [conv, ssm])
     return pools, y
+
+
+def _tensor_sum(y: jax.Array, tensor_axis: str | None) -> jax.Array:
+    """Partial sums of a row-split projection, added up over the tensor axis."""
+    return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)

@@ -114,6 +114,8 @@ class StepMetadataBuilder:
       max_mm_ranges: Multimodal prefix ranges per request.
       causal: Per-group causality (see :func:`build_attn_metadata`).
       model_inputs: Pack token ids and sampled-token indices too.
+      fast_prefill: Arm the fast-prefill path when the model has fast-prefill
+        layers (``False``: those layers run on every token, as unarmed).
 
     Example:
       >>> import numpy as np
@@ -143,6 +145,7 @@ class StepMetadataBuilder:
         max_mm_ranges: int = 0,
         causal: bool | Mapping[int, bool] = True,
         model_inputs: bool = False,
+        fast_prefill: bool = True,
     ) -> None:
         """Stores the static configuration; compiles nothing."""
         cfg = plan.runner_config
@@ -161,7 +164,8 @@ class StepMetadataBuilder:
         self.model_inputs = model_inputs
         self.fast_prefill_helper = (
             FastPrefillHelper(dispatcher, dispatcher.max_num_tokens)
-            if any(g.fast_prefill for groups in plan.attn_groups for g in groups)
+            if fast_prefill
+            and any(g.fast_prefill for groups in plan.attn_groups for g in groups)
             else None
         )
         # Layers sharing one record (an attention group), in a static order.
@@ -306,6 +310,8 @@ class StepMetadataBuilder:
         encoder_seq_lens: np.ndarray | None = None,
         mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
         request_causal: np.ndarray | None = None,
+        desc: BatchDescriptor | None = None,
+        num_samples: int | None = None,
     ) -> PreparedStep:
         """Host work of a step: dispatch, pack, fast-prefill staging.
 
@@ -326,6 +332,12 @@ class StepMetadataBuilder:
           mm_prefix_ranges: ``request -> inclusive ranges``.
           request_causal: ``(num_reqs,)`` bools; ``False`` makes a request
             attend to its whole context (default all causal).
+          desc: The bucket to pad to instead of dispatching this step alone
+            (data-parallel ranks run one program: dispatch on their largest
+            sizes and pass the result to every rank).
+          num_samples: Room for sampled tokens instead of the bucket of this
+            step's count (``model_inputs`` without fast prefill; the same on
+            every data-parallel rank).
 
         Returns:
           The prepared step.
@@ -338,9 +350,10 @@ class StepMetadataBuilder:
         num_reqs, num_tokens = qsl.size - 1, int(qsl[-1])
         q_lens = np.diff(qsl)
         uniform = int(q_lens[0]) if num_reqs and (q_lens == q_lens[0]).all() else None
-        desc = self.dispatcher.dispatch(
-            num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform
-        )
+        if desc is None:
+            desc = self.dispatcher.dispatch(
+                num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform
+            )
         has_prefill = bool(
             (q_lens > 1).any() if is_prefilling is None else np.any(is_prefilling)
         )
@@ -355,12 +368,16 @@ class StepMetadataBuilder:
                 logits_indices, num_reqs, cu_num_logits, has_prefill, desc
             )
         samples = np.zeros(0, np.int32) if logits_indices is None else logits_indices
-        num_samples = 0
-        if self.model_inputs:
-            num_samples = (
-                int(fp.logits_indices_padded.shape[0])
-                if fp is not None
-                else self.sample_padding(max(len(samples), 1), desc)
+        if not self.model_inputs:
+            num_samples = 0
+        elif fp is not None:
+            num_samples = int(fp.logits_indices_padded.shape[0])
+        elif num_samples is None:
+            num_samples = self.sample_padding(max(len(samples), 1), desc)
+        elif num_samples < len(samples):
+            raise ValueError(
+                f"StepMetadataBuilder.prepare: num_samples={num_samples} holds fewer "
+                f"than the step's {len(samples)} sampled tokens."
             )
         layout = self.layout(desc, num_samples)
         # A fresh buffer per step: on CPU a transferred NumPy array may be
