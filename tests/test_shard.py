@@ -70,3 +70,19 @@ def test_heads_that_do_not_split_are_refused():
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
     with pytest.raises(ValueError, match="tensor_axis='model' is not an axis"):
         jaxkv.shard_plan(cfg, mesh=mesh, tensor_axis="model", num_blocks=4)
+
+
+ENGINE = Path(__file__).with_name("engine_mesh_check.py")
+
+
+@pytest.mark.parametrize(("data", "tensor"), [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_engine_on_a_mesh_serves_what_one_device_serves(data, tensor):
+    out = subprocess.run(
+        [sys.executable, str(ENGINE), str(data), str(tensor)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ENGINE.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")

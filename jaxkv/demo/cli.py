@@ -12,7 +12,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -26,6 +28,36 @@ from jaxkv.monitoring import count_compilations
 
 def _buckets(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        data, tensor = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh takes DATAxTENSOR, e.g. 2x4, got {text!r}"
+        ) from None
+    if data < 1 or tensor < 1:
+        raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
+    return data, tensor
+
+
+def _make_mesh(data: int, tensor: int) -> jax.sharding.Mesh:
+    """A data x tensor mesh; on CPU, simulated devices when there are too few."""
+    need = data * tensor
+    config: Any = jax.config
+    if config.jax_platforms in (None, "", "cpu"):
+        try:  # before the backend starts; simulated CPU devices
+            if config.jax_num_cpu_devices < need:
+                jax.config.update("jax_num_cpu_devices", need)
+        except RuntimeError:
+            pass  # the backend already started: use the devices there are
+    if jax.device_count() < need:
+        raise SystemExit(
+            f"--mesh {data}x{tensor} needs {need} devices, found "
+            f"{jax.device_count()} ({jax.default_backend()})."
+        )
+    return jax.make_mesh((data, tensor), ("data", "tensor"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,7 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-fast-prefill", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the dense oracle")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mesh",
+        type=_mesh_shape,
+        default=None,
+        help="serve over a DATAxTENSOR device mesh, e.g. 2x4 (simulated on CPU)",
+    )
     args = p.parse_args(argv)
+    mesh = None if args.mesh is None else _make_mesh(*args.mesh)
 
     backend: str | AttentionBackend = "JAX_PAGED"
     if args.kernel_block_size:
@@ -85,13 +124,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_buckets=(args.max_num_seqs,),
     )
     model = TinyHybridModel(cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(args.seed))
-    engine = Engine(cfg, model, num_blocks=args.num_blocks)
+    engine = Engine(cfg, model, num_blocks=args.num_blocks, mesh=mesh)
     pools_mib = sum(p.nbytes for p in engine.pools) / 2**20
     print(
         f"model: {len(cfg.layers)} layers (full, sliding window, Mamba, YOCO), "
         f"{len(engine.pools)} pools of {pools_mib:.2f} MiB in all, fast prefill "
         f"{'on' if engine.fast_prefill else 'off'}"
     )
+    if args.mesh is not None:
+        data, tensor = args.mesh
+        per_device = (
+            sum(p.addressable_shards[0].data.nbytes for p in engine.pools) / 2**20
+        )
+        print(
+            f"mesh {data}x{tensor} (data x tensor): "
+            f"{per_device:.2f} MiB of pools per device"
+        )
     warm = engine.warm_up(progress_bar("compiling"))
     rng = np.random.default_rng(args.seed)
     requests = [

@@ -1,0 +1,113 @@
+"""Run by tests/test_shard.py in a subprocess: the demo Engine on a mesh.
+
+Serves the same requests on one device and on a ``D x T`` mesh of simulated
+CPU devices (tensor-parallel heads, data-parallel requests) and checks that
+greedy tokens are identical, logits equal within float32 rounding, nothing
+compiles after warm-up, every device holds 1/(D*T) of the pools, and the
+compiled step programs have no collective but the model's small all-reduces.
+Prints ``OK``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxkv  # noqa: E402
+import jaxkv.demo  # noqa: E402
+from jaxkv.monitoring import count_compilations  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+_SHAPE = re.compile(r"(f32|s32|u32|bf16|f16|pred|u8|s8)\[([0-9,]*)\]")
+_BYTES = {
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "pred": 1,
+    "u8": 1,
+    "s8": 1,
+}
+
+
+def _requests() -> list[jaxkv.demo.Request]:
+    rng = np.random.default_rng(0)
+    return [
+        jaxkv.demo.Request(
+            req_id=f"r{i}",
+            prompt=rng.integers(1, 64, int(rng.integers(3, 30))).tolist(),
+            max_new_tokens=5,
+            arrival_step=i % 3,
+        )
+        for i in range(6)
+    ]
+
+
+def main(d: int, t: int) -> None:
+    cfg = jaxkv.tiny_hybrid_config(
+        num_heads=8,
+        num_kv_heads=4,  # replicated over 8 tensor ranks in the 1x8 mesh
+        head_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        token_buckets=(8, 32),
+        request_buckets=(4,),
+    )
+    model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(0))
+    single = jaxkv.demo.Engine(cfg, model, num_blocks=512, record_logits=True)
+    single.warm_up()
+    want = _requests()
+    single.run(want)
+
+    mesh = jax.make_mesh((d, t), ("data", "tensor"))
+    engine = jaxkv.demo.Engine(
+        cfg, model, num_blocks=512, mesh=mesh, record_logits=True
+    )
+    engine.warm_up()
+    got = _requests()
+    with count_compilations() as compiles:
+        engine.run(got)
+    assert compiles == [], compiles
+    for a, b in zip(want, got, strict=True):
+        assert a.output == b.output, (a.req_id, a.output, b.output)
+        np.testing.assert_allclose(
+            np.stack(b.logits), np.stack(a.logits), rtol=1e-4, atol=1e-4
+        )
+    assert len({r.rank for r in got}) == min(d, len(got))  # ranks share the load
+
+    per_device = 0  # 512 blocks: pools (MiBs) large next to activations
+    for pool in engine.pools:
+        shards = pool.addressable_shards
+        assert len(shards) == d * t
+        assert all(s.data.nbytes * d * t == pool.nbytes for s in shards)
+        per_device += shards[0].data.nbytes
+    for exe in engine.programs.executables():
+        text = exe.as_text() or ""
+        for op in ("all-gather", "all-to-all", "collective-permute"):
+            assert f" {op}(" not in text and f"{op}-start(" not in text, op
+        for line in text.splitlines():
+            if "all-reduce(" not in line and "all-reduce-start(" not in line:
+                continue
+            lhs = line.split("=", 1)[1] if "=" in line else line
+            m = _SHAPE.search(lhs)
+            assert m is not None, line
+            n = int(np.prod([int(x) for x in m.group(2).split(",") if x] or [1]))
+            size = n * _BYTES[m.group(1)]
+            assert size * 10 <= per_device, (size, per_device, line[:200])
+        analysis = exe.memory_analysis()
+        assert analysis.temp_size_in_bytes <= per_device, analysis
+    print("OK")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
