@@ -94,7 +94,8 @@ def main(d: int, t: int) -> None:
     for exe in engine.programs.executables():
         text = exe.as_text() or ""
         for op in ("all-gather", "all-to-all", "collective-permute"):
-            assert f" {op}(" not in text and f"{op}-start(" not in text, op
+            assert f" {op}(" not in text, op
+            assert f"{op}-start(" not in text, op
         for line in text.splitlines():
             if "all-reduce(" not in line and "all-reduce-start(" not in line:
                 continue
