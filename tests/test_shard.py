@@ -1,6 +1,7 @@
 """Pools on a mesh of 8 simulated CPU devices (each case in its own subprocess,
 so the device-count flag never touches the rest of the suite)."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,39 @@ def test_engine_on_a_mesh_serves_what_one_device_serves(data, tensor):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")
+
+
+MULTIHOST = Path(__file__).with_name("multihost_check.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_over_loopback_serve_what_one_process_serves():
+    """jax.distributed with gloo: a 2 x 4 mesh over two processes of 4 devices."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(MULTIHOST), str(pid), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=MULTIHOST.parent.parent,
+        )
+        for pid in (0, 1)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            outs.append(out)
+    finally:
+        for proc in procs:  # never leave a process waiting for its peer
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "OK" in outs[0], outs[0][-3000:]

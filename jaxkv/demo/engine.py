@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -429,8 +430,8 @@ class Engine:
         self.pools, next_tokens, logits = self.programs(
             inputs.program, self.pools, self.state, inputs
         )
-        next_host = np.asarray(next_tokens)  # the loop needs the tokens on the host
-        logits_host = np.asarray(logits) if self.record_logits else None
+        next_host = _to_host(next_tokens)  # the loop needs the tokens on the host
+        logits_host = _to_host(logits) if self.record_logits else None
         if self.sharded is None:
             next_host = next_host[None]
             logits_host = None if logits_host is None else logits_host[None]
@@ -491,3 +492,13 @@ class Engine:
             if progress:
                 progress(generated, total)
         return steps, generated
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host; over several processes, gathered from all.
+
+    Only sampled tokens and logits come back this way (a few KB a step).
+    """
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
