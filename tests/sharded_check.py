@@ -33,7 +33,7 @@ import jaxkv  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def main(d: int, t: int, axis_type: str) -> None:
+def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
     mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
     heads, kv_heads, head = 8, 8, 16
@@ -47,10 +47,10 @@ def main(d: int, t: int, axis_type: str) -> None:
         max_model_len=64,
     )
     blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
-    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks)
-    glob = jaxkv.make_plan(cfg, num_blocks=blocks)
+    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, packed=packed)
+    glob = jaxkv.make_plan(cfg, num_blocks=blocks, packed=packed)
     local_cfg = jaxkv.local_runner_config(cfg, tensor_parallel=t)
-    ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks)
+    ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks, packed=packed)
     pools = sp.allocate()
 
     # 1/(D*T) of every pool per device, on its own device.
@@ -104,7 +104,7 @@ def main(d: int, t: int, axis_type: str) -> None:
         for tb, sl in zip(tables, slots, strict=True)
     ]
     layout = steps[0].inputs.layout
-    packed = np.stack([np.asarray(s.inputs.packed) for s in steps])
+    packed_steps = np.stack([np.asarray(s.inputs.packed) for s in steps])
     mstate_axes = glob.runner_config.layer(mamba).spec.shard_axes  # type: ignore[union-attr]
 
     def put(x, *spec):
@@ -165,7 +165,7 @@ def main(d: int, t: int, axis_type: str) -> None:
         donate_argnums=0,
     )
     args = (
-        put(packed, "data", None),
+        put(packed_steps, "data", None),
         put(k, *qkv_spec),
         put(v, *qkv_spec),
         put(q, *qkv_spec),
@@ -180,6 +180,26 @@ def main(d: int, t: int, axis_type: str) -> None:
     temp = analysis.temp_size_in_bytes
     assert temp <= 0.1 * smallest_pool, (temp, smallest_pool)
     pools, outs = compiled(pools, *args)
+
+    # Zeroing through views, in its own program: request 0's first page of the
+    # full-attention layer and its Mamba state, per data-parallel rank.
+    zero_ids = np.stack([[tb[0][0, 0], tb[2][0, 0]] for tb in tables]).astype(np.int32)
+    zero_views = (sp.local.views[attn[0]], sp.local.views[mamba])
+
+    def zero(pools, ids):
+        local = jaxkv.zero_blocks(sp.local_pools(pools), zero_views, ids[0])
+        return sp.global_pools(local)
+
+    zero_fn = jax.jit(
+        jax.shard_map(
+            zero,
+            mesh=mesh,
+            in_specs=(sp.pool_spec, P("data", None)),
+            out_specs=sp.pool_spec,
+        ),
+        donate_argnums=0,
+    )
+    pools = zero_fn(pools, put(zero_ids, "data", None))
 
     # Single-device references.
     hl = jaxkv.local_kv_heads(kv_heads, t)
@@ -236,6 +256,11 @@ def main(d: int, t: int, axis_type: str) -> None:
                 jnp.asarray(tables[di][2][:, 0]),
                 local_states,
             )
+            rpools = jaxkv.zero_blocks(
+                rpools,
+                (ref_local.views[attn[0]], ref_local.views[mamba]),
+                jnp.asarray(zero_ids[di]),
+            )
             for pool, ref in zip(pools, rpools, strict=True):
                 got = sp.rank_pool(pool, data=di, tensor=ti)
                 np.testing.assert_array_equal(
@@ -245,4 +270,4 @@ def main(d: int, t: int, axis_type: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], "packed" in sys.argv[4:])

@@ -1,6 +1,8 @@
 """Every benchmark script runs at tiny sizes, so none rots."""
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +85,23 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
     assert run_all.main(["--quick", "--out", str(tmp_path / "RESULTS.md")]) == 0
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| Compilations after warm-up | 0 | 0 |" in text
+
+
+def test_mesh_benchmark_runs_at_tiny_size(tmp_path):
+    """In a subprocess: it simulates its own CPU devices before JAX starts."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_mesh.py"),
+            *"--meshes 1x2,2x1 --num-requests 2 --max-new-tokens 2 --iters 1".split(),
+            "--json",
+            str(tmp_path / "mesh.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    results = json.loads((tmp_path / "mesh.json").read_text())["results"]
+    assert results["1x2"]["pools_mib"] == results["single"]["pools_mib"] / 2
+    assert results["2x1"]["same_tokens"]

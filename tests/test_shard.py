@@ -16,18 +16,19 @@ CHECK = Path(__file__).with_name("sharded_check.py")
 
 
 @pytest.mark.parametrize(
-    ("data", "tensor", "axis_type"),
+    ("data", "tensor", "axis_type", "layout"),
     [
-        (1, 8, "explicit"),
-        (2, 4, "explicit"),
-        (4, 2, "explicit"),
-        (8, 1, "explicit"),
-        (2, 4, "auto"),
+        (1, 8, "explicit", "pools"),
+        (2, 4, "explicit", "pools"),
+        (4, 2, "explicit", "pools"),
+        (8, 1, "explicit", "pools"),
+        (2, 4, "auto", "pools"),
+        (2, 4, "explicit", "packed"),
     ],
 )
-def test_sharded_pools_match_single_device_runs(data, tensor, axis_type):
+def test_sharded_pools_match_single_device_runs(data, tensor, axis_type, layout):
     out = subprocess.run(
-        [sys.executable, str(CHECK), str(data), str(tensor), axis_type],
+        [sys.executable, str(CHECK), str(data), str(tensor), axis_type, layout],
         capture_output=True,
         text=True,
         timeout=300,
