@@ -78,6 +78,8 @@ def main(d: int, t: int) -> None:
     with count_compilations() as compiles:
         engine.run(got)
     assert compiles == [], compiles
+    # Fast prefill armed on the mesh too (staged per data rank in the step).
+    assert engine.counters["fast_prefill_armed"] > 0, engine.counters
     for a, b in zip(want, got, strict=True):
         assert a.output == b.output, (a.req_id, a.output, b.output)
         np.testing.assert_allclose(

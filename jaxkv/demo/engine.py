@@ -30,8 +30,9 @@ from jaxkv.config import RunnerConfig
 from jaxkv.demo.model import TinyHybridModel, forward_paged
 from jaxkv.demo.tensor_parallel import tensor_parallel_state
 from jaxkv.specs import KVCacheSpec, MambaSpec
-from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher
+from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step.builder import PreparedStep, StepInputs, StepMetadataBuilder
+from jaxkv.step.fast_prefill import FastPrefillBatchMetadata, stage_logits_indices
 from jaxkv.step.programs import Programs
 
 
@@ -93,8 +94,10 @@ class Engine:
     :func:`~jaxkv.demo.tensor_parallel.tensor_parallel_state`, one
     ``shard_map`` per step (check_vma on). Each data-parallel rank has its own
     requests, blocks and allocator; all ranks run one program per step (the
-    bucket of the largest rank). Fast prefill is not armed on a mesh (its
-    layers then run on every token).
+    bucket of the largest rank). Fast prefill is armed for all ranks when any
+    has a prefill; each rank stages its logits indices inside the step
+    program (:func:`stage_logits_indices` on its row of a persistent,
+    donated buffer).
 
     Args:
       config: The runner configuration (layers, limits, buckets).
@@ -206,7 +209,18 @@ class Engine:
             pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
         self.record_logits = record_logits
-        self.programs = Programs(self._device_step, donate_argnums=0)
+        self.programs = Programs(self._device_step, donate_argnums=(0, 3))
+        # On a mesh, fast prefill stages each data rank's logits indices inside
+        # the step program, on a persistent (ranks, max_num_tokens) buffer.
+        self._yoco = mesh is not None and any(
+            g.fast_prefill for groups in self.plan.attn_groups for g in groups
+        )
+        self.stage_buffer: jax.Array | None = None
+        if self._yoco and mesh is not None:
+            self.stage_buffer = jax.jit(
+                lambda: jnp.zeros((self.num_ranks, self.max_num_tokens), jnp.int32),
+                out_shardings=NamedSharding(mesh, P(data_axis, None)),
+            )()
         # What the loop did: steps, steps with fast prefill armed, steps with a
         # prefill chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
@@ -219,7 +233,7 @@ class Engine:
     @property
     def fast_prefill(self) -> bool:
         """Whether the fast-prefill (YOCO early exit) path can be armed."""
-        return self.builder.fast_prefill_helper is not None
+        return self._yoco or self.builder.fast_prefill_helper is not None
 
     # --- device side -----------------------------------------------------------
 
@@ -251,35 +265,63 @@ class Engine:
         return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
     def _device_step(
-        self, pools: tuple[jax.Array, ...], state: Any, inputs: StepInputs
-    ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+        self,
+        pools: tuple[jax.Array, ...],
+        state: Any,
+        inputs: StepInputs,
+        buffer: jax.Array | None = None,
+        fp_packed: jax.Array | None = None,
+    ) -> Any:
+        """One step; on a mesh, `buffer` and `fp_packed` arm fast prefill.
+
+        ``buffer (ranks, max_num_tokens)`` is the persistent staging buffer
+        (donated, returned last); ``fp_packed (ranks, 2 + padding)`` holds
+        ``[n, max_logits_per_req, indices...]`` per rank: each rank stages its
+        indices with :func:`stage_logits_indices` on its row of the buffer.
+        """
+        stage = None if buffer is None else (buffer, fp_packed)
         if self.sharded is None:
             return self._rank_step(pools, state, inputs, None)
         sp, layout = self.sharded, inputs.layout
 
-        def per_rank(pools: Any, state: Any, packed: jax.Array) -> Any:
+        def per_rank(pools: Any, state: Any, packed: jax.Array, *stage: Any) -> Any:
             local_state = jax.tree.map(
                 lambda x, split: x[0] if split else x, state, self._state_sharded
             )
-            local = StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
+            fp, buffer = None, None
+            if stage:
+                buffer, fp_packed = stage[0][0], stage[1][0]
+                buffer, staged = stage_logits_indices(
+                    buffer, fp_packed[2:], fp_packed[0]
+                )
+                fp = FastPrefillBatchMetadata(
+                    logits_indices_padded=staged,
+                    num_logits_indices=fp_packed[0],
+                    max_logits_per_req=fp_packed[1],
+                )
+            local = StepInputs(packed=packed[0], fast_prefill=fp, layout=layout)
             pools, tokens, logits = self._rank_step(
                 sp.local_pools(pools), local_state, local, self.tensor_axis
             )
-            return sp.global_pools(pools), tokens[None], logits[None]
+            out = (sp.global_pools(pools), tokens[None], logits[None])
+            return out if buffer is None else (*out, buffer[None])
 
         state_specs = jax.tree.map(
             lambda split: P(self.tensor_axis) if split else P(), self._state_sharded
         )
+        rows = P(self.data_axis, None)
+        out_specs: tuple[Any, ...] = (sp.pool_spec, rows, P(self.data_axis, None, None))
         return jax.shard_map(
             per_rank,
             mesh=sp.mesh,
-            in_specs=(sp.pool_spec, state_specs, P(self.data_axis, None)),
-            out_specs=(
+            in_specs=(
                 sp.pool_spec,
-                P(self.data_axis, None),
-                P(self.data_axis, None, None),
+                state_specs,
+                rows,
+                *((rows, rows) if stage else ()),
             ),
-        )(pools, state, inputs.packed)
+            out_specs=(*out_specs, rows) if stage else out_specs,
+        )(pools, state, inputs.packed, *(stage or ()))
 
     def _abstract_step_inputs(self, inputs: StepInputs) -> StepInputs:
         """A rank's abstract inputs, stacked over the data-parallel ranks."""
@@ -292,6 +334,23 @@ class Engine:
         )
         return StepInputs(packed=packed, fast_prefill=None, layout=inputs.layout)
 
+    def _abstract_stage(self, padding: int) -> tuple[Any, Any]:
+        """Abstract ``(buffer, packed indices)`` of an armed mesh step."""
+        if self.sharded is None or self.stage_buffer is None:
+            raise ValueError("Only a mesh with fast-prefill layers stages in-step.")
+        rows = NamedSharding(self.sharded.mesh, P(self.data_axis, None))
+        return (
+            jax.ShapeDtypeStruct(self.stage_buffer.shape, jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct(
+                (self.num_ranks, padding + 2), jnp.int32, sharding=rows
+            ),
+        )
+
+    @staticmethod
+    def _program(inputs: StepInputs, stage: Any) -> Any:
+        """The key of a step's program: its inputs' program, armed on a mesh."""
+        return (inputs.program, None if stage is None else stage[1].shape[1] - 2)
+
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles every step program from shapes; returns the seconds spent."""
 
@@ -302,14 +361,17 @@ class Engine:
 
         t0 = time.perf_counter()
         pools, state = jax.tree.map(sds, self.pools), jax.tree.map(sds, self.state)
-        todo = [
-            inputs
+        todo: list[tuple[StepInputs, bool]] = [
+            (inputs, armed)
             for inputs in self.builder.abstract_inputs()
-            if self.sharded is None or inputs.fast_prefill is None
+            for armed in ((False, True) if self._yoco else (False,))
         ]
-        for i, inputs in enumerate(todo):
+        for i, (inputs, armed) in enumerate(todo):
             stacked = self._abstract_step_inputs(inputs)
-            self.programs.compile(inputs.program, pools, state, stacked)
+            stage = self._abstract_stage(inputs.layout.num_samples) if armed else None
+            self.programs.compile(
+                self._program(inputs, stage), pools, state, stacked, *(stage or ())
+            )
             if progress:
                 progress(i + 1, len(todo))
         self.builder.warm_up_host()
@@ -426,10 +488,39 @@ class Engine:
                 fast_prefill=None,
                 layout=inputs.layout,
             )
-        self.counters["fast_prefill_armed"] += inputs.fast_prefill is not None
-        self.pools, next_tokens, logits = self.programs(
-            inputs.program, self.pools, self.state, inputs
+        stage = None
+        if (
+            self._yoco
+            and self.sharded is not None
+            and self.stage_buffer is not None
+            and desc is not None
+            and desc.cg_mode != CompileMode.FULL
+            and any(r.num_computed < len(r.prompt) for b in batches for r, _ in b)
+        ):
+            # Armed for every rank (one program): each rank's sampled tokens,
+            # padded like its sample indices; a rank without any has n = 0.
+            padding = inputs.layout.num_samples
+            host = np.zeros((self.num_ranks, padding + 2), np.int32)
+            for rank, batch in enumerate(batches):
+                ends = np.cumsum([n for _, n in batch])
+                idx = [
+                    int(end) - 1
+                    for (r, n), end in zip(batch, ends, strict=True)
+                    if r.num_computed + n == len(r.tokens)
+                ]
+                host[rank, 0], host[rank, 1] = len(idx), 1
+                host[rank, 2 : 2 + len(idx)] = idx
+            rows = NamedSharding(self.sharded.mesh, P(self.data_axis, None))
+            stage = (self.stage_buffer, jax.device_put(host, rows))
+        self.counters["fast_prefill_armed"] += (
+            inputs.fast_prefill is not None or stage is not None
         )
+        result = self.programs(
+            self._program(inputs, stage), self.pools, self.state, inputs, *(stage or ())
+        )
+        if stage is not None:
+            *result, self.stage_buffer = result
+        self.pools, next_tokens, logits = result
         next_host = _to_host(next_tokens)  # the loop needs the tokens on the host
         logits_host = _to_host(logits) if self.record_logits else None
         if self.sharded is None:
