@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+if __name__ == "__main__":  # never when pytest imports this file for doctests
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -23,6 +26,7 @@ from flax import nnx  # noqa: E402
 import jaxkv  # noqa: E402
 import jaxkv.demo  # noqa: E402
 from jaxkv.monitoring import count_compilations  # noqa: E402
+from tests.mesh_cases import demo_config, demo_requests  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -40,29 +44,11 @@ _BYTES = {
 
 
 def _requests() -> list[jaxkv.demo.Request]:
-    rng = np.random.default_rng(0)
-    return [
-        jaxkv.demo.Request(
-            req_id=f"r{i}",
-            prompt=rng.integers(1, 64, int(rng.integers(3, 30))).tolist(),
-            max_new_tokens=5,
-            arrival_step=i % 3,
-        )
-        for i in range(6)
-    ]
+    return demo_requests(seed=0, count=6, new_tokens=5, arrival_every=3)
 
 
 def main(d: int, t: int) -> None:
-    cfg = jaxkv.tiny_hybrid_config(
-        num_heads=8,
-        num_kv_heads=4,  # replicated over 8 tensor ranks in the 1x8 mesh
-        head_size=16,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        max_model_len=128,
-        token_buckets=(8, 32),
-        request_buckets=(4,),
-    )
+    cfg = demo_config()
     model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(0))
     single = jaxkv.demo.Engine(cfg, model, num_blocks=512, record_logits=True)
     single.warm_up()

@@ -13,28 +13,22 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if __name__ == "__main__":  # never when pytest imports this file for doctests
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxkv  # noqa: E402
 import jaxkv.demo  # noqa: E402
+from tests.mesh_cases import demo_config, demo_requests  # noqa: E402
 
 
 def _requests() -> list[jaxkv.demo.Request]:
-    rng = np.random.default_rng(1)
-    return [
-        jaxkv.demo.Request(
-            req_id=f"r{i}",
-            prompt=rng.integers(1, 64, int(rng.integers(3, 30))).tolist(),
-            max_new_tokens=4,
-            arrival_step=i % 2,
-        )
-        for i in range(5)
-    ]
+    return demo_requests(seed=1, count=5, new_tokens=4, arrival_every=2)
 
 
 def main(process_id: int, port: int) -> None:
@@ -48,16 +42,7 @@ def main(process_id: int, port: int) -> None:
     )
     assert jax.device_count() == 8
     assert jax.local_device_count() == 4
-    cfg = jaxkv.tiny_hybrid_config(
-        num_heads=8,
-        num_kv_heads=4,
-        head_size=16,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        max_model_len=128,
-        token_buckets=(8, 32),
-        request_buckets=(4,),
-    )
+    cfg = demo_config()
     model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     engine = jaxkv.demo.Engine(cfg, model, num_blocks=64, mesh=mesh)

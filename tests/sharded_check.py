@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+if __name__ == "__main__":  # never when pytest imports this file for doctests
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

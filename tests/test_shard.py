@@ -1,6 +1,7 @@
 """Pools on a mesh of 8 simulated CPU devices (each case in its own subprocess,
 so the device-count flag never touches the rest of the suite)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,24 @@ import jaxkv
 CHECK = Path(__file__).with_name("sharded_check.py")
 
 
+def _run_check(script: Path, *args: object) -> None:
+    """Runs a check script in its own process (its own device count); OK or fail."""
+    out = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")
+
+
+def test_the_suite_itself_keeps_its_default_devices():
+    """Importing the check scripts (doctest collection) must not set the flag."""
+    assert "device_count" not in os.environ.get("XLA_FLAGS", "")
+
+
 @pytest.mark.parametrize(
     ("data", "tensor", "axis_type", "layout"),
     [
@@ -27,15 +46,7 @@ CHECK = Path(__file__).with_name("sharded_check.py")
     ],
 )
 def test_sharded_pools_match_single_device_runs(data, tensor, axis_type, layout):
-    out = subprocess.run(
-        [sys.executable, str(CHECK), str(data), str(tensor), axis_type, layout],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=CHECK.parent.parent,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.strip().endswith("OK")
+    _run_check(CHECK, data, tensor, axis_type, layout)
 
 
 def test_local_config_splits_heads_and_mamba_states():
@@ -79,15 +90,7 @@ ENGINE = Path(__file__).with_name("engine_mesh_check.py")
 
 @pytest.mark.parametrize(("data", "tensor"), [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_engine_on_a_mesh_serves_what_one_device_serves(data, tensor):
-    out = subprocess.run(
-        [sys.executable, str(ENGINE), str(data), str(tensor)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ENGINE.parent.parent,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.strip().endswith("OK")
+    _run_check(ENGINE, data, tensor)
 
 
 MULTIHOST = Path(__file__).with_name("multihost_check.py")

@@ -1,0 +1,38 @@
+"""The model and requests the mesh checks serve (imported by the check scripts)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jaxkv
+import jaxkv.demo
+
+
+def demo_config() -> jaxkv.RunnerConfig:
+    """8 query heads, 4 KV heads (replicated over 8 tensor ranks at 1x8)."""
+    return jaxkv.tiny_hybrid_config(
+        num_heads=8,
+        num_kv_heads=4,
+        head_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        token_buckets=(8, 32),
+        request_buckets=(4,),
+    )
+
+
+def demo_requests(
+    *, seed: int, count: int, new_tokens: int, arrival_every: int
+) -> list[jaxkv.demo.Request]:
+    """`count` random prompts of 3-29 tokens, arriving over a few steps."""
+    rng = np.random.default_rng(seed)
+    return [
+        jaxkv.demo.Request(
+            req_id=f"r{i}",
+            prompt=rng.integers(1, 64, int(rng.integers(3, 30))).tolist(),
+            max_new_tokens=new_tokens,
+            arrival_step=i % arrival_every,
+        )
+        for i in range(count)
+    ]
