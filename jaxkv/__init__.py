@@ -45,7 +45,14 @@ from jaxkv.cache.planner import (
     align_hybrid_block_size,
     make_kv_cache_config,
 )
-from jaxkv.cache.pools import PoolSpec, allocate_pools, init_kv_cache, plan_kv_cache
+from jaxkv.cache.pools import (
+    KVCacheInit,
+    PoolLayout,
+    PoolSpec,
+    allocate_pools,
+    init_kv_cache,
+    plan_kv_cache,
+)
 from jaxkv.cache.shard import (
     ShardedPlan,
     local_kv_heads,
@@ -62,7 +69,11 @@ from jaxkv.groups.cg_support import (
     get_query_lens_mismatch_unsupported_backend,
     get_varlen_cudagraph_unsupported_backend,
 )
-from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
+from jaxkv.groups.init_backend import (
+    AttnBackendInit,
+    init_attn_backend,
+    with_kv_sharing_layers,
+)
 from jaxkv.groups.kernel_blocks import (
     expand_block_table,
     map_slot_mapping_to_kernel,
@@ -128,6 +139,7 @@ __all__ = [
     "AttentionCGSupportInfo",
     "AttentionGroup",
     "AttentionSpec",
+    "AttnBackendInit",
     "BatchDescriptor",
     "BlockAllocator",
     "BoundKVCaches",
@@ -143,6 +155,7 @@ __all__ = [
     "HybridBlockAlignment",
     "KVCacheConfig",
     "KVCacheGroupSpec",
+    "KVCacheInit",
     "KVCacheLayout",
     "KVCachePlan",
     "KVCacheSpec",
@@ -156,6 +169,7 @@ __all__ = [
     "MultiModalFeatureSpec",
     "MultipleOf",
     "PlaceholderRange",
+    "PoolLayout",
     "PoolSpec",
     "PreparedStep",
     "Programs",

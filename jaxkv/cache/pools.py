@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ def plan_pools(
     extra_views: Iterable[LayerView] = (),
     *,
     max_word: int = 4,
-) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
+) -> PoolLayout:
     """Chooses each pool's carrier word and stamps it on the views.
 
     The word is the widest of 4, 2, 1 bytes dividing the pool size and every
@@ -99,7 +100,7 @@ def plan_pools(
     pools = tuple(
         PoolSpec(size_bytes=s, word=w) for s, w in zip(sizes, words, strict=True)
     )
-    return pools, out
+    return PoolLayout(pools=pools, views=out)
 
 
 def with_word(view: LayerView, word: int) -> LayerView:
@@ -128,6 +129,43 @@ def allocate_pools(
     )
 
 
+class KVCacheInit(NamedTuple):
+    """What :func:`init_kv_cache` returns; unpacks as ``pools, kv_caches``.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> init = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+      >>> len(init.pools), init.kv_caches["layers.0.self_attn"].pool
+      (2, 0)
+    """
+
+    pools: tuple[jax.Array, ...]
+    """One zeroed array per pool."""
+    kv_caches: dict[str, LayerView]
+    """``layer -> view`` of those pools."""
+
+
+class PoolLayout(NamedTuple):
+    """What :func:`plan_kv_cache` and :func:`plan_pools` return.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+      >>> jaxkv.plan_kv_cache(kv, cfg, sizes, groups).pools[0].size_bytes
+      65536
+    """
+
+    pools: tuple[PoolSpec, ...]
+    """Each pool's size and carrier word."""
+    views: dict[str, LayerView]
+    """``layer -> view`` with the words set."""
+
+
 def init_kv_cache(
     kv_cache_config: KVCacheConfig,
     vllm_config: RunnerConfig,
@@ -135,7 +173,7 @@ def init_kv_cache(
     attn_groups: Sequence[Sequence[AttentionGroup]],
     *,
     sharding: jax.sharding.Sharding | None = None,
-) -> tuple[tuple[jax.Array, ...], dict[str, LayerView]]:
+) -> KVCacheInit:
     """Allocates one zeroed array per pool and builds every layer's view of it.
 
     One array per unpacked KVCacheTensor plus one for all packed tensors: the
@@ -149,7 +187,8 @@ def init_kv_cache(
       sharding: Optional sharding of every pool.
 
     Returns:
-      ``(pools, kv_caches)``: the pool arrays and ``layer -> view``.
+      ``(pools, kv_caches)`` (a :class:`KVCacheInit`): the pool arrays and
+      ``layer -> view``.
 
     Example:
       >>> import jaxkv
@@ -163,7 +202,7 @@ def init_kv_cache(
     pools, views = plan_kv_cache(
         kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
     )
-    return allocate_pools(pools, sharding), views
+    return KVCacheInit(pools=allocate_pools(pools, sharding), kv_caches=views)
 
 
 def plan_kv_cache(
@@ -171,7 +210,7 @@ def plan_kv_cache(
     vllm_config: RunnerConfig,
     kernel_block_sizes: Sequence[int],
     attn_groups: Sequence[Sequence[AttentionGroup]],
-) -> tuple[tuple[PoolSpec, ...], dict[str, LayerView]]:
+) -> PoolLayout:
     """The pools and views :func:`init_kv_cache` would create, allocating nothing."""
     views = build_kv_cache_views(
         kv_cache_config, vllm_config, kernel_block_sizes, attn_groups

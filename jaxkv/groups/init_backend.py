@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxkv.backends import AttentionBackend, create_fast_prefill_custom_backend
 from jaxkv.config import RunnerConfig
@@ -68,6 +68,26 @@ def _validate_group_layers(
                 )
 
 
+class AttnBackendInit(NamedTuple):
+    """What :func:`init_attn_backend` returns; unpacks like vLLM's tuple.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+      >>> init = jaxkv.init_attn_backend(kv, cfg)
+      >>> init.kernel_block_sizes, init.cg_support_info.min_cg_support.name
+      ([32, 32, 32], 'UNIFORM_BATCH')
+    """
+
+    attn_groups: list[list[AttentionGroup]]
+    """Attention groups per KV-cache group."""
+    cg_support_info: AttentionCGSupportInfo
+    """The weakest compile support and the backend that set it."""
+    kernel_block_sizes: list[int]
+    """One kernel block size per KV-cache group (up to encoder-only groups)."""
+
+
 def init_attn_backend(
     kv_cache_config: KVCacheConfig,
     vllm_config: RunnerConfig,
@@ -76,7 +96,7 @@ def init_attn_backend(
     draft_layer_names: Collection[str] | None = None,
     maps_slot_mapping: bool = False,
     slot_mapped_layers: Collection[str] = (),
-) -> tuple[list[list[AttentionGroup]], AttentionCGSupportInfo, list[int]]:
+) -> AttnBackendInit:
     """Groups the layers by backend and spec and picks kernel block sizes.
 
     Pure Python over static data: compiles nothing. KV-sharing layers join their
@@ -182,10 +202,10 @@ def init_attn_backend(
         ]
         for groups in proto
     ]
-    return (
-        attn_groups,
-        get_attn_cg_support(attn_groups, vllm_config),
-        kernel_block_sizes,
+    return AttnBackendInit(
+        attn_groups=attn_groups,
+        cg_support_info=get_attn_cg_support(attn_groups, vllm_config),
+        kernel_block_sizes=kernel_block_sizes,
     )
 
 
