@@ -88,7 +88,7 @@ def run(args: Any) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=64,
         max_model_len=256,
-        token_buckets=(8, 32, 64),
+        token_buckets=tuple(int(b) for b in args.token_buckets.split(",")),
         request_buckets=(args.max_num_seqs,),
     )
     model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(0))
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--head-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--token-buckets", default="8,32,64")
     p.set_defaults(iters=3)
     args = p.parse_args(argv)
     results = run(args)

@@ -1,6 +1,7 @@
 """Run by tests/test_shard.py in a subprocess: the demo Engine on a mesh.
 
-Serves the same requests on one device and on a ``D x T`` mesh of simulated
+Serves the same requests on one device and on each ``D x T`` mesh given
+(``python tests/engine_mesh_check.py 1x8 2x4``) of simulated
 CPU devices (tensor-parallel heads, data-parallel requests) and checks that
 greedy tokens are identical, logits equal within float32 rounding, nothing
 compiles after warm-up, every device holds 1/(D*T) of the pools, and the
@@ -47,14 +48,26 @@ def _requests() -> list[jaxkv.demo.Request]:
     return demo_requests(seed=0, count=6, new_tokens=5, arrival_every=3)
 
 
-def main(d: int, t: int) -> None:
+def main(meshes: list[tuple[int, int]]) -> None:
     cfg = demo_config()
     model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(0))
     single = jaxkv.demo.Engine(cfg, model, num_blocks=512, record_logits=True)
     single.warm_up()
     want = _requests()
     single.run(want)
+    for d, t in meshes:
+        _check_mesh(cfg, model, want, d, t)
+        print(f"{d}x{t} OK")
+    print("OK")
 
+
+def _check_mesh(
+    cfg: jaxkv.RunnerConfig,
+    model: jaxkv.demo.TinyHybridModel,
+    want: list[jaxkv.demo.Request],
+    d: int,
+    t: int,
+) -> None:
     mesh = jax.make_mesh((d, t), ("data", "tensor"))
     engine = jaxkv.demo.Engine(
         cfg, model, num_blocks=512, mesh=mesh, record_logits=True
@@ -95,8 +108,7 @@ def main(d: int, t: int) -> None:
             assert size * 10 <= per_device, (size, per_device, line[:200])
         analysis = exe.memory_analysis()
         assert analysis.temp_size_in_bytes <= per_device, analysis
-    print("OK")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main([(int(m.split("x")[0]), int(m.split("x")[1])) for m in sys.argv[1:]])

@@ -94,6 +94,7 @@ def test_mesh_benchmark_runs_at_tiny_size(tmp_path):
             sys.executable,
             str(BENCHMARKS / "bench_mesh.py"),
             *"--meshes 1x2 --num-requests 2 --max-new-tokens 2 --iters 1".split(),
+            *"--token-buckets 64 --num-blocks 32 --max-prompt 8".split(),
             "--json",
             str(tmp_path / "mesh.json"),
         ],
