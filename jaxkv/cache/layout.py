@@ -261,6 +261,20 @@ def _layer_view(
     )
 
 
+def _tensor_id(name: str, gid: int, tensor_index: Mapping[str, int]) -> int:
+    """The KVCacheTensor holding layer `name` of KV-cache group `gid`.
+
+    Raises:
+      ValueError: If no tensor lists the layer in its ``shared_by``.
+    """
+    if name not in tensor_index:
+        raise ValueError(
+            f"Layer {name!r} of KV-cache group {gid} is in no KVCacheTensor's "
+            "shared_by."
+        )
+    return tensor_index[name]
+
+
 def _raw_page_views(
     kv_cache_config: KVCacheConfig,
     tensor_index: Mapping[str, int],
@@ -280,12 +294,7 @@ def _raw_page_views(
         for name in group.layer_names:
             if name in shared:
                 continue
-            if name not in tensor_index:
-                raise ValueError(
-                    f"Layer {name!r} of KV-cache group {gid} is in no KVCacheTensor's "
-                    "shared_by."
-                )
-            tid = tensor_index[name]
+            tid = _tensor_id(name, gid, tensor_index)
             tensor = kv_cache_config.kv_cache_tensors[tid]
             page = layer_spec(spec, name).page_size_bytes
             stride = tensor.block_stride if tensor.is_packed else page
@@ -348,12 +357,7 @@ def build_kv_cache_views(
         for name in group.layer_names:
             if name in shared:
                 continue
-            if name not in tensor_index:
-                raise ValueError(
-                    f"Layer {name!r} of KV-cache group {gid} is in no KVCacheTensor's "
-                    "shared_by."
-                )
-            tid = tensor_index[name]
+            tid = _tensor_id(name, gid, tensor_index)
             views[name] = _layer_view(
                 name,
                 group,
