@@ -373,3 +373,33 @@ def test_a_kind_of_ones_own_registers_by_subclassing():
     groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
     assert groups == [[]]
     assert sizes == [16]
+
+
+@pytest.mark.parametrize("kind", ["attention", "raw"])
+def test_a_group_layer_in_no_tensor_is_named(kind):
+    attn = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    spec = (
+        attn
+        if kind == "attention"
+        else jaxkv.RawPageSpec(block_size=16, page_bytes=attn.page_size_bytes)
+    )
+    fa = jaxkv.get_backend("FLASH_ATTN")
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=fa) for n in "ab"]
+    )
+    kv = jaxkv.KVCacheConfig(
+        num_blocks=2,
+        kv_cache_tensors=[
+            jaxkv.KVCacheTensor(size=2 * spec.page_size_bytes, shared_by=["a"])
+        ],
+        kv_cache_groups=[
+            jaxkv.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=spec)
+        ],
+    )
+    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    with pytest.raises(
+        ValueError, match="'b' of KV-cache group 0 is in no KVCacheTensor"
+    ):
+        jaxkv.build_kv_cache_views(kv, cfg, sizes, groups)
