@@ -418,8 +418,7 @@ class Engine:
         q_lens = np.array([n for _, n in batch], np.int32)
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         num_reqs, num_tokens = len(batch), int(qsl[-1])
-        tokens, positions, seq_lens, samples, cu = [], [], [], [], [0]
-        prefilling = []
+        tokens, positions, seq_lens, prefilling = [], [], [], []
         tables = [np.zeros((num_reqs, w), np.int32) for w in self.widths]
         slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
         for r, (req, n) in enumerate(batch):
@@ -438,10 +437,9 @@ class Engine:
                 tables[g][r, : ids.size] = ids
                 if not mamba:
                     slots[g][qsl[r] : qsl[r + 1]] = ids[pos // b] * b + pos % b
-            sampled = start + n == len(req.tokens)
-            if sampled:
-                samples.append(int(qsl[r + 1]) - 1)
-            cu.append(cu[-1] + int(sampled))
+        samples = _sampled_tokens(batch)
+        # Sampled tokens before each request's end: cumulative logits counts.
+        cu = np.concatenate([[0], np.searchsorted(samples, qsl[1:])]).astype(np.int32)
         return self.builder.prepare(
             query_start_loc=qsl,
             seq_lens=np.asarray(seq_lens, np.int32),
@@ -449,7 +447,7 @@ class Engine:
             block_tables=tables,
             slot_mappings=slots,
             logits_indices=np.asarray(samples, np.int32) if samples else None,
-            cu_num_logits=np.asarray(cu),
+            cu_num_logits=cu,
             token_ids=np.concatenate(
                 [np.zeros(0, np.int32), *(np.asarray(t, np.int32) for t in tokens)]
             ),
@@ -469,13 +467,7 @@ class Engine:
                 num_reqs=max(1, *(len(b) for b in batches)),
                 num_tokens=max(1, *(sum(n for _, n in b) for b in batches)),
             )
-            most = max(
-                1,
-                *(
-                    sum(r.num_computed + n == len(r.tokens) for r, n in b)
-                    for b in batches
-                ),
-            )
+            most = max(1, *(len(_sampled_tokens(b)) for b in batches))
             num_samples = self.builder.sample_padding(most, desc)
         steps = [self._prepare(b, desc, num_samples) for b in batches]
         inputs = steps[0].inputs
@@ -502,12 +494,7 @@ class Engine:
             padding = inputs.layout.num_samples
             host = np.zeros((self.num_ranks, padding + 2), np.int32)
             for rank, batch in enumerate(batches):
-                ends = np.cumsum([n for _, n in batch])
-                idx = [
-                    int(end) - 1
-                    for (r, n), end in zip(batch, ends, strict=True)
-                    if r.num_computed + n == len(r.tokens)
-                ]
+                idx = _sampled_tokens(batch)
                 host[rank, 0], host[rank, 1] = len(idx), 1
                 host[rank, 2 : 2 + len(idx)] = idx
             rows = NamedSharding(self.sharded.mesh, P(self.data_axis, None))
@@ -583,6 +570,18 @@ class Engine:
             if progress:
                 progress(generated, total)
         return steps, generated
+
+
+def _sampled_tokens(batch: Sequence[tuple[Request, int]]) -> list[int]:
+    """Step-token indices whose logits are sampled: the last token of each
+    request whose chunk reaches the end of its tokens (one per such request).
+    """  # noqa: D205
+    out, end = [], 0
+    for req, n in batch:
+        end += n
+        if req.num_computed + n == len(req.tokens):
+            out.append(end - 1)
+    return out
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
