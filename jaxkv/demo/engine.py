@@ -3,8 +3,9 @@
 The Engine is a thin user of the library's own pipeline: a :class:`KVCachePlan`,
 a :class:`StepMetadataBuilder` whose :meth:`~StepMetadataBuilder.metadata` runs
 inside the Engine's jitted step (one executable per step), and
-:class:`Programs` for the compiled steps. What it adds is the scheduler: block
-allocation, chunked prefill and sampling.
+:class:`Programs` for the compiled steps, and one :class:`Scheduler` per
+data-parallel rank (admission, chunked prefill, preemption, prefix caching).
+What it adds is the model, greedy sampling and arrivals.
 """
 
 from __future__ import annotations
@@ -22,78 +23,52 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._util import cdiv
-from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
+import jaxkv.sched.request as jaxkv_sched
+from jaxkv.cache.blocks import BlockAllocator
 from jaxkv.cache.plan import make_plan
 from jaxkv.cache.shard import ShardedPlan, local_runner_config, shard_plan
 from jaxkv.config import RunnerConfig
 from jaxkv.demo.model import TinyHybridModel, forward_paged
 from jaxkv.demo.tensor_parallel import tensor_parallel_state
-from jaxkv.specs import KVCacheSpec, MambaSpec
+from jaxkv.sched.scheduler import ScheduledStep, Scheduler, sampled_token_indices
 from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step.builder import PreparedStep, StepInputs, StepMetadataBuilder
 from jaxkv.step.fast_prefill import FastPrefillBatchMetadata, stage_logits_indices
 from jaxkv.step.programs import Programs
 
 
-@dataclasses.dataclass
-class Request:
-    """One generation request and its progress.
+@dataclasses.dataclass(eq=False)
+class Request(jaxkv_sched.Request):
+    """A :class:`jaxkv.Request` with what the demo Engine adds.
 
     Attributes:
-      req_id: Identifier.
-      prompt: Prompt token ids.
-      max_new_tokens: Tokens to generate (greedy).
       arrival_step: Step at which the request arrives.
-      num_computed: Tokens whose K/V (and state) are in the cache.
-      output: Generated tokens.
       logits: The logits each generated token was sampled from, when the
         Engine records them (``record_logits=True``).
-      blocks: Block ids per KV-cache group (0, the null block, where a
-        sliding-window or chunked-local group freed a block); ids of its
-        data-parallel rank.
       rank: The data-parallel rank serving the request (0 without a mesh).
     """
 
-    req_id: str
-    prompt: list[int]
-    max_new_tokens: int
     arrival_step: int = 0
-    num_computed: int = 0
-    output: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    blocks: list[list[int]] = dataclasses.field(default_factory=list)
     rank: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt and output so far."""
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        """Whether all tokens were generated."""
-        return len(self.output) >= self.max_new_tokens
 
 
 class Engine:
     """Continuous batching on the built-in model through jaxkv.
 
-    Each step: admit arrivals, schedule decodes then prefill chunks under the
-    token budget, allocate blocks per KV-cache group, let the
-    :class:`StepMetadataBuilder` pack the step and arm fast prefill, run the
-    step's compiled program (pools donated; metadata built inside it), sample
-    greedily, free finished requests' blocks. Sliding-window and chunked-local
-    groups also free, after every step, the blocks no future query can see
-    (:func:`get_num_skipped_tokens`); their block-table entries become the null
-    block 0, whose keys the attention masks.
+    Each step: hand arrivals to the :class:`Scheduler` (which rejects what can
+    never be served), let it pick requests and tokens and hold their blocks
+    (preempting when blocks run out, reusing cached prefixes when enabled),
+    let the :class:`StepMetadataBuilder` pack the step and arm fast prefill,
+    run the step's compiled program (pools donated; metadata built inside it),
+    sample greedily and give the tokens back to the scheduler.
 
     With a `mesh`, the model is served tensor-parallel over heads on
     `tensor_axis` and data-parallel over requests on `data_axis`: pools from
     :func:`shard_plan`, the model's weights split by
     :func:`~jaxkv.demo.tensor_parallel.tensor_parallel_state`, one
     ``shard_map`` per step (check_vma on). Each data-parallel rank has its own
-    requests, blocks and allocator; all ranks run one program per step (the
+    requests and scheduler; all ranks run one program per step (the
     bucket of the largest rank). Fast prefill is armed for all ranks when any
     has a prefill; each rank stages its logits indices inside the step
     program (:func:`stage_logits_indices` on its row of a persistent,
@@ -115,6 +90,7 @@ class Engine:
       mesh: Serve over this device mesh (``None``: one device).
       data_axis: The mesh's data-parallel axis.
       tensor_axis: The mesh's tensor-parallel axis.
+      enable_prefix_caching: Reuse cached prefixes (see :class:`Scheduler`).
     """
 
     def __init__(
@@ -130,6 +106,7 @@ class Engine:
         mesh: Mesh | None = None,
         data_axis: str = "data",
         tensor_axis: str = "tensor",
+        enable_prefix_caching: bool = False,
     ) -> None:
         """Plans and allocates the pools, and prepares the step builder."""
         self.config = config
@@ -169,22 +146,6 @@ class Engine:
             )
         self.data_axis, self.tensor_axis = data_axis, tensor_axis
         self.views = self.plan.views
-        group_specs = [
-            g.kv_cache_spec for g in self.plan.kv_cache_config.kv_cache_groups
-        ]
-        self.block_sizes = list(self.plan.block_sizes)
-        self.is_mamba = [isinstance(s, MambaSpec) for s in group_specs]
-        # A group frees skipped blocks only if every layer reading it (KV-sharing
-        # layers included) has the group's window: a wider reader would need them.
-        local_cfg = self.plan.runner_config
-        self.group_specs: list[KVCacheSpec | None] = [
-            spec
-            if all(local_cfg.layer(name).spec == spec for name in group.layer_names)
-            else None
-            for spec, group in zip(
-                group_specs, self.plan.kv_cache_config.kv_cache_groups, strict=True
-            )
-        ]
         self.widths = self.plan.block_table_widths
         self.max_num_tokens = config.max_num_batched_tokens
         self.max_num_reqs = config.max_num_seqs
@@ -204,7 +165,18 @@ class Engine:
         self.builder = StepMetadataBuilder(
             self.plan, self.dispatcher, model_inputs=True, fast_prefill=mesh is None
         )
-        self.allocators = [BlockAllocator(num_blocks) for _ in range(self.num_ranks)]
+        # One scheduler (and block manager) per data-parallel rank.
+        self.schedulers = [
+            Scheduler(
+                self.plan,
+                max_num_batched_tokens=self.max_num_tokens,
+                max_num_seqs=self.max_num_reqs,
+                enable_prefix_caching=enable_prefix_caching,
+                vocab_size=model.lm_head.out_features,
+                num_blocks=num_blocks,
+            )
+            for _ in range(self.num_ranks)
+        ]
         if pages_per_chunk is None:
             pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
@@ -228,7 +200,7 @@ class Engine:
     @property
     def allocator(self) -> BlockAllocator:
         """Rank 0's block allocator (the only one without a mesh)."""
-        return self.allocators[0]
+        return self.schedulers[0].manager.allocator
 
     @property
     def fast_prefill(self) -> bool:
@@ -379,86 +351,36 @@ class Engine:
 
     # --- host side -------------------------------------------------------------
 
-    def _schedule(self, running: list[Request]) -> list[tuple[Request, int]]:
-        budget, out = self.max_num_tokens, []
-        decodes = [r for r in running if r.num_computed >= len(r.prompt)]
-        prefills = [r for r in running if r.num_computed < len(r.prompt)]
-        for req in [*decodes, *prefills]:
-            if len(out) == self.max_num_reqs or budget == 0:
-                break
-            n = min(len(req.tokens) - req.num_computed, budget)
-            out.append((req, n))
-            budget -= n
-        return out
-
-    def _allocate(self, req: Request, new_len: int) -> None:
-        if not req.blocks:
-            req.blocks = [[] for _ in self.widths]
-        for g, (b, mamba) in enumerate(
-            zip(self.block_sizes, self.is_mamba, strict=True)
-        ):
-            need = 1 if mamba else cdiv(new_len, b)
-            if need > self.widths[g]:
-                raise ValueError(
-                    f"Request {req.req_id!r} needs {new_len} tokens, more than "
-                    f"max_model_len={self.config.max_model_len}."
-                )
-            if need > len(req.blocks[g]):
-                req.blocks[g] += self.allocators[req.rank].allocate(
-                    need - len(req.blocks[g])
-                )
-
     def _prepare(
         self,
-        batch: list[tuple[Request, int]],
+        step: ScheduledStep,
         desc: BatchDescriptor | None,
         num_samples: int | None,
     ) -> PreparedStep:
-        """One rank's step: block tables, slots and sampled tokens, packed."""
-        q_lens = np.array([n for _, n in batch], np.int32)
-        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        num_reqs, num_tokens = len(batch), int(qsl[-1])
-        tokens, positions, seq_lens, prefilling = [], [], [], []
-        tables = [np.zeros((num_reqs, w), np.int32) for w in self.widths]
-        slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
-        for r, (req, n) in enumerate(batch):
-            start = req.num_computed
-            self.counters["partial_prefills"] += start + n < len(req.prompt)
-            prefilling.append(start < len(req.prompt))
-            self._allocate(req, start + n)
-            pos = np.arange(start, start + n)
-            tokens.append(req.tokens[start : start + n])
-            positions.append(pos)
-            seq_lens.append(start + n)
-            for g, (b, mamba) in enumerate(
-                zip(self.block_sizes, self.is_mamba, strict=True)
-            ):
-                ids = np.asarray(req.blocks[g], np.int32)
-                tables[g][r, : ids.size] = ids
-                if not mamba:
-                    slots[g][qsl[r] : qsl[r + 1]] = ids[pos // b] * b + pos % b
-        samples = _sampled_tokens(batch)
-        # Sampled tokens before each request's end: cumulative logits counts.
-        cu = np.concatenate([[0], np.searchsorted(samples, qsl[1:])]).astype(np.int32)
+        """One rank's step, packed (an empty rank gets an empty batch)."""
+        if step.arrays is None:
+            empty = np.zeros(0, np.int32)
+            return self.builder.prepare(
+                query_start_loc=np.zeros(1, np.int32),
+                seq_lens=empty,
+                positions=empty,
+                block_tables=[np.zeros((0, w), np.int32) for w in self.widths],
+                slot_mappings=[empty for _ in self.widths],
+                token_ids=empty,
+                desc=desc,
+                num_samples=num_samples,
+            )
+        self.counters["partial_prefills"] += any(
+            r.num_computed + n < len(r.prompt) for r, n in step.batch
+        )
         return self.builder.prepare(
-            query_start_loc=qsl,
-            seq_lens=np.asarray(seq_lens, np.int32),
-            positions=np.concatenate([np.zeros(0, np.int64), *positions]),
-            block_tables=tables,
-            slot_mappings=slots,
-            logits_indices=np.asarray(samples, np.int32) if samples else None,
-            cu_num_logits=cu,
-            token_ids=np.concatenate(
-                [np.zeros(0, np.int32), *(np.asarray(t, np.int32) for t in tokens)]
-            ),
-            is_prefilling=np.asarray(prefilling, bool),
-            desc=desc,
-            num_samples=num_samples,
+            **step.arrays._asdict(), desc=desc, num_samples=num_samples
         )
 
-    def step(self, batches: list[list[tuple[Request, int]]]) -> None:
-        """Runs one scheduled step (one batch per data-parallel rank)."""
+    def step(self, steps: list[ScheduledStep]) -> None:
+        """Runs one scheduled step (one per data-parallel rank)."""
         self.counters["steps"] += 1
+        batches = [s.batch for s in steps]
         desc = num_samples = None
         if self.sharded is not None:
             # One program for every rank: the bucket of the largest batch, and
@@ -467,14 +389,14 @@ class Engine:
                 num_reqs=max(1, *(len(b) for b in batches)),
                 num_tokens=max(1, *(sum(n for _, n in b) for b in batches)),
             )
-            most = max(1, *(len(_sampled_tokens(b)) for b in batches))
+            most = max(1, *(len(sampled_token_indices(b)) for b in batches))
             num_samples = self.builder.sample_padding(most, desc)
-        steps = [self._prepare(b, desc, num_samples) for b in batches]
-        inputs = steps[0].inputs
+        prepared = [self._prepare(s, desc, num_samples) for s in steps]
+        inputs = prepared[0].inputs
         if self.sharded is not None:
             inputs = StepInputs(
                 packed=jax.device_put(
-                    np.stack([np.asarray(s.inputs.packed) for s in steps]),
+                    np.stack([np.asarray(p.inputs.packed) for p in prepared]),
                     NamedSharding(self.sharded.mesh, P(self.data_axis, None)),
                 ),
                 fast_prefill=None,
@@ -494,7 +416,7 @@ class Engine:
             padding = inputs.layout.num_samples
             host = np.zeros((self.num_ranks, padding + 2), np.int32)
             for rank, batch in enumerate(batches):
-                idx = _sampled_tokens(batch)
+                idx = sampled_token_indices(batch)
                 host[rank, 0], host[rank, 1] = len(idx), 1
                 host[rank, 2 : 2 + len(idx)] = idx
             rows = NamedSharding(self.sharded.mesh, P(self.data_axis, None))
@@ -513,75 +435,68 @@ class Engine:
         if self.sharded is None:
             next_host = next_host[None]
             logits_host = None if logits_host is None else logits_host[None]
-        for rank, batch in enumerate(batches):
-            k = 0
-            for req, n in batch:
-                req.num_computed += n
-                if req.num_computed == len(req.tokens):
-                    req.output.append(int(next_host[rank, k]))
-                    if logits_host is not None:
+        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
+            sampled = step.sampled
+            if logits_host is not None:
+                for k, req in enumerate(sampled):
+                    if isinstance(req, Request):
                         req.logits.append(logits_host[rank, k])
-                    k += 1
-                self._free_skipped(req)
-
-    def _free_skipped(self, req: Request) -> None:
-        """Frees the blocks of `req` that no future query attends to."""
-        for g, spec in enumerate(self.group_specs):
-            if spec is None:
-                continue
-            ids = req.blocks[g]
-            skipped = min(
-                get_num_skipped_tokens(spec, req.num_computed) // spec.block_size,
-                len(ids),
-            )
-            gone = [i for i in ids[:skipped] if i != 0]
-            if gone:
-                self.allocators[req.rank].free(gone)
-                ids[:skipped] = [0] * skipped
+            sched.update(step, next_host[rank, : len(sampled)].tolist())
 
     def run(
         self,
         requests: Sequence[Request],
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[int, int]:
-        """Serves `requests` to completion; returns (steps, generated tokens)."""
+        """Serves `requests` to completion; returns (steps, generated tokens).
+
+        Requests that can never be served are rejected (``status`` REJECTED,
+        ``reject_reason`` says why) while the others are served; when blocks
+        run out, the most recently admitted request of a rank is preempted and
+        recomputed later. Steps with nothing to run are skipped to the next
+        arrival.
+        """
         pending = sorted(requests, key=lambda r: r.arrival_step)
-        running: list[list[Request]] = [[] for _ in range(self.num_ranks)]
         steps = generated = 0
-        total = sum(r.max_new_tokens for r in requests)
-        while pending or any(running):
+        total = sum(max(0, r.max_new_tokens) for r in requests)
+        while pending or any(s.has_unfinished for s in self.schedulers):
+            if pending and not any(s.has_unfinished for s in self.schedulers):
+                steps = max(steps, pending[0].arrival_step)  # nothing to run: skip
             while pending and pending[0].arrival_step <= steps:
                 # A new request goes to the data-parallel rank with fewest.
                 req = pending.pop(0)
-                req.rank = min(range(self.num_ranks), key=lambda r: len(running[r]))
-                running[req.rank].append(req)
-            if any(running):
-                live = [r for rank in running for r in rank]
+                req.rank = min(
+                    range(self.num_ranks),
+                    key=lambda r: (
+                        len(self.schedulers[r].running)
+                        + len(self.schedulers[r].waiting)
+                    ),
+                )
+                self.schedulers[req.rank].add_request(req)
+            scheduled = [s.schedule() for s in self.schedulers]
+            if any(s.batch for s in scheduled):
+                live = [r for s in scheduled for r, _ in s.batch]
                 before = sum(len(r.output) for r in live)
-                self.step([self._schedule(rank) for rank in running])
+                self.step(scheduled)
                 generated += sum(len(r.output) for r in live) - before
-                for rank, reqs in enumerate(running):
-                    for req in [r for r in reqs if r.finished]:
-                        reqs.remove(req)
-                        for ids in req.blocks:
-                            self.allocators[rank].free([i for i in ids if i != 0])
-                        req.blocks = []
+            elif any(s.has_unfinished for s in self.schedulers):
+                raise RuntimeError(
+                    "Engine.run: requests are waiting but none could be scheduled "
+                    "(no free blocks and nothing running to preempt)."
+                )
             steps += 1
             if progress:
                 progress(generated, total)
         return steps, generated
 
-
-def _sampled_tokens(batch: Sequence[tuple[Request, int]]) -> list[int]:
-    """Step-token indices whose logits are sampled: the last token of each
-    request whose chunk reaches the end of its tokens (one per such request).
-    """  # noqa: D205
-    out, end = [], 0
-    for req, n in batch:
-        end += n
-        if req.num_computed + n == len(req.tokens):
-            out.append(end - 1)
-    return out
+    @property
+    def stats(self) -> dict[str, int]:
+        """The schedulers' counters summed over ranks (preemptions, prefix hits)."""
+        out: dict[str, int] = {}
+        for s in self.schedulers:
+            for k, v in s.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

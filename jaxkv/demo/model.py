@@ -99,6 +99,7 @@ class MambaLayer(nnx.Module):
         (conv_len, channels), (heads, head, n) = spec.shapes
         self.conv_len, self.heads, self.head, self.n = conv_len, heads, head, n
         self.conv_dtype = spec.dtypes[0]
+        self.block_size = spec.block_size
         self.norm = nnx.RMSNorm(hidden, rngs=rngs)
         self.w_in = nnx.Linear(hidden, channels, use_bias=False, rngs=rngs)
         self.w_out = nnx.Linear(channels, hidden, use_bias=False, rngs=rngs)
@@ -311,14 +312,11 @@ def _mamba_paged(
     x: jax.Array,
 ) -> tuple[Pools, jax.Array]:
     """Mamba states in, a token-ordered scan over the ragged batch, states out."""
-    max_reqs = meta.max_reqs
-    live = jnp.arange(max_reqs, dtype=jnp.int32) < meta.num_reqs
-    state_block = jnp.where(live, meta.block_table_tensor[:, 0], -1)
-    conv, ssm = read_mamba_state(pools, view, state_block)
-    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    fresh = meta.seq_lens - q_lens == 0  # first chunk: start from zero
-    conv = jnp.where(fresh[:, None, None] | ~live[:, None, None], 0, conv)
-    ssm = jnp.where(fresh[:, None, None, None] | ~live[:, None, None, None], 0, ssm)
+    src, dst = meta.mamba_state_blocks(block.block_size)
+    conv, ssm = read_mamba_state(pools, view, src)
+    fresh = src < 0  # nothing computed before (or a padded row): zero state
+    conv = jnp.where(fresh[:, None, None], 0, conv)
+    ssm = jnp.where(fresh[:, None, None, None], 0, ssm)
     req, _, valid = token_requests_and_positions(meta, x.shape[0])
 
     def step(carry, inputs):
@@ -332,7 +330,7 @@ def _mamba_paged(
     (conv, ssm), y = jax.lax.scan(
         step, (conv.astype(block.conv_dtype), ssm), (req, valid, x)
     )
-    pools = write_mamba_state(pools, view, state_block, [conv, ssm])
+    pools = write_mamba_state(pools, view, dst, [conv, ssm])
     return pools, y
 
 

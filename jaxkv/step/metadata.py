@@ -102,3 +102,40 @@ class CommonAttentionMetadata:
     def max_reqs(self) -> int:
         """Request capacity (static, from the shape)."""
         return self.seq_lens.shape[0]
+
+    def mamba_state_blocks(self, block_size: int) -> tuple[Array, Array]:
+        """Per request, the block holding its Mamba state before this step's
+        tokens and the block that receives the state after them.
+
+        A Mamba group's block table has one column per `block_size` tokens; the
+        state after ``n`` tokens lives in column ``(n - 1) // block_size`` (see
+        :class:`KVCacheManager`). Requests with nothing computed before the
+        step read ``-1`` (start from a zero state); padded rows read and write
+        ``-1`` (nothing).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jaxkv
+          >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=3, max_tokens=8,
+          ...                                         max_blocks=4)
+          >>> import dataclasses
+          >>> m = dataclasses.replace(m, num_reqs=jnp.int32(2),
+          ...     query_start_loc=jnp.array([0, 5, 6, 6]), seq_lens=jnp.array([5, 33, 0]),
+          ...     block_table_tensor=jnp.array([[7, 0, 0, 0], [0, 8, 9, 0], [0, 0, 0, 0]]))
+          >>> [x.tolist() for x in m.mamba_state_blocks(16)]
+          [[-1, 8, -1], [7, 9, -1]]
+        """  # noqa: D205
+        rows = jnp.arange(self.max_reqs, dtype=jnp.int32)
+        live = rows < self.num_reqs
+        before = self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
+        last = self.block_table_tensor.shape[1] - 1
+
+        def block(n: Array) -> Array:
+            col = jnp.clip((n - 1) // block_size, 0, last)
+            return jnp.take_along_axis(self.block_table_tensor, col[:, None], axis=1)[
+                :, 0
+            ]
+
+        src = jnp.where(live & (before > 0), block(before), -1)
+        dst = jnp.where(live & (self.seq_lens > 0), block(self.seq_lens), -1)
+        return src, dst

@@ -1,0 +1,1 @@
+"""sched: requests, the block manager with prefix caching, the scheduler."""

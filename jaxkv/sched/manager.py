@@ -1,0 +1,367 @@
+"""The block manager: per-group block tables over one shared free queue, with
+prefix caching, window freeing and Mamba state blocks.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxkv._util import cdiv
+from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
+from jaxkv.cache.plan import KVCachePlan
+from jaxkv.sched.prefix import hash_token_blocks, longest_cache_hit
+from jaxkv.sched.request import Request
+from jaxkv.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+
+class StepBlocks(NamedTuple):
+    """A batch's block tables and slot mappings, one array per KV-cache group.
+
+    Attributes:
+      block_tables: ``(num_reqs, width)`` int32 per group, 0-padded.
+      slot_mappings: ``(num_tokens,)`` int32 per group (``-1`` for Mamba
+        groups, whose state is written through the block table).
+    """
+
+    block_tables: list[np.ndarray]
+    slot_mappings: list[np.ndarray]
+
+
+class KVCacheManager:
+    """Block tables for requests over one :class:`BlockAllocator`.
+
+    Each request holds, per KV-cache group, one block id per ``block_size``
+    tokens (0, the null block, where nothing needs to be kept):
+
+    - attention groups hold every block of the sequence; sliding-window and
+      chunked-local groups give back the blocks no future query sees
+      (:func:`get_num_skipped_tokens`) when every layer reading the group has
+      its window;
+    - Mamba groups hold the block of the request's last computed token, whose
+      page holds the state after it: a step reads the state from column
+      ``(num_computed - 1) // block_size`` and writes it to column
+      ``(seq_len - 1) // block_size`` (:func:`mamba_state_blocks`); earlier
+      columns are given back. A step that ends on a block boundary leaves in
+      that block the state after exactly its tokens (vLLM's "align" mode).
+
+    With prefix caching, each full block is registered after the step that
+    computed it under the chained hash of its tokens
+    (:func:`hash_token_blocks`) and its group; a new request reuses the longest
+    prefix every group can reuse (:func:`longest_cache_hit`, iterated to a
+    length all groups agree on; at least one token is always computed). Freed
+    blocks stay cached until allocation evicts them, least recently freed
+    first. Models with cross-attention or encoder-only caches (not a function
+    of the tokens) cannot enable it.
+
+    Args:
+      plan: The model's plan (its groups, block sizes and block count).
+      enable_prefix_caching: Reuse cached prefixes.
+      num_blocks: Blocks to manage (default: the plan's).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+      >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+      >>> a = jaxkv.Request("a", prompt=list(range(70)), max_new_tokens=1)
+      >>> m.allocate(a, 70), m.blocks_of(a)
+      (True, [[1, 2, 3], [4, 5, 6], [0, 0, 7]])
+      >>> a.num_computed = 70; m.commit(a)  # blocks 0, 1 full: cached
+      >>> b = jaxkv.Request("b", prompt=list(range(64)) + [9] * 6, max_new_tokens=1)
+      >>> m.find_cache_hit(b)  # two full blocks (the Mamba state after 64 not kept)
+      0
+    """
+
+    def __init__(
+        self,
+        plan: KVCachePlan,
+        *,
+        enable_prefix_caching: bool = False,
+        num_blocks: int | None = None,
+    ) -> None:
+        """Reads the groups from `plan`; all blocks start free."""
+        groups = plan.kv_cache_config.kv_cache_groups
+        cfg = plan.runner_config
+        self.plan = plan
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.widths = list(plan.block_table_widths)
+        self.is_mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
+        # The spec that decides what a group keeps: its own when every layer
+        # reading it (KV-sharing layers included) has it; None (keep all) else.
+        self.specs: list[KVCacheSpec | None] = [
+            g.kv_cache_spec
+            if all(cfg.layer(n).spec == g.kv_cache_spec for n in g.layer_names)
+            else None
+            for g in groups
+        ]
+        self.allocator = BlockAllocator(
+            plan.num_blocks if num_blocks is None else num_blocks
+        )
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        if self.enable_prefix_caching:
+            reason = prefix_caching_unsupported(plan)
+            if reason:
+                raise ValueError(f"enable_prefix_caching: {reason}")
+        self._tables: dict[str, list[list[int]]] = {}
+        self._hashes: dict[str, dict[int, list[bytes]]] = {}
+        self._registered: dict[str, list[int]] = {}
+
+    # --- queries ----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.allocator.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """All blocks but the null block."""
+        return self.allocator.num_blocks - 1
+
+    def blocks_of(self, req: Request) -> list[list[int]]:
+        """`req`'s block ids per group (a copy; 0 where nothing is kept)."""
+        return [list(t) for t in self._tables.get(req.req_id, [])]
+
+    def max_blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """An upper bound on the blocks one request of `num_tokens` holds at once.
+
+        Windowed groups hold at most the window plus one chunk of `chunk`
+        tokens; Mamba groups two blocks (the state read and the state written).
+        """
+        total = 0
+        for g, spec in enumerate(self.specs):
+            full = cdiv(num_tokens, self.block_sizes[g])
+            if self.is_mamba[g]:
+                total += min(full, 2)
+            elif isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+                total += min(
+                    full, cdiv(spec.sliding_window - 1 + chunk, spec.block_size) + 1
+                )
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                total += min(
+                    full, cdiv(spec.attention_chunk_size + chunk, spec.block_size) + 1
+                )
+            else:
+                total += full
+        return total
+
+    def _block_hashes(self, req: Request, block_size: int) -> list[bytes]:
+        """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
+        per = self._hashes.setdefault(req.req_id, {})
+        have = per.setdefault(block_size, [])
+        tokens = req.tokens
+        if len(tokens) // block_size > len(have):
+            start = len(have) * block_size
+            have += hash_token_blocks(
+                tokens[start:],
+                block_size,
+                parent=have[-1] if have else None,
+                salt=req.cache_salt,
+            )
+        return have
+
+    def find_cache_hit(self, req: Request) -> int:
+        """Tokens of `req` every group can take from the prefix cache (no effect).
+
+        A multiple of every group's block size, below ``len(req.tokens)`` (the
+        last token is always computed: its logits are sampled).
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hit = len(req.tokens) - 1
+        while True:
+            agreed = hit
+            for g, spec in enumerate(self.specs):
+                bs = self.block_sizes[g]
+                hashes = self._block_hashes(req, bs)
+                k = longest_cache_hit(
+                    spec,
+                    num_blocks=min(agreed // bs, len(hashes)),
+                    is_cached=lambda j, g=g, h=hashes: (
+                        self.allocator.lookup((g, h[j])) is not None
+                    ),
+                )
+                agreed = k * bs
+            if agreed == hit:
+                return hit
+            hit = agreed
+
+    def _hit_columns(self, g: int, num_tokens: int) -> list[int]:
+        """Columns group `g` reuses for a hit of `num_tokens` (others null)."""
+        bs = self.block_sizes[g]
+        k = num_tokens // bs
+        if k == 0:
+            return []
+        if self.is_mamba[g]:
+            return [k - 1]
+        spec = self.specs[g]
+        first = 0 if spec is None else get_num_skipped_tokens(spec, num_tokens) // bs
+        return list(range(first, k))
+
+    # --- changes ----------------------------------------------------------------
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, *, num_cached: int = 0
+    ) -> bool:
+        """Holds the blocks `req` needs to compute `num_new_tokens` more tokens.
+
+        For a request with nothing computed yet, `num_cached` tokens (from
+        :meth:`find_cache_hit`) are taken from the prefix cache first, and
+        ``req.num_computed`` set to them. All or nothing: returns ``False``
+        and changes nothing when too few blocks are free.
+        """
+        if num_cached and (req.num_computed or req.req_id in self._tables):
+            raise ValueError(
+                f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
+                "is only taken at admission."
+            )
+        tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
+        hits: list[list[int]] = [[] for _ in self.block_sizes]
+        if num_cached:
+            for g in range(len(tables)):
+                bs = self.block_sizes[g]
+                hashes = self._block_hashes(req, bs)
+                cols = self._hit_columns(g, num_cached)
+                tables[g] = [0] * (num_cached // bs)
+                for j in cols:
+                    block = self.allocator.lookup((g, hashes[j]))
+                    if block is None:
+                        raise ValueError(
+                            f"allocate: num_cached={num_cached} is not a cache hit of "
+                            f"request {req.req_id!r} (group {g}, block {j})."
+                        )
+                    tables[g][j] = block
+                    hits[g].append(block)
+        start = num_cached or req.num_computed
+        end = start + num_new_tokens
+        new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
+        touched_free = sum(
+            self.allocator.ref_count(b) == 0 for blocks in hits for b in set(blocks)
+        )
+        need = sum(len(cols) for cols in new)
+        if need + touched_free > self.allocator.num_free:
+            return False
+        for blocks in hits:
+            self.allocator.touch(blocks)
+        ids = iter(self.allocator.allocate(need))
+        for g, cols in enumerate(new):
+            for j in cols:
+                tables[g] += [0] * (j + 1 - len(tables[g]))
+                tables[g][j] = next(ids)
+        self._tables[req.req_id] = tables
+        self._registered.setdefault(req.req_id, [0] * len(tables))
+        if num_cached:
+            self._registered[req.req_id] = [num_cached // bs for bs in self.block_sizes]
+            req.num_computed = num_cached
+            req.num_cached_tokens += num_cached
+        return True
+
+    def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
+        """Columns of group `g` that need a new block to compute ``[start, end)``."""
+        if end <= start:
+            return []
+        bs = self.block_sizes[g]
+        if self.is_mamba[g]:
+            dst = (end - 1) // bs
+            return [] if dst < len(table) and table[dst] else [dst]
+        return [
+            j
+            for j in range(start // bs, cdiv(end, bs))
+            if j >= len(table) or not table[j]
+        ]
+
+    def commit(self, req: Request) -> None:
+        """After a step: caches `req`'s newly full blocks and frees what it no
+        longer needs (windows, old Mamba states); ``req.num_computed`` must
+        already count the step's tokens.
+        """  # noqa: D205
+        tables = self._tables[req.req_id]
+        n = req.num_computed
+        registered = self._registered[req.req_id]
+        for g, table in enumerate(tables):
+            bs = self.block_sizes[g]
+            if self.enable_prefix_caching:
+                hashes = self._block_hashes(req, bs)
+                if self.is_mamba[g]:
+                    # Only a step ending on a block boundary leaves in that block
+                    # the state after exactly its tokens.
+                    cols = (
+                        [n // bs - 1] if n % bs == 0 and n // bs > registered[g] else []
+                    )
+                else:
+                    cols = list(range(registered[g], n // bs))
+                for j in cols:
+                    if table[j]:
+                        self.allocator.cache(table[j], key=(g, hashes[j]))
+                registered[g] = max(registered[g], n // bs)
+            spec = self.specs[g]
+            if self.is_mamba[g]:
+                keep = max(0, (n - 1) // bs)
+            elif spec is None:
+                keep = 0
+            else:
+                keep = min(get_num_skipped_tokens(spec, n) // bs, len(table))
+            gone = [b for b in table[:keep] if b]
+            if gone:
+                self.allocator.free(gone[::-1])
+                table[:keep] = [0] * keep
+
+    def free(self, req: Request) -> None:
+        """Gives back every block `req` holds (finished, rejected or preempted);
+        cached ones stay reusable until evicted, the last blocks first.
+        """  # noqa: D205
+        tables = self._tables.pop(req.req_id, None)
+        self._registered.pop(req.req_id, None)
+        self._hashes.pop(req.req_id, None)
+        for table in tables or []:
+            self.allocator.free([b for b in table[::-1] if b])
+
+    def step_blocks(self, batch: Sequence[tuple[Request, int]]) -> StepBlocks:
+        """Block tables and slot mappings of a scheduled batch.
+
+        Each entry is ``(request, tokens this step)``, the request's tokens from
+        ``num_computed`` on (its blocks allocated with :meth:`allocate`).
+        """
+        num_tokens = sum(n for _, n in batch)
+        tables = [np.zeros((len(batch), w), np.int32) for w in self.widths]
+        slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
+        t0 = 0
+        for r, (req, n) in enumerate(batch):
+            pos = np.arange(req.num_computed, req.num_computed + n)
+            for g, ids in enumerate(self._tables[req.req_id]):
+                row = np.asarray(ids, np.int32)
+                if row.size > self.widths[g]:
+                    raise ValueError(
+                        f"Request {req.req_id!r} holds {row.size} blocks in group {g}, "
+                        f"more than its block table's {self.widths[g]} columns "
+                        f"(max_model_len={self.plan.runner_config.max_model_len})."
+                    )
+                tables[g][r, : row.size] = row
+                if not self.is_mamba[g]:
+                    bs = self.block_sizes[g]
+                    slots[g][t0 : t0 + n] = row[pos // bs] * bs + pos % bs
+            t0 += n
+        return StepBlocks(block_tables=tables, slot_mappings=slots)
+
+
+def prefix_caching_unsupported(plan: KVCachePlan) -> str | None:
+    """Why `plan`'s model cannot use prefix caching, or ``None`` if it can."""
+    for group in plan.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+            return (
+                f"group of {group.layer_names[0]!r} holds {type(spec).__name__} K/V, "
+                "computed from encoder inputs, not from the tokens a prefix hash "
+                "covers."
+            )
+    return None

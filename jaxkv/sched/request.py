@@ -1,0 +1,65 @@
+"""A generation request as the scheduler and the block manager see it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting, running, finished or rejected."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    Requests compare by identity (two requests with the same prompt are two
+    requests).
+
+    Attributes:
+      req_id: Identifier (unique among the scheduler's live requests).
+      prompt: Prompt token ids.
+      max_new_tokens: Tokens to generate; the request finishes after them (or
+        at a stop token).
+      stop_token_ids: Generated tokens that finish the request (kept in the
+        output).
+      cache_salt: Separates this request's prefix-cache entries from requests
+        with another salt (``None``: shared).
+      num_computed: Tokens whose K/V (and state) are in the cache.
+      output: Generated tokens.
+      status: See :class:`RequestStatus`.
+      reject_reason: Why the request was rejected (``None`` otherwise).
+      num_cached_tokens: Tokens taken from the prefix cache, over all
+        admissions (a preempted request is admitted again).
+      num_preemptions: Times its blocks were taken back and it was requeued.
+    """
+
+    req_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    num_computed: int = 0
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    reject_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and output so far."""
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        """Whether it generated all its tokens or a stop token."""
+        return len(self.output) >= self.max_new_tokens or bool(
+            self.output and self.output[-1] in self.stop_token_ids
+        )

@@ -1,0 +1,358 @@
+"""Continuous batching with admission, preemption and prefix caching.
+
+The scheduler decides, each step, which requests compute how many tokens,
+and holds their blocks through a :class:`KVCacheManager`; it knows nothing of
+the model. Its output, :class:`StepArrays`, is what
+:meth:`StepMetadataBuilder.prepare` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxkv.cache.plan import KVCachePlan
+from jaxkv.sched.manager import KVCacheManager
+from jaxkv.sched.request import Request, RequestStatus
+
+
+class StepArrays(NamedTuple):
+    """A scheduled step's host arrays, named as :meth:`StepMetadataBuilder.prepare`
+    takes them (``builder.prepare(**arrays._asdict())``).
+    """  # noqa: D205
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    positions: np.ndarray
+    block_tables: list[np.ndarray]
+    slot_mappings: list[np.ndarray]
+    logits_indices: np.ndarray | None
+    cu_num_logits: np.ndarray
+    token_ids: np.ndarray
+    is_prefilling: np.ndarray
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """One step's work.
+
+    Attributes:
+      batch: ``(request, tokens this step)`` in batch order (decodes first);
+        each request computes its tokens from ``num_computed`` on.
+      arrays: The step's host arrays (empty batch: ``None``).
+      preempted: Requests preempted while scheduling this step.
+    """
+
+    batch: list[tuple[Request, int]]
+    arrays: StepArrays | None
+    preempted: list[Request]
+
+    @property
+    def sampled(self) -> list[Request]:
+        """Requests whose last token this step reaches: one sampled token each,
+        in batch order.
+        """  # noqa: D205
+        return [r for r, n in self.batch if r.num_computed + n == len(r.tokens)]
+
+
+def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
+    """Step-token indices whose logits are sampled: the last token of each
+    request whose chunk reaches the end of its tokens.
+
+    Example:
+      >>> import jaxkv
+      >>> a = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=1)
+      >>> b = jaxkv.Request("b", prompt=[1, 2, 3, 4], max_new_tokens=1)
+      >>> jaxkv.sampled_token_indices([(a, 3), (b, 2)])  # b's chunk is partial
+      [2]
+    """  # noqa: D205
+    out, end = [], 0
+    for req, n in batch:
+        end += n
+        if req.num_computed + n == len(req.tokens):
+            out.append(end - 1)
+    return out
+
+
+class Scheduler:
+    """Continuous batching over a :class:`KVCacheManager`.
+
+    Each :meth:`schedule` gives running requests their next tokens (a decode
+    token, or the next prefill chunk) in arrival order under the token budget,
+    then admits waiting requests while blocks and budget last, each starting
+    after its longest prefix-cache hit. When a running request's blocks cannot
+    be allocated, the most recently admitted running request is preempted: its
+    blocks go back (cached ones stay reusable) and it waits at the front of
+    the queue to be recomputed from its prompt and the tokens it has
+    generated; no other request is disturbed. :meth:`update` takes the sampled
+    tokens, commits the step's blocks and frees finished requests.
+
+    :meth:`add_request` rejects, with a reason on the request, what can never
+    be served: an empty prompt, ``max_new_tokens < 1``, prompt plus new tokens
+    over ``max_model_len``, token ids outside ``[0, vocab_size)``, or more
+    blocks than the pool holds. Rejection touches no other request.
+
+    With prefix caching on a model with Mamba groups, a prefill chunk that
+    does not finish the prompt ends on a Mamba block boundary when it can, so
+    the state at that boundary is kept for later hits.
+
+    Args:
+      plan: The model's plan.
+      max_num_batched_tokens: Token budget per step (default: the config's).
+      max_num_seqs: Requests per step (default: the config's).
+      enable_prefix_caching: Reuse cached prefixes.
+      vocab_size: Check prompt token ids against it (``None``: no check).
+      num_blocks: Blocks to manage (default: the plan's).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+      >>> s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
+      >>> s.add_request(jaxkv.Request("a", prompt=[1] * 100, max_new_tokens=2))
+      True
+      >>> s.add_request(jaxkv.Request("b", prompt=[1] * 5000, max_new_tokens=2))
+      False
+      >>> s.rejected[0].reject_reason
+      'prompt (5000 tokens) + max_new_tokens (2) > max_model_len (4096)'
+      >>> step = s.schedule()
+      >>> [(r.req_id, n) for r, n in step.batch], step.arrays.seq_lens.tolist()
+      ([('a', 64)], [64])
+    """
+
+    def __init__(
+        self,
+        plan: KVCachePlan,
+        *,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        enable_prefix_caching: bool = False,
+        vocab_size: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        """Creates the block manager; no requests yet."""
+        cfg = plan.runner_config
+        self.manager = KVCacheManager(
+            plan, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks
+        )
+        self.max_num_batched_tokens = int(
+            max_num_batched_tokens or cfg.max_num_batched_tokens
+        )
+        self.max_num_seqs = int(max_num_seqs or cfg.max_num_seqs)
+        self.max_model_len = cfg.max_model_len
+        self.vocab_size = vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.rejected: list[Request] = []
+        self._ids: set[str] = set()
+        mamba = [
+            bs
+            for bs, is_m in zip(
+                self.manager.block_sizes, self.manager.is_mamba, strict=True
+            )
+            if is_m
+        ]
+        self._align = max(mamba) if enable_prefix_caching and mamba else 0
+        # Counters: steps scheduled, preemptions, prompt tokens computed
+        # (recomputation included), tokens taken from the prefix cache.
+        self.stats = {
+            "steps": 0,
+            "preemptions": 0,
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+            "rejected": 0,
+        }
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why `req` can never be served, or ``None``."""
+        if not req.prompt:
+            return "empty prompt"
+        if (
+            not isinstance(req.max_new_tokens, int | np.integer)
+            or req.max_new_tokens < 1
+        ):
+            return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+        total = len(req.prompt) + int(req.max_new_tokens)
+        if total > self.max_model_len:
+            return (
+                f"prompt ({len(req.prompt)} tokens) + max_new_tokens "
+                f"({req.max_new_tokens}) > max_model_len ({self.max_model_len})"
+            )
+        ids = np.asarray(req.prompt)
+        if not np.issubdtype(ids.dtype, np.integer):
+            return f"prompt token ids must be ints, got dtype {ids.dtype}"
+        if ids.min() < 0 or (
+            self.vocab_size is not None and ids.max() >= self.vocab_size
+        ):
+            return (
+                f"prompt token ids must be in [0, {self.vocab_size}), got "
+                f"[{ids.min()}, {ids.max()}]"
+            )
+        need = self.manager.max_blocks_needed(total, self.max_num_batched_tokens)
+        if need > self.manager.num_usable_blocks:
+            return (
+                f"needs up to {need} KV-cache blocks at once, the pool holds "
+                f"{self.manager.num_usable_blocks}"
+            )
+        return None
+
+    def add_request(self, req: Request) -> bool:
+        """Queues `req`, or rejects it (``req.reject_reason`` says why).
+
+        Raises:
+          ValueError: If a live request has the same ``req_id``.
+        """
+        if req.req_id in self._ids:
+            raise ValueError(f"add_request: request id {req.req_id!r} is already live.")
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            req.status, req.reject_reason = RequestStatus.REJECTED, reason
+            self.rejected.append(req)
+            self.stats["rejected"] += 1
+            return False
+        req.status = RequestStatus.WAITING
+        self._ids.add(req.req_id)
+        self.waiting.append(req)
+        return True
+
+    def _chunk(self, req: Request, budget: int, start: int) -> int:
+        """Tokens `req` computes from `start` under `budget` (aligned chunks)."""
+        n = min(len(req.tokens) - start, budget)
+        end = start + n
+        if self._align and end < len(req.prompt):
+            aligned = end // self._align * self._align
+            if aligned > start:
+                n = aligned - start
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.manager.free(req)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledStep:
+        """Picks this step's requests and tokens and holds their blocks."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget and len(batch) < self.max_num_seqs:
+            req = self.running[i]
+            n = self._chunk(req, budget, req.num_computed)
+            while not self.manager.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.append((req, n))
+                budget -= n
+                i += 1
+        while (
+            self.waiting and budget and len(batch) < self.max_num_seqs and not preempted
+        ):
+            req = self.waiting[0]
+            hit = self.manager.find_cache_hit(req)
+            n = self._chunk(req, budget, hit)
+            if not self.manager.allocate(req, n, num_cached=hit):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.stats["cached_tokens"] += hit
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+        # Decodes first (the order backends with a decode threshold expect).
+        batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
+        self.stats["steps"] += bool(batch)
+        for req, n in batch:
+            self.stats["prefill_tokens"] += max(
+                0, min(len(req.prompt), req.num_computed + n) - req.num_computed
+            )
+        return ScheduledStep(
+            batch=batch,
+            arrays=self._arrays(batch) if batch else None,
+            preempted=preempted,
+        )
+
+    def _arrays(self, batch: list[tuple[Request, int]]) -> StepArrays:
+        q_lens = np.array([n for _, n in batch], np.int32)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        blocks = self.manager.step_blocks(batch)
+        samples = sampled_token_indices(batch)
+        return StepArrays(
+            query_start_loc=qsl,
+            seq_lens=np.array([r.num_computed + n for r, n in batch], np.int32),
+            positions=np.concatenate(
+                [np.arange(r.num_computed, r.num_computed + n) for r, n in batch]
+            ).astype(np.int32),
+            block_tables=blocks.block_tables,
+            slot_mappings=blocks.slot_mappings,
+            logits_indices=np.asarray(samples, np.int32) if samples else None,
+            # Sampled tokens before each request's end.
+            cu_num_logits=np.concatenate(
+                [[0], np.searchsorted(samples, qsl[1:])]
+            ).astype(np.int32),
+            token_ids=np.concatenate(
+                [
+                    np.asarray(r.tokens[r.num_computed : r.num_computed + n])
+                    for r, n in batch
+                ]
+            ).astype(np.int32),
+            is_prefilling=np.array([r.num_computed < len(r.prompt) for r, _ in batch]),
+        )
+
+    def update(
+        self, step: ScheduledStep, sampled_token_ids: Sequence[int]
+    ) -> list[Request]:
+        """Advances the step's requests; returns those that finished.
+
+        Args:
+          step: The step :meth:`schedule` returned, after it ran.
+          sampled_token_ids: One token per request of ``step.sampled``, in
+            order.
+
+        Raises:
+          ValueError: If the number of sampled tokens does not match.
+        """
+        sampled = step.sampled
+        if len(sampled_token_ids) < len(sampled):
+            raise ValueError(
+                f"update: {len(sampled)} requests sample a token this step, got "
+                f"{len(sampled_token_ids)} tokens."
+            )
+        tokens = iter(int(t) for t in sampled_token_ids)
+        finished = []
+        for req, n in step.batch:
+            sample = req.num_computed + n == len(req.tokens)
+            req.num_computed += n
+            if sample:
+                req.output.append(next(tokens))
+            self.manager.commit(req)
+            if req.finished:
+                finished.append(req)
+        for req in finished:
+            self.finish(req)
+        return finished
+
+    def finish(self, req: Request) -> None:
+        """Frees `req`'s blocks and forgets it (finished or aborted)."""
+        self.manager.free(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._ids.discard(req.req_id)
+        req.status = RequestStatus.FINISHED
