@@ -1,5 +1,6 @@
-"""Block ids: one free queue for every KV-cache group, reference counts and the
-prefix cache's map; vLLM's skipped-token rule.
+"""Block ids: one free queue for all groups, reference counts, the prefix cache.
+
+Also vLLM's skipped-token rule.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from jaxkv.specs import (
 
 
 class BlockAllocator:
-    """Block ids ``1..num_blocks-1`` (0 is the null block): reference counts,
-    one free queue, and the prefix cache's ``key -> block`` map.
+    """Block ids ``1..num_blocks-1`` with reference counts and a prefix cache.
+
+    Block 0 is the null block; the prefix cache maps keys to blocks.
 
     One free list for all KV-cache groups: groups overlay the same pages (a hybrid
     pool holds attention and Mamba pages), so an id belongs to one group at a

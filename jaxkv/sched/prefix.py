@@ -60,7 +60,7 @@ def hash_token_blocks(
 
 
 def longest_cache_hit(
-    spec: KVCacheSpec,
+    spec: KVCacheSpec | None,
     *,
     num_blocks: int,
     is_cached: Callable[[int], bool],
@@ -75,8 +75,8 @@ def longest_cache_hit(
     - Mamba: block ``k-1`` cached (its state is the state after ``k`` blocks).
 
     Args:
-      spec: The group's spec (for a group read by a layer with a wider window,
-        pass a full-attention spec).
+      spec: The group's spec; ``None`` for the full-attention rule (a group
+        read by a layer with a wider window than its spec's).
       num_blocks: The most blocks that may be reused.
       is_cached: Whether block ``j`` of the request is in the cache.
 
@@ -90,14 +90,17 @@ def longest_cache_hit(
     """
     if isinstance(spec, MambaSpec):
         return next((k for k in range(num_blocks, 0, -1) if is_cached(k - 1)), 0)
-    bs = spec.block_size
     run = 0  # cached blocks in a row ending at block k - 1
     runs = []
     for j in range(num_blocks):
         run = run + 1 if is_cached(j) else 0
         runs.append(run)
     for k in range(num_blocks, 0, -1):
-        first = get_num_skipped_tokens(spec, k * bs) // bs
+        first = (
+            0
+            if spec is None
+            else get_num_skipped_tokens(spec, k * spec.block_size) // spec.block_size
+        )
         if runs[k - 1] >= k - first:
             return k
     return 0

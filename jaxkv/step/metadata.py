@@ -120,8 +120,10 @@ class CommonAttentionMetadata:
           ...                                         max_blocks=4)
           >>> import dataclasses
           >>> m = dataclasses.replace(m, num_reqs=jnp.int32(2),
-          ...     query_start_loc=jnp.array([0, 5, 6, 6]), seq_lens=jnp.array([5, 33, 0]),
-          ...     block_table_tensor=jnp.array([[7, 0, 0, 0], [0, 8, 9, 0], [0, 0, 0, 0]]))
+          ...     query_start_loc=jnp.array([0, 5, 6, 6]),
+          ...     seq_lens=jnp.array([5, 33, 0]),
+          ...     block_table_tensor=jnp.array([[7, 0, 0, 0], [0, 8, 9, 0],
+          ...                                   [0, 0, 0, 0]]))
           >>> [x.tolist() for x in m.mamba_state_blocks(16)]
           [[-1, 8, -1], [7, 9, -1]]
         """  # noqa: D205
