@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxkv.cache.bind import AttentionLayer
 from jaxkv.cache.ops import Pools, gather_kv_pages
-from jaxkv.cache.views import KVCacheView
+from jaxkv.cache.views import KVCacheView, LayerView
 from jaxkv.step.build import CommonAttentionMetadata
 
 
@@ -45,33 +46,20 @@ def token_requests_and_positions(
     return req, pos, valid
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "sliding_window",
-        "attention_chunk_size",
-        "logits_soft_cap",
-        "cross_attention",
-        "use_mm_prefix",
-        "pages_per_chunk",
-        "query_tile",
-    ),
-)
 def paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
     pools: Pools,
-    view: KVCacheView,
+    view: LayerView | AttentionLayer,
     meta: CommonAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
     attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
-    cross_attention: bool = False,
+    cross_attention: bool | None = None,
     use_mm_prefix: bool = False,
     pages_per_chunk: int = 4,
-    query_tile: int = 1,
+    query_tile: int | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 
@@ -79,8 +67,11 @@ def paged_attention(
       q: ``(num_tokens, num_heads, head_dim)`` queries, ``num_heads`` a multiple
         of the view's KV heads (GQA).
       pools: The pool arrays.
-      view: The layer's (bound) view; ``meta.block_table_tensor`` must be in
-        its block space (kernel blocks for kernel views).
+      view: The layer's :class:`AttentionLayer` (``plan.attention_layer(name)``:
+        window, local chunk, soft cap and cross-attention come from its spec;
+        an explicit argument that contradicts them raises), or its bare bound
+        view (then only the arguments given apply). ``meta.block_table_tensor``
+        must be in the view's block space (kernel blocks for kernel views).
       meta: The group's step metadata.
       scale: Softmax scale.
       sliding_window: Keys within the last `sliding_window` positions only.
@@ -94,7 +85,8 @@ def paged_attention(
         chunks holding keys a row can see are visited.
       query_tile: Query tokens of one request that share one read of its
         pages. 1 suits decode batches; prefill chunks want 8-32 (each request
-        then costs at most one partly empty tile).
+        then costs at most one partly empty tile). Default: 16 when the bucket
+        holds more tokens than requests (prefill chunks), else 1.
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -119,6 +111,78 @@ def paged_attention(
       >>> bool(np.allclose(out[1, 0], k[:, 0].mean(0) + 1))  # zero q: mean of v
       True
     """
+    if isinstance(view, AttentionLayer):
+        given = {
+            "sliding_window": sliding_window,
+            "attention_chunk_size": attention_chunk_size,
+            "logits_soft_cap": logits_soft_cap,
+            "cross_attention": cross_attention,
+        }
+        for arg, value in given.items():
+            own = getattr(view, arg)
+            if value is not None and value != own:
+                raise ValueError(
+                    f"paged_attention: {arg}={value!r} contradicts layer "
+                    f"{view.name!r}, whose spec gives {arg}={own!r}."
+                )
+        sliding_window, attention_chunk_size = (
+            view.sliding_window,
+            view.attention_chunk_size,
+        )
+        logits_soft_cap, cross_attention = view.logits_soft_cap, view.cross_attention
+        view = view.view
+    if not isinstance(view, KVCacheView):
+        raise TypeError(
+            "paged_attention: view must be an attention layer's KVCacheView or "
+            f"AttentionLayer, got {type(view).__name__} (a Mamba layer's state "
+            "view has no keys)."
+        )
+    if query_tile is None:
+        query_tile = 16 if q.shape[0] > meta.max_reqs else 1
+    return _paged_attention(
+        q,
+        pools,
+        view,
+        meta,
+        scale=scale,
+        sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=logits_soft_cap,
+        cross_attention=bool(cross_attention),
+        use_mm_prefix=use_mm_prefix,
+        pages_per_chunk=pages_per_chunk,
+        query_tile=query_tile,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "attention_chunk_size",
+        "logits_soft_cap",
+        "cross_attention",
+        "use_mm_prefix",
+        "pages_per_chunk",
+        "query_tile",
+    ),
+)
+def _paged_attention(
+    q: jax.Array,
+    pools: Pools,
+    view: KVCacheView,
+    meta: CommonAttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    logits_soft_cap: float | None,
+    cross_attention: bool,
+    use_mm_prefix: bool,
+    pages_per_chunk: int,
+    query_tile: int,
+) -> jax.Array:
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = view.shape[view.dim("head")] if "head" in view.axes else 1
     if num_heads % kv_heads:

@@ -35,6 +35,8 @@ class LayerConfig:
         KV), ``"mla"`` or ``"mamba"``; derived from `spec`/`backend` when omitted.
       attn_type: ``"decoder"``, ``"encoder"``, ``"encoder_only"`` or
         ``"encoder_decoder"`` (cross-attention). Sharing needs equal types.
+      logits_soft_cap: ``cap * tanh(s / cap)`` on the attention scores
+        (``None``: none); read by :class:`AttentionLayer`.
 
     Example:
       >>> import jaxkv
@@ -52,6 +54,7 @@ class LayerConfig:
     num_heads: int = 0
     layer_type: LayerType | None = None
     attn_type: AttnType = "decoder"
+    logits_soft_cap: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -70,6 +73,14 @@ class LayerConfig:
                 f"{type(self.backend).__name__}."
             )
         check_non_negative_int(owner, "num_heads", self.num_heads)
+        cap = self.logits_soft_cap
+        if cap is not None and (
+            not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0
+        ):
+            raise ValueError(
+                f"{owner}.logits_soft_cap must be a positive number or None, "
+                f"got {cap!r}."
+            )
         if self.attn_type not in _ATTN_TYPES:
             raise ValueError(
                 f"{owner}.attn_type must be one of {_ATTN_TYPES}, "

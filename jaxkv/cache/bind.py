@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jaxkv.cache.pools import kernel_views
-from jaxkv.cache.views import LayerView
+from jaxkv.cache.views import KVCacheView, LayerView
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.init_backend import with_kv_sharing_layers
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.layers import get_shared_kv_cache_layers
+from jaxkv.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 
 class BoundKVCaches(Mapping[str, LayerView]):
@@ -152,3 +162,73 @@ def build_slot_mappings_by_layer(
         )
         for name in group.layer_names
     }
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    """A layer's bound view with the attention parameters its spec fixes.
+
+    Pass it to :func:`paged_attention` instead of the bare view: the window,
+    local chunk, soft cap and cross-attention then come from the layer, and
+    an explicit argument that contradicts them raises. A KV-sharing layer
+    gets its target's view and its own parameters. Static (hashable), like a
+    view.
+
+    Attributes:
+      name: The layer.
+      view: Its bound view.
+      sliding_window: Keys within the last this-many positions (``None``: all).
+      attention_chunk_size: Keys in the query's local chunk only.
+      logits_soft_cap: From :class:`LayerConfig`.
+      cross_attention: Keys are the cached encoder K/V.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> layer = plan.attention_layer("layers.7.self_attn")  # reads layer 4
+      >>> layer.sliding_window, layer.view is plan.views["layers.4.self_attn"]
+      (64, True)
+    """
+
+    name: str
+    view: KVCacheView
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    logits_soft_cap: float | None = None
+    cross_attention: bool = False
+
+
+def attention_layer(
+    views: Mapping[str, LayerView], vllm_config: RunnerConfig, name: str
+) -> AttentionLayer:
+    """`name`'s :class:`AttentionLayer` from its bound view and its spec.
+
+    Raises:
+      KeyError: If `name` is not bound.
+      TypeError: If `name` is a Mamba layer (no attention).
+    """
+    view = views[name]
+    if not isinstance(view, KVCacheView):
+        raise TypeError(
+            f"attention_layer: layer {name!r} has a {type(view).__name__}, not an "
+            "attention view."
+        )
+    layer = vllm_config.layer(name)
+    spec = layer.spec
+    window = chunk = None
+    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+        window = spec.sliding_window
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk = spec.attention_chunk_size
+    elif isinstance(spec, FullAttentionSpec):
+        window, chunk = spec.sliding_window, spec.attention_chunk_size
+    return AttentionLayer(
+        name=name,
+        view=view,
+        sliding_window=window,
+        attention_chunk_size=chunk,
+        logits_soft_cap=layer.logits_soft_cap,
+        cross_attention=isinstance(spec, CrossAttentionSpec)
+        or layer.attn_type == "encoder_decoder",
+    )

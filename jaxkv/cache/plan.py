@@ -10,7 +10,12 @@ import functools
 import jax
 
 from jaxkv._util import cdiv, check_positive_int
-from jaxkv.cache.bind import BoundKVCaches, bind_kv_caches
+from jaxkv.cache.bind import (
+    AttentionLayer,
+    BoundKVCaches,
+    attention_layer,
+    bind_kv_caches,
+)
 from jaxkv.cache.planner import align_hybrid_block_size, make_kv_cache_config
 from jaxkv.cache.pools import PoolSpec, allocate_pools, plan_kv_cache
 from jaxkv.config import RunnerConfig
@@ -82,6 +87,12 @@ class KVCachePlan:
             cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
             for g in self.kv_cache_config.kv_cache_groups
         )
+
+    def attention_layer(self, name: str) -> AttentionLayer:
+        """`name`'s bound view with its spec's attention parameters
+        (:class:`AttentionLayer`), for :func:`paged_attention`.
+        """  # noqa: D205
+        return attention_layer(self.views, self.runner_config, name)
 
     @property
     def pool_bytes(self) -> int:

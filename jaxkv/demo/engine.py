@@ -27,6 +27,7 @@ import jaxkv.sched.request as jaxkv_sched
 from jaxkv.cache.blocks import BlockAllocator
 from jaxkv.cache.plan import make_plan
 from jaxkv.cache.shard import ShardedPlan, local_runner_config, shard_plan
+from jaxkv.cache.views import KVCacheView
 from jaxkv.config import RunnerConfig
 from jaxkv.demo.model import TinyHybridModel, forward_paged
 from jaxkv.demo.tensor_parallel import tensor_parallel_state
@@ -146,6 +147,14 @@ class Engine:
             )
         self.data_axis, self.tensor_axis = data_axis, tensor_axis
         self.views = self.plan.views
+        # What the model's layers read: attention layers with their spec's
+        # window, Mamba layers their state view.
+        self.layers = {
+            name: self.plan.attention_layer(name)
+            if isinstance(view, KVCacheView)
+            else view
+            for name, view in self.views.items()
+        }
         self.widths = self.plan.block_table_widths
         self.max_num_tokens = config.max_num_batched_tokens
         self.max_num_reqs = config.max_num_seqs
@@ -219,19 +228,15 @@ class Engine:
         meta = self.builder.metadata(inputs)
         token_ids, sample = self.builder.model_inputs_of(inputs)
         model = nnx.merge(self.graphdef, state)
-        layout = inputs.layout
         pools, logits = forward_paged(
             model,
             pools,
-            self.views,
+            self.layers,
             meta,
             token_ids,
             sample,
             inputs.fast_prefill is not None,
             self.pages_per_chunk,
-            # Buckets with more tokens than requests hold prefill chunks: their
-            # tokens share page reads in tiles of 16.
-            16 if layout.max_tokens > layout.max_reqs else 1,
             tensor_axis=tensor_axis,
         )
         return pools, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits

@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.attention import paged_attention, token_requests_and_positions
+from jaxkv.cache.bind import AttentionLayer
 from jaxkv.cache.ops import Pools, read_mamba_state, write_kv, write_mamba_state
-from jaxkv.cache.views import KVCacheView, LayerView, MambaView
+from jaxkv.cache.views import LayerView, MambaView
 from jaxkv.config import RunnerConfig
 from jaxkv.specs import AttentionSpec, MambaSpec, SlidingWindowSpec
 from jaxkv.step.build import CommonAttentionMetadata
@@ -40,7 +41,7 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-class AttentionLayer(nnx.Module):
+class AttentionBlock(nnx.Module):
     """Pre-norm attention block; a KV-sharing (YOCO) layer has no K/V projections."""
 
     def __init__(
@@ -87,7 +88,7 @@ class AttentionLayer(nnx.Module):
         return q, k, v
 
 
-class MambaLayer(nnx.Module):
+class MambaBlock(nnx.Module):
     """A Mamba-style state layer: depthwise conv over 3 tokens, then a diagonal
     state-space recurrence ``h = a * h + u * B``, ``y = h @ C``.
     """  # noqa: D205
@@ -181,10 +182,10 @@ class TinyHybridModel(nnx.Module):
         blocks = []
         for layer in config.layers:
             if isinstance(layer.spec, MambaSpec):
-                blocks.append(MambaLayer(self.hidden, layer.spec, rngs))
+                blocks.append(MambaBlock(self.hidden, layer.spec, rngs))
             elif isinstance(layer.spec, AttentionSpec):
                 blocks.append(
-                    AttentionLayer(
+                    AttentionBlock(
                         self.hidden,
                         layer.num_heads or num_heads,
                         layer.spec,
@@ -208,7 +209,7 @@ def forward_dense(model: TinyHybridModel, tokens: jax.Array) -> jax.Array:
     i = jnp.arange(n, dtype=jnp.int32)[:, None]
     j = jnp.arange(n, dtype=jnp.int32)[None, :]
     for name, block in zip(model.names, model.blocks, strict=True):
-        if isinstance(block, MambaLayer):
+        if isinstance(block, MambaBlock):
             state = block.zero_state(model.hidden)
 
             def step(carry, x_t, block=block):
@@ -239,13 +240,13 @@ def forward_dense(model: TinyHybridModel, tokens: jax.Array) -> jax.Array:
 def forward_paged(
     model: TinyHybridModel,
     pools: Pools,
-    views: Mapping[str, LayerView],
+    layers: Mapping[str, AttentionLayer | LayerView],
     meta: Mapping[str, CommonAttentionMetadata],
     token_ids: jax.Array,
     sample_idx: jax.Array,
     fast_prefill: bool,
     pages_per_chunk: int = 4,
-    query_tile: int = 1,
+    query_tile: int | None = None,
     tensor_axis: str | None = None,
 ) -> tuple[Pools, jax.Array]:
     """One ragged step through jaxkv; returns the new pools and sampled logits.
@@ -253,14 +254,16 @@ def forward_paged(
     Args:
       model: The model.
       pools: The pool arrays.
-      views: Bound ``layer -> view``.
+      layers: ``layer -> AttentionLayer`` (``plan.attention_layer(name)``) for
+        attention layers, ``layer -> MambaView`` for Mamba layers.
       meta: ``layer -> metadata`` from :func:`build_attn_metadata`.
       token_ids: ``(max_tokens,)`` input tokens (padding anything).
       sample_idx: ``(num_samples,)`` token indices whose logits are returned.
       fast_prefill: Whether the fast-prefill path is armed (the YOCO layers
         then run on the `sample_idx` tokens only, with reduced metadata).
       pages_per_chunk: Pages per step of the attention's online softmax.
-      query_tile: Query tokens of a request sharing one read of its pages.
+      query_tile: Query tokens of a request sharing one read of its pages
+        (default: chosen by :func:`paged_attention` from the bucket).
       tensor_axis: Inside ``shard_map`` over a tensor-parallel axis: the model
         holds this rank's heads, and the attention and Mamba outputs are
         summed over the axis (``psum``) before the residual.
@@ -272,31 +275,33 @@ def forward_paged(
     reduced = False
     for name, block in zip(model.names, model.blocks, strict=True):
         m = meta[name]
-        view = views[name]
-        if isinstance(block, MambaLayer):
+        view = layers[name]
+        if isinstance(block, MambaBlock):
             if not isinstance(view, MambaView):
                 raise TypeError(f"Layer {name!r} needs a MambaView.")
             pools, y = _mamba_paged(block, pools, view, m, x)
             x = x + _tensor_sum(y, tensor_axis)
             continue
-        if not isinstance(view, KVCacheView):
-            raise TypeError(f"Layer {name!r} needs a KVCacheView.")
+        if not isinstance(view, AttentionLayer):
+            raise TypeError(
+                f"Layer {name!r} needs an AttentionLayer (plan.attention_layer), got "
+                f"{type(view).__name__}."
+            )
         if fast_prefill and name in model.targets and not reduced:
             x = x[sample_idx]  # YOCO early exit: only the tokens that need logits
             reduced = True
         _, positions, _ = token_requests_and_positions(m, x.shape[0])
         q, k, v = block.qkv(x, positions)
         if k is not None and v is not None:
-            pools = write_kv(pools, view, k, v, m.slot_mapping)
-        out = paged_attention(
+            pools = write_kv(pools, view.view, k, v, m.slot_mapping)
+        out = paged_attention(  # window from the layer's spec
             q,
             pools,
             view,
             m,
             scale=float(1.0 / np.sqrt(block.head_size)),
-            sliding_window=block.sliding_window,
             pages_per_chunk=pages_per_chunk,
-            query_tile=query_tile if x.shape[0] > m.max_reqs else 1,
+            query_tile=query_tile,
         )
         x = x + _tensor_sum(block.wo(out.reshape(x.shape[0], -1)), tensor_axis)
     if not reduced:
@@ -305,7 +310,7 @@ def forward_paged(
 
 
 def _mamba_paged(
-    block: MambaLayer,
+    block: MambaBlock,
     pools: Pools,
     view: MambaView,
     meta: CommonAttentionMetadata,

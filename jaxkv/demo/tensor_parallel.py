@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxkv.cache.shard import local_kv_heads
 from jaxkv.config import RunnerConfig
-from jaxkv.demo.model import AttentionLayer, MambaLayer, TinyHybridModel
+from jaxkv.demo.model import AttentionBlock, MambaBlock, TinyHybridModel
 
 
 def _split(x: np.ndarray, axis: int, t: int, parts: int) -> np.ndarray:
@@ -69,7 +69,7 @@ def tensor_parallel_state(
             if keys[0] == "blocks":
                 block = model.blocks[int(keys[1])]
                 name = keys[2]
-                if isinstance(block, AttentionLayer):
+                if isinstance(block, AttentionBlock):
                     if name == "wq":
                         x_t = _split(x, 1, t, t_count)
                     elif name == "wo":
@@ -80,7 +80,7 @@ def tensor_parallel_state(
                         )
                     else:
                         x_t = x
-                elif isinstance(block, MambaLayer):
+                elif isinstance(block, MambaBlock):
                     if name in ("w_in", "conv"):
                         x_t = _split(x, 1, t, t_count)
                     elif name == "w_out":

@@ -32,6 +32,17 @@ class StepBlocks(NamedTuple):
       block_tables: ``(num_reqs, width)`` int32 per group, 0-padded.
       slot_mappings: ``(num_tokens,)`` int32 per group (``-1`` for Mamba
         groups, whose state is written through the block table).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+      >>> m = jaxkv.KVCacheManager(plan)
+      >>> r = jaxkv.Request("r", prompt=[1, 2, 3], max_new_tokens=1)
+      >>> m.allocate(r, 3)
+      True
+      >>> out = m.step_blocks([(r, 3)])
+      >>> out.slot_mappings[0].tolist(), out.block_tables[2][0, :2].tolist()
+      ([32, 33, 34], [3, 0])
     """
 
     block_tables: list[np.ndarray]
@@ -355,7 +366,14 @@ class KVCacheManager:
 
 
 def prefix_caching_unsupported(plan: KVCachePlan) -> str | None:
-    """Why `plan`'s model cannot use prefix caching, or ``None`` if it can."""
+    """Why `plan`'s model cannot use prefix caching, or ``None`` if it can.
+
+    Example:
+      >>> import jaxkv
+      >>> print(jaxkv.prefix_caching_unsupported(
+      ...     jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)))
+      None
+    """
     for group in plan.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):

@@ -7,7 +7,13 @@ import enum
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is: waiting, running, finished or rejected."""
+    """Where a request is: waiting, running, finished or rejected.
+
+    Example:
+      >>> import jaxkv
+      >>> jaxkv.Request("a", prompt=[1], max_new_tokens=1).status.value
+      'waiting'
+    """
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -38,6 +44,12 @@ class Request:
       num_cached_tokens: Tokens taken from the prefix cache, over all
         admissions (a preempted request is admitted again).
       num_preemptions: Times its blocks were taken back and it was requeued.
+
+    Example:
+      >>> import jaxkv
+      >>> r = jaxkv.Request("a", prompt=[5, 6], max_new_tokens=2, stop_token_ids=(0,))
+      >>> r.output.append(0); r.tokens, r.finished  # a stop token ends it early
+      ([5, 6, 0], True)
     """
 
     req_id: str

@@ -23,6 +23,14 @@ from jaxkv.sched.request import Request, RequestStatus
 class StepArrays(NamedTuple):
     """A scheduled step's host arrays, named as :meth:`StepMetadataBuilder.prepare`
     takes them (``builder.prepare(**arrays._asdict())``).
+
+    Example:
+      >>> import jaxkv
+      >>> s = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8))
+      >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=1))
+      >>> a = s.schedule().arrays
+      >>> a.query_start_loc.tolist(), a.positions.tolist(), a.logits_indices.tolist()
+      ([0, 3], [0, 1, 2], [2])
     """  # noqa: D205
 
     query_start_loc: np.ndarray
@@ -45,6 +53,14 @@ class ScheduledStep:
         each request computes its tokens from ``num_computed`` on.
       arrays: The step's host arrays (empty batch: ``None``).
       preempted: Requests preempted while scheduling this step.
+
+    Example:
+      >>> import jaxkv
+      >>> s = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8))
+      >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=2))
+      >>> step = s.schedule()
+      >>> [r.req_id for r in step.sampled], s.update(step, [42]), s.running[0].output
+      (['a'], [], [42])
     """
 
     batch: list[tuple[Request, int]]
