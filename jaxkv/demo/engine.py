@@ -174,18 +174,8 @@ class Engine:
         self.builder = StepMetadataBuilder(
             self.plan, self.dispatcher, model_inputs=True, fast_prefill=mesh is None
         )
-        # One scheduler (and block manager) per data-parallel rank.
-        self.schedulers = [
-            Scheduler(
-                self.plan,
-                max_num_batched_tokens=self.max_num_tokens,
-                max_num_seqs=self.max_num_reqs,
-                enable_prefix_caching=enable_prefix_caching,
-                vocab_size=model.lm_head.out_features,
-                num_blocks=num_blocks,
-            )
-            for _ in range(self.num_ranks)
-        ]
+        self.vocab_size = model.lm_head.out_features
+        self.reset(enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks)
         if pages_per_chunk is None:
             pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
@@ -205,6 +195,29 @@ class Engine:
         # What the loop did: steps, steps with fast prefill armed, steps with a
         # prefill chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
+
+    def reset(
+        self, *, enable_prefix_caching: bool = False, num_blocks: int | None = None
+    ) -> None:
+        """New schedulers, one per data-parallel rank: requests and cached
+        prefixes are forgotten; pools and compiled programs stay.
+
+        Args:
+          enable_prefix_caching: Reuse cached prefixes.
+          num_blocks: Blocks each scheduler may use (default: all of the
+            pool's); fewer simulate a smaller pool without recompiling.
+        """  # noqa: D205
+        self.schedulers = [
+            Scheduler(
+                self.plan,
+                max_num_batched_tokens=self.max_num_tokens,
+                max_num_seqs=self.max_num_reqs,
+                enable_prefix_caching=enable_prefix_caching,
+                vocab_size=self.vocab_size,
+                num_blocks=num_blocks,
+            )
+            for _ in range(self.num_ranks)
+        ]
 
     @property
     def allocator(self) -> BlockAllocator:

@@ -115,6 +115,11 @@ class KVCacheManager:
             else None
             for g in groups
         ]
+        if num_blocks is not None and not 2 <= num_blocks <= plan.num_blocks:
+            raise ValueError(
+                f"KVCacheManager: num_blocks={num_blocks!r} must be in "
+                f"[2, {plan.num_blocks}] (the plan's pools hold {plan.num_blocks})."
+            )
         self.allocator = BlockAllocator(
             plan.num_blocks if num_blocks is None else num_blocks
         )

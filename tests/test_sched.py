@@ -1,0 +1,351 @@
+"""The block manager, prefix caching, admission and preemption (host side and
+through the demo Engine against the dense model)."""
+
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+import jaxkv.demo
+from tests.helpers import count_compiles
+
+# --- host side: allocator, hashes, hit rules, manager --------------------------
+
+
+def test_allocator_counts_references_and_evicts_cached_blocks_lru():
+    a = jaxkv.BlockAllocator(5)
+    x, y = a.allocate(2)
+    a.touch([x])  # a second request shares x
+    a.cache(x, key="kx")
+    a.cache(y, key="ky")
+    a.free([x, y])
+    assert a.num_free == 3 and a.ref_count(x) == 1  # x still held once
+    a.free([x])
+    assert a.num_free == 4 and a.lookup("kx") == x  # freed, still cached
+    # The free queue hands out never-cached blocks first, then y (freed
+    # first), then x: allocation evicts what it hands out.
+    got = a.allocate(3)
+    assert got[-1] == y and a.lookup("ky") is None and a.lookup("kx") == x
+    a.touch([x])  # a hit on a free cached block takes it off the queue
+    assert a.num_free == 0
+    with pytest.raises(RuntimeError, match="need 1, 0 free"):
+        a.allocate(1)
+    with pytest.raises(ValueError, match="not held"):
+        a.free([0])
+    a.free([x])
+    with pytest.raises(ValueError, match="not held"):
+        a.free([x])  # a double free would hand one block to two requests
+
+
+def test_block_hashes_chain_and_salt():
+    h = jaxkv.hash_token_blocks(list(range(10)), 4)
+    assert len(h) == 2
+    assert jaxkv.hash_token_blocks(list(range(4, 10)), 4, parent=h[0]) == h[1:]
+    # Same second block, different first block: different hash (chained).
+    other = jaxkv.hash_token_blocks([9, 9, 9, 9, 4, 5, 6, 7], 4)
+    assert other[1] != h[1]
+    assert jaxkv.hash_token_blocks(list(range(8)), 4, salt="t")[0] != h[0]
+
+
+def _spec(kind, bs=4):
+    common = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype="float32")
+    if kind == "full":
+        return jaxkv.FullAttentionSpec(**common)
+    if kind == "swa":
+        return jaxkv.SlidingWindowSpec(**common, sliding_window=6)
+    return jaxkv.MambaSpec(block_size=bs, shapes=((4,),), dtypes=("float32",))
+
+
+@pytest.mark.parametrize(
+    ("kind", "cached", "want"),
+    [
+        ("full", {0, 1, 2, 4, 5}, 3),  # a hole ends the prefix
+        ("full", set(), 0),
+        # Window 6, block 4: from position 4k a query sees keys > 4k - 6, so
+        # blocks (4k - 5) // 4 .. k - 1 are needed; 0 and 1 may be gone.
+        ("swa", {2, 3, 4}, 5),
+        ("swa", {3, 4}, 5),  # from 20: keys > 14, blocks 3-4 only
+        ("swa", {2, 4}, 0),  # every hit length misses a visible block
+        ("swa", {1, 2, 4}, 3),
+        ("mamba", {1, 3}, 4),  # the state after block 3 is cached
+        ("mamba", {0}, 1),
+        ("mamba", set(), 0),
+    ],
+)
+def test_longest_cache_hit_rules(kind, cached, want):
+    got = jaxkv.longest_cache_hit(
+        _spec(kind), num_blocks=5, is_cached=cached.__contains__
+    )
+    assert got == want
+
+
+def _plan(num_blocks=24, **kw):
+    cfg = jaxkv.tiny_hybrid_config(
+        block_size=16, head_size=16, num_heads=2, sliding_window=32, **kw
+    )
+    return jaxkv.make_plan(cfg, num_blocks=num_blocks, maps_slot_mapping=True)
+
+
+def _groups(plan):
+    specs = [g.kv_cache_spec for g in plan.kv_cache_config.kv_cache_groups]
+    full = next(i for i, s in enumerate(specs) if type(s) is jaxkv.FullAttentionSpec)
+    swa = next(i for i, s in enumerate(specs) if isinstance(s, jaxkv.SlidingWindowSpec))
+    mamba = next(i for i, s in enumerate(specs) if isinstance(s, jaxkv.MambaSpec))
+    return full, swa, mamba
+
+
+def _run(manager, req, n):
+    assert manager.allocate(req, n)
+    req.num_computed += n
+    manager.commit(req)
+
+
+def test_manager_frees_windows_and_old_states_and_returns_every_block():
+    plan = _plan()
+    m = jaxkv.KVCacheManager(plan)
+    full, swa, mamba = _groups(plan)
+    r = jaxkv.Request("r", prompt=list(range(100)), max_new_tokens=1)
+    _run(m, r, 70)  # positions 0..69: 5 blocks per attention group
+    blocks = m.blocks_of(r)
+    assert all(blocks[full]) and len(blocks[full]) == 5
+    # Window 32 from position 70: keys > 38, so blocks 0 and 1 are given back.
+    assert blocks[swa][:2] == [0, 0] and all(blocks[swa][2:])
+    # Mamba: only the block of token 69 (column 4) holds the state.
+    assert blocks[mamba] == [0, 0, 0, 0, blocks[mamba][4]] and blocks[mamba][4]
+    held = sum(b != 0 for g in blocks for b in g)
+    assert m.num_free_blocks == 23 - held
+    _run(m, r, 30)  # next chunk reads column 4, writes column 6
+    assert m.blocks_of(r)[mamba][:6] == [0] * 6
+    m.free(r)
+    assert m.num_free_blocks == 23
+
+
+def test_manager_allocation_is_all_or_nothing():
+    plan = _plan(num_blocks=8)
+    m = jaxkv.KVCacheManager(plan)
+    r = jaxkv.Request("r", prompt=list(range(60)), max_new_tokens=1)
+    assert not m.allocate(r, 60)  # 4 + 4 + 1 blocks > 7
+    assert m.num_free_blocks == 7 and m.blocks_of(r) == []
+    assert m.allocate(r, 32)
+
+
+def test_prefix_hit_agrees_over_groups_and_needs_the_mamba_state():
+    plan = _plan(num_blocks=40)
+    m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+    prefix = list(range(64))
+    a = jaxkv.Request("a", prompt=[*prefix, 1, 2, 3], max_new_tokens=1)
+    _run(m, a, 48)  # ends on a block boundary: state after 48 kept
+    _run(m, a, 19)  # ends inside a block: no state after 64
+    b = jaxkv.Request("b", prompt=[*prefix, 7], max_new_tokens=1)
+    # Attention could reuse 64 tokens; the Mamba group only 48.
+    assert m.find_cache_hit(b) == 48
+    free = m.num_free_blocks
+    assert m.allocate(b, 17, num_cached=48)
+    assert b.num_computed == 48 and b.num_cached_tokens == 48
+    full, swa, mamba = _groups(plan)
+    ba, bb = m.blocks_of(a), m.blocks_of(b)
+    assert bb[full][:3] == ba[full][:3]  # shared
+    # The window (32) at position 48 sees blocks 1 and 2 only; a already gave
+    # block 1 back (its window moved on), but it stayed cached.
+    assert (
+        bb[swa][0] == 0 and ba[swa][1] == 0 and bb[swa][1] and bb[swa][2] == ba[swa][2]
+    )
+    # Held anew: 5 new blocks for positions 48..64 (2 + 2 + 1) and two cached
+    # blocks a had given back (window block 1, the state after 48).
+    assert bb[mamba][2] and ba[mamba][2] == 0
+    assert free - m.num_free_blocks == 7
+    # Salt separates caches.
+    c = jaxkv.Request("c", prompt=[*prefix, 7], max_new_tokens=1, cache_salt="x")
+    assert m.find_cache_hit(c) == 0
+    # The last token is always computed, even if the whole prompt is cached:
+    # 48 cached tokens of a 48-token prompt give at most 32 (whole blocks below
+    # 48), and no Mamba state after 32 was kept, so nothing; with one more
+    # token, all 48.
+    d = jaxkv.Request("d", prompt=prefix[:48], max_new_tokens=1)
+    assert m.find_cache_hit(d) == 0
+    e = jaxkv.Request("e", prompt=prefix[:49], max_new_tokens=1)
+    assert m.find_cache_hit(e) == 48
+
+
+def test_prefix_caching_refuses_encoder_caches():
+    spec = jaxkv.CrossAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(
+                name="x",
+                spec=spec,
+                backend=jaxkv.get_backend("JAX_PAGED"),
+                attn_type="encoder_decoder",
+            )
+        ],
+        max_model_len=64,
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=4)
+    with pytest.raises(ValueError, match="CrossAttentionSpec"):
+        jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+
+
+def test_scheduler_rejects_what_can_never_be_served():
+    plan = _plan(num_blocks=12, max_model_len=256)
+    s = jaxkv.Scheduler(plan, vocab_size=64, max_num_batched_tokens=32)
+    cases = {
+        "empty": ([], 1, "empty prompt"),
+        "zero": ([1], 0, "max_new_tokens must be a positive int, got 0"),
+        "long": (
+            [1] * 250,
+            10,
+            r"\(250 tokens\) \+ max_new_tokens \(10\) > max_model_len",
+        ),
+        "vocab": ([1, 64], 1, r"must be in \[0, 64\), got \[1, 64\]"),
+        "negative": ([-1], 1, r"got \[-1, -1\]"),
+        "fit": (
+            [1] * 200,
+            8,
+            "needs up to 20 KV-cache blocks at once, the pool holds 11",  # 13 + 5 + 2
+        ),
+    }
+    for name, (prompt, new, reason) in cases.items():
+        req = jaxkv.Request(name, prompt=prompt, max_new_tokens=new)
+        assert not s.add_request(req), name
+        assert req.status is jaxkv.RequestStatus.REJECTED
+        assert req.reject_reason is not None
+        assert re.search(reason, req.reject_reason), (name, req.reject_reason)
+    ok = jaxkv.Request("ok", prompt=[1] * 40, max_new_tokens=2)
+    assert s.add_request(ok)
+    with pytest.raises(ValueError, match="already live"):
+        s.add_request(jaxkv.Request("ok", prompt=[1], max_new_tokens=1))
+    while s.has_unfinished:
+        step = s.schedule()
+        s.update(step, [5] * len(step.sampled))
+    assert ok.output == [5, 5] and s.manager.num_free_blocks == 11
+
+
+def test_scheduler_preempts_the_latest_request_and_recomputes_it():
+    plan = _plan(num_blocks=14)
+    s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
+    reqs = [
+        jaxkv.Request(f"r{i}", prompt=list(range(40)), max_new_tokens=30)
+        for i in range(3)
+    ]
+    for r in reqs:
+        assert s.add_request(r)
+    preempted = []
+    while s.has_unfinished:
+        step = s.schedule()
+        preempted += [r.req_id for r in step.preempted]
+        s.update(step, [len(r.output) for r in step.sampled])
+    assert preempted and all(r.num_preemptions >= 0 for r in reqs)
+    assert s.stats["preemptions"] == len(preempted)
+    # Every request completed with the tokens it would have produced alone.
+    assert all(r.output == list(range(30)) for r in reqs)
+    assert s.manager.num_free_blocks == 13
+
+
+# --- through the Engine, against the dense model ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def served():
+    cfg = jaxkv.tiny_hybrid_config(
+        block_size=16,
+        head_size=16,
+        num_heads=2,
+        num_kv_heads=2,
+        sliding_window=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        max_model_len=320,
+        token_buckets=(8, 128),
+        request_buckets=(8,),
+    )
+    model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(5))
+    engine = jaxkv.demo.Engine(cfg, model, num_blocks=300)
+    return model, engine
+
+
+def _serve(engine, requests, **reset):
+    engine.reset(**reset)
+    engine.run(requests)
+    free = engine.allocator.num_free
+    return [r.output for r in requests], free, engine.stats
+
+
+def _fresh(requests):
+    return [
+        jaxkv.demo.Request(r.req_id, prompt=r.prompt, max_new_tokens=r.max_new_tokens)
+        for r in requests
+    ]
+
+
+def test_engine_preempts_instead_of_aborting_and_matches_the_dense_model(served):
+    model, engine = served
+    rng = np.random.default_rng(0)
+    requests = [
+        jaxkv.demo.Request(
+            f"r{i}",
+            prompt=rng.integers(0, 64, int(rng.integers(90, 130))).tolist(),
+            max_new_tokens=24,
+        )
+        for i in range(4)
+    ]
+    # 25 blocks: each request fits alone (at most 10 + 10 + 2 blocks), and
+    # two admitted together outgrow the pool while they decode.
+    outputs, free, stats = _serve(engine, requests, num_blocks=26)
+    assert stats["preemptions"] > 0
+    assert free == 25  # no block leaked
+    for req, out in zip(requests, outputs, strict=True):
+        dense = jaxkv.demo.generate_dense(model, req.prompt, 24, 160)
+        assert out == dense, req.req_id
+
+
+def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
+    model, engine = served
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 64, 256).tolist()
+    requests = [
+        jaxkv.demo.Request(
+            f"p{i}", prompt=prefix + rng.integers(0, 64, 16).tolist(), max_new_tokens=3
+        )
+        for i in range(32)
+    ]
+    base, free_base, stats_base = _serve(engine, _fresh(requests))
+    cached, free_cached, stats = _serve(
+        engine, _fresh(requests), enable_prefix_caching=True
+    )
+    assert cached == base
+    assert free_cached == free_base == 299
+    saved = 1 - stats["prefill_tokens"] / stats_base["prefill_tokens"]
+    assert saved >= 0.8, (stats["prefill_tokens"], stats_base["prefill_tokens"])
+    assert stats["cached_tokens"] >= 31 * 256 * 0.9
+    # Under pressure (room for about three requests): cached blocks are evicted
+    # and requests preempted, outputs unchanged.
+    squeezed, free_squeezed, stats_sq = _serve(
+        engine, _fresh(requests[:8]), enable_prefix_caching=True, num_blocks=70
+    )
+    assert squeezed == base[:8] and free_squeezed == 69
+    dense = jaxkv.demo.generate_dense(model, requests[0].prompt, 3, 288)
+    assert base[0] == dense
+
+
+def test_engine_rejects_bad_requests_and_serves_the_others(served):
+    model, engine = served
+    good = [
+        jaxkv.demo.Request("g0", prompt=[1, 2, 3], max_new_tokens=4),
+        jaxkv.demo.Request("g1", prompt=[4, 5], max_new_tokens=2, arrival_step=10**9),
+    ]
+    bad = [
+        jaxkv.demo.Request("long", prompt=[1] * 300, max_new_tokens=30),
+        jaxkv.demo.Request("oov", prompt=[1, 99], max_new_tokens=1),
+    ]
+    engine.reset(num_blocks=30)
+    steps, generated = engine.run([bad[0], good[0], bad[1], good[1]])
+    assert [r.status for r in bad] == [jaxkv.RequestStatus.REJECTED] * 2
+    assert "max_model_len (320)" in (bad[0].reject_reason or "")
+    assert "[0, 64)" in (bad[1].reject_reason or "")
+    assert [len(r.output) for r in good] == [4, 2] and generated == 6
+    # A far-future arrival is reached by skipping idle steps, not by looping.
+    assert steps > 10**9
