@@ -53,11 +53,18 @@ def test_block_hashes_chain_and_salt():
 
 
 def _spec(kind, bs=4):
-    common = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype="float32")
     if kind == "full":
-        return jaxkv.FullAttentionSpec(**common)
+        return jaxkv.FullAttentionSpec(
+            block_size=bs, num_kv_heads=1, head_size=8, dtype="float32"
+        )
     if kind == "swa":
-        return jaxkv.SlidingWindowSpec(**common, sliding_window=6)
+        return jaxkv.SlidingWindowSpec(
+            block_size=bs,
+            num_kv_heads=1,
+            head_size=8,
+            dtype="float32",
+            sliding_window=6,
+        )
     return jaxkv.MambaSpec(block_size=bs, shapes=((4,),), dtypes=("float32",))
 
 
