@@ -46,7 +46,7 @@ from jaxkv.cache.ops import (
     write_mamba_state,
     zero_blocks,
 )
-from jaxkv.cache.plan import KVCachePlan, make_plan
+from jaxkv.cache.plan import KVCacheBudget, KVCachePlan, kv_cache_budget, make_plan
 from jaxkv.cache.planner import (
     HybridBlockAlignment,
     align_hybrid_block_size,
@@ -150,11 +150,11 @@ except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "AttentionLayer",
     "AttentionBackend",
     "AttentionCGSupport",
     "AttentionCGSupportInfo",
     "AttentionGroup",
+    "AttentionLayer",
     "AttentionSpec",
     "AttnBackendInit",
     "BatchDescriptor",
@@ -170,6 +170,7 @@ __all__ = [
     "FastPrefillHelper",
     "FullAttentionSpec",
     "HybridBlockAlignment",
+    "KVCacheBudget",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheInit",
@@ -232,6 +233,7 @@ __all__ = [
     "hash_token_blocks",
     "init_attn_backend",
     "init_kv_cache",
+    "kv_cache_budget",
     "local_kv_heads",
     "local_runner_config",
     "longest_cache_hit",

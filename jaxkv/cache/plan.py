@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 
@@ -160,20 +161,12 @@ def make_plan(
     if align_hybrid:
         runner_config = align_hybrid_block_size(runner_config).runner_config
     if memory_bytes is not None:
-        check_positive_int("make_plan", "memory_bytes", memory_bytes)
-        probe = make_plan(
+        num_blocks = kv_cache_budget(
             runner_config,
-            num_blocks=1,
+            memory_bytes=memory_bytes,
             packed=packed,
             maps_slot_mapping=maps_slot_mapping,
-        )
-        num_blocks = memory_bytes // probe.pool_bytes
-        if num_blocks < 2:
-            raise ValueError(
-                f"make_plan: memory_bytes={memory_bytes} holds {num_blocks} blocks of "
-                f"{probe.pool_bytes} bytes (all pools); at least 2 are needed (block "
-                "0 is the null block)."
-            )
+        ).num_blocks
     kv = make_kv_cache_config(runner_config, int(num_blocks or 0), packed=packed)
     groups, info, sizes = init_attn_backend(
         kv, runner_config, maps_slot_mapping=maps_slot_mapping
@@ -190,4 +183,69 @@ def make_plan(
         cg_support=info,
         pools=pools,
         views=bound,
+    )
+
+
+class KVCacheBudget(NamedTuple):
+    """What a memory budget buys: blocks, and what one block costs.
+
+    Attributes:
+      num_blocks: Blocks per pool (the null block 0 included).
+      bytes_per_block: Bytes one block costs over all pools.
+      pool_bytes_per_block: Bytes one block costs in each pool.
+      pool_bytes: Bytes of all pools at `num_blocks` (at most the budget).
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> jaxkv.kv_cache_budget(cfg, memory_bytes=2**20).num_blocks
+      32
+    """
+
+    num_blocks: int
+    bytes_per_block: int
+    pool_bytes_per_block: tuple[int, ...]
+    pool_bytes: int
+
+
+def kv_cache_budget(
+    runner_config: RunnerConfig,
+    *,
+    memory_bytes: int,
+    packed: bool = False,
+    maps_slot_mapping: bool = False,
+) -> KVCacheBudget:
+    """The blocks a byte budget holds for `runner_config` (all pools together).
+
+    The model is planned with one block; the budget divided by what one block
+    costs over all pools, rounded down, is the block count.
+
+    Raises:
+      ValueError: If the budget holds fewer than two blocks (block 0 is the
+        null block).
+
+    Example:
+      >>> import jaxkv
+      >>> b = jaxkv.kv_cache_budget(jaxkv.tiny_hybrid_config(), memory_bytes=10**6)
+      >>> b.num_blocks, b.bytes_per_block, b.pool_bytes_per_block, b.pool_bytes
+      (30, 32768, (16384, 16384), 983040)
+    """
+    check_positive_int("kv_cache_budget", "memory_bytes", memory_bytes)
+    probe = make_plan(
+        runner_config, num_blocks=1, packed=packed, maps_slot_mapping=maps_slot_mapping
+    )
+    per_pool = tuple(p.size_bytes for p in probe.pools)
+    per_block = sum(per_pool)
+    num_blocks = memory_bytes // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_budget: memory_bytes={memory_bytes} holds {num_blocks} blocks "
+            f"of {per_block} bytes (all pools); at least 2 are needed (block 0 is the "
+            "null block)."
+        )
+    return KVCacheBudget(
+        num_blocks=num_blocks,
+        bytes_per_block=per_block,
+        pool_bytes_per_block=per_pool,
+        pool_bytes=num_blocks * per_block,
     )

@@ -376,18 +376,6 @@ class Engine:
         num_samples: int | None,
     ) -> PreparedStep:
         """One rank's step, packed (an empty rank gets an empty batch)."""
-        if step.arrays is None:
-            empty = np.zeros(0, np.int32)
-            return self.builder.prepare(
-                query_start_loc=np.zeros(1, np.int32),
-                seq_lens=empty,
-                positions=empty,
-                block_tables=[np.zeros((0, w), np.int32) for w in self.widths],
-                slot_mappings=[empty for _ in self.widths],
-                token_ids=empty,
-                desc=desc,
-                num_samples=num_samples,
-            )
         self.counters["partial_prefills"] += any(
             r.num_computed + n < len(r.prompt) for r, n in step.batch
         )

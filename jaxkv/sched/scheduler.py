@@ -51,7 +51,7 @@ class ScheduledStep:
     Attributes:
       batch: ``(request, tokens this step)`` in batch order (decodes first);
         each request computes its tokens from ``num_computed`` on.
-      arrays: The step's host arrays (empty batch: ``None``).
+      arrays: The step's host arrays (zero requests for an empty batch).
       preempted: Requests preempted while scheduling this step.
 
     Example:
@@ -64,7 +64,7 @@ class ScheduledStep:
     """
 
     batch: list[tuple[Request, int]]
-    arrays: StepArrays | None
+    arrays: StepArrays
     preempted: list[Request]
 
     @property
@@ -299,7 +299,7 @@ class Scheduler:
             )
         return ScheduledStep(
             batch=batch,
-            arrays=self._arrays(batch) if batch else None,
+            arrays=self._arrays(batch),
             preempted=preempted,
         )
 
@@ -312,7 +312,10 @@ class Scheduler:
             query_start_loc=qsl,
             seq_lens=np.array([r.num_computed + n for r, n in batch], np.int32),
             positions=np.concatenate(
-                [np.arange(r.num_computed, r.num_computed + n) for r, n in batch]
+                [
+                    np.zeros(0),
+                    *(np.arange(r.num_computed, r.num_computed + n) for r, n in batch),
+                ]
             ).astype(np.int32),
             block_tables=blocks.block_tables,
             slot_mappings=blocks.slot_mappings,
@@ -321,13 +324,17 @@ class Scheduler:
             cu_num_logits=np.concatenate(
                 [[0], np.searchsorted(samples, qsl[1:])]
             ).astype(np.int32),
-            token_ids=np.concatenate(
+            token_ids=np.array(
                 [
-                    np.asarray(r.tokens[r.num_computed : r.num_computed + n])
+                    t
                     for r, n in batch
-                ]
-            ).astype(np.int32),
-            is_prefilling=np.array([r.num_computed < len(r.prompt) for r, _ in batch]),
+                    for t in r.tokens[r.num_computed : r.num_computed + n]
+                ],
+                np.int32,
+            ),
+            is_prefilling=np.array(
+                [r.num_computed < len(r.prompt) for r, _ in batch], bool
+            ),
         )
 
     def update(
