@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_attention  # noqa: E402
 import bench_kv_write  # noqa: E402
+import bench_prefix  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_step_loop  # noqa: E402
 import bench_step_metadata  # noqa: E402
@@ -35,6 +36,7 @@ QUICK = {
         "512",
     ],
     "step_metadata": ["--num-reqs", "32", "--iters", "20"],
+    "prefix": "--num-requests 8 --prefix 128 --max-new-tokens 4".split(),
     "scaling": [
         "--requests",
         "8,32",
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     r_kv = bench_kv_write.main(extra["kv_write"])
     r_loop = bench_step_loop.main(extra["step_loop"])
     r_meta = bench_step_metadata.main(extra["step_metadata"])
+    r_prefix = bench_prefix.main(extra["prefix"])
     r_scale = bench_scaling.main([*extra["scaling"], "--plot", str(plot_path)])
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     rows = [
@@ -136,6 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         ("Compilations after warm-up", "0", _fmt(r_loop["compiles_after_warm_up"])),
         ("Step temp memory / pools", "<= 10%", f"{r_loop['max_temp_over_pools']:.1%}"),
         ("Host overhead: naive / jaxkv", ">= 3x", _fmt(r_meta["naive_over_packed"])),
+        (
+            "Prefix caching: prompt tokens saved (shared prefix)",
+            ">= 80%",
+            f"{r_prefix['saved_fraction']:.1%}",
+        ),
+        (
+            "Prefix caching: tokens/s cached / uncached, outputs identical",
+            "identical",
+            f"{_fmt(r_prefix['speedup'])}, {r_prefix['identical']}",
+        ),
         ("Staging: Python loop / jitted kernel", "-", _fmt(r_meta["loop_over_kernel"])),
         (
             "Write time spread over pool sizes",

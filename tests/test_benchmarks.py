@@ -40,6 +40,11 @@ def _load(name):
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
         (
+            "bench_prefix",
+            "--num-requests 3 --prefix 64 --suffix 4 --max-new-tokens 2 "
+            "--token-buckets 64 --num-blocks 64 --iters 1".split(),
+        ),
+        (
             "bench_step_metadata",
             [
                 "--num-reqs",
@@ -77,6 +82,8 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
             "--num-blocks 64 --token-buckets 8,32".split(),
             "step_metadata": "--num-reqs 4 --num-prefills 1 --chunk 2 --max-tokens 64 "
             "--max-model-len 128 --iters 1".split(),
+            "prefix": "--num-requests 2 --prefix 64 --suffix 4 --max-new-tokens 1 "
+            "--token-buckets 64 --num-blocks 64 --iters 1".split(),
             "scaling": "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
             "--context 32 "
             "--head-dim 16 --iters 1".split(),

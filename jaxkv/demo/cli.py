@@ -27,7 +27,41 @@ from jaxkv.monitoring import count_compilations
 
 
 def _buckets(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--token-buckets takes comma-separated positive ints, got {text!r}"
+        ) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--token-buckets takes comma-separated positive ints, got {text!r}"
+        )
+    return out
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive int, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int >= 0, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -66,23 +100,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m jaxkv",
         description="Serve synthetic requests on the built-in hybrid model.",
     )
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--head-size", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--num-requests", type=_positive, default=8)
+    p.add_argument("--max-new-tokens", type=_positive, default=12)
+    p.add_argument("--num-heads", type=_positive, default=4)
+    p.add_argument("--num-kv-heads", type=_positive, default=2)
+    p.add_argument("--head-size", type=_positive, default=32)
+    p.add_argument("--block-size", type=_positive, default=32)
     p.add_argument(
         "--kernel-block-size",
-        type=int,
+        type=_non_negative,
         default=0,
         help="attention backend kernel block (0: same as block size)",
     )
-    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=_positive, default=128)
     p.add_argument("--token-buckets", type=_buckets, default=(8, 32, 64))
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=96)
+    p.add_argument("--max-num-seqs", type=_positive, default=8)
+    p.add_argument("--num-blocks", type=_positive, default=96)
     p.add_argument("--no-fast-prefill", action="store_true")
+    p.add_argument(
+        "--prefix-caching", action="store_true", help="reuse cached prompt prefixes"
+    )
+    p.add_argument(
+        "--shared-prefix",
+        type=_non_negative,
+        default=0,
+        help="tokens every prompt starts with (a shared system prompt)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the dense oracle")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -119,12 +162,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         attention_backend=backend,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_tokens,
-        max_model_len=256,
+        max_model_len=max(256, args.shared_prefix + 48 + args.max_new_tokens),
         token_buckets=args.token_buckets,
         request_buckets=(args.max_num_seqs,),
     )
     model = TinyHybridModel(cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(args.seed))
-    engine = Engine(cfg, model, num_blocks=args.num_blocks, mesh=mesh)
+    engine = Engine(
+        cfg,
+        model,
+        num_blocks=args.num_blocks,
+        mesh=mesh,
+        enable_prefix_caching=args.prefix_caching,
+    )
     pools_mib = sum(p.nbytes for p in engine.pools) / 2**20
     print(
         f"model: {len(cfg.layers)} layers (full, sliding window, Mamba, YOCO), "
@@ -142,10 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     warm = engine.warm_up(progress_bar("compiling"))
     rng = np.random.default_rng(args.seed)
+    prefix = rng.integers(1, args.vocab_size, args.shared_prefix).tolist()
     requests = [
         Request(
             req_id=f"req{i}",
-            prompt=rng.integers(1, args.vocab_size, int(rng.integers(4, 48))).tolist(),
+            prompt=prefix
+            + rng.integers(1, args.vocab_size, int(rng.integers(4, 48))).tolist(),
             max_new_tokens=args.max_new_tokens,
             arrival_step=2 * i,
         )
@@ -164,15 +215,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"compiled {len(engine.programs)} step executables in {warm:.1f} s; "
         f"compilations during serving: {len(compiles)}"
     )
+    stats = engine.stats
+    print(
+        f"prompt tokens computed: {stats['prefill_tokens']}, from the prefix cache: "
+        f"{stats['cached_tokens']}; preemptions: {stats['preemptions']}; "
+        f"rejected: {stats['rejected']}"
+    )
+    for r in requests:
+        if r.reject_reason:
+            print(f"  rejected {r.req_id}: {r.reject_reason}")
     if args.no_check:
         return 0
+    served = [r for r in requests if r.reject_reason is None]
     max_len = max(len(r.prompt) for r in requests) + args.max_new_tokens
     matches = sum(
         generate_dense(model, r.prompt, r.max_new_tokens, max_len) == r.output
-        for r in requests
+        for r in served
     )
-    print(f"greedy outputs match the dense oracle: {matches}/{len(requests)} requests")
-    return 0 if matches == len(requests) else 1
+    print(f"greedy outputs match the dense oracle: {matches}/{len(served)} requests")
+    return 0 if matches == len(served) else 1
 
 
 def progress_bar(label: str) -> Callable[[int, int], None]:
