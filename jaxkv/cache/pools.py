@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,10 +124,21 @@ def allocate_pools(
       >>> pool.shape, pool.dtype
       ((16,), dtype('uint32'))
     """
-    return tuple(
-        jax.jit(lambda p=p: jnp.zeros(p.shape, p.dtype), out_shardings=sharding)()
-        for p in pools
+    return tuple(_zeros(p.shape, np.dtype(p.dtype), sharding) for p in pools)
+
+
+@functools.cache
+def _zeros_fn(sharding: Any) -> Any:
+    """One jitted zeros per output sharding (compiled once per pool shape)."""
+    return jax.jit(
+        lambda shape, dtype: jnp.zeros(shape, dtype),
+        static_argnums=(0, 1),
+        out_shardings=sharding,
     )
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+    return _zeros_fn(sharding)(tuple(shape), dtype)
 
 
 class KVCacheInit(NamedTuple):
