@@ -290,6 +290,15 @@ class Scheduler:
             self.running.append(req)
             batch.append((req, n))
             budget -= n
+        if not batch and self.waiting and not self.running:
+            # Admission guarantees a request fits alone: only held (leaked)
+            # blocks can block it. Fail loudly rather than spin.
+            raise RuntimeError(
+                f"Scheduler: request {self.waiting[0].req_id!r} cannot be scheduled "
+                f"with nothing running ({self.manager.num_free_blocks} of "
+                f"{self.manager.num_usable_blocks} blocks free): blocks were not "
+                "given back."
+            )
         # Decodes first (the order backends with a decode threshold expect).
         batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
         self.stats["steps"] += bool(batch)
