@@ -151,7 +151,8 @@ def test_prefix_hit_agrees_over_groups_and_needs_the_mamba_state():
     prefix = list(range(64))
     a = jaxkv.Request("a", prompt=[*prefix, 1, 2, 3], max_new_tokens=1)
     _run(m, a, 48)  # ends on a block boundary: state after 48 kept
-    _run(m, a, 19)  # ends inside a block: no state after 64
+    _run(m, a, 12)  # ends inside block 3: its page holds the state after 60
+    _run(m, a, 7)  # moves on to block 4: block 3 never held the state after 64
     b = jaxkv.Request("b", prompt=[*prefix, 7], max_new_tokens=1)
     # Attention could reuse 64 tokens; the Mamba group only 48.
     assert m.find_cache_hit(b) == 48
