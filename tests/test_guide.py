@@ -4,6 +4,7 @@ attention takes its window from the layer."""
 import pathlib
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,6 +87,18 @@ def test_attention_takes_the_window_from_the_layer(guide):
     n = int(step.arrays.query_start_loc[-1])
     full = attend(layer.view)  # a bare view without the window: full attention
     assert not np.allclose(from_layer[:n], full[:n])
+
+    # A prefill bucket (64 tokens, 4 requests): query tiles of 16 by default.
+    def program(**kw):
+        return str(
+            jax.make_jaxpr(
+                lambda q, pools: jaxkv.paged_attention(
+                    q, pools, layer, meta, scale=0.2, **kw
+                )
+            )(q, pools)
+        )
+
+    assert program() == program(query_tile=16) != program(query_tile=1)
     with pytest.raises(ValueError, match=r"sliding_window=16 contradicts layer 'l1'"):
         attend(layer, sliding_window=16)
     with pytest.raises(ValueError, match="logits_soft_cap=5.0 contradicts"):

@@ -187,6 +187,27 @@ def test_prefix_hit_agrees_over_groups_and_needs_the_mamba_state():
     assert m.find_cache_hit(e) == 48
 
 
+def test_a_cache_hit_counts_the_free_blocks_it_takes():
+    plan = _plan(num_blocks=12)  # 11 usable
+    m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+    a = jaxkv.Request("a", prompt=list(range(40)), max_new_tokens=1)
+    _run(m, a, 32)  # 5 blocks; full, window and Mamba blocks after 32 cached
+    _run(m, a, 1)  # 3 more
+    m.free(a)  # all 8 free; 5 of them cached
+    hog = jaxkv.Request("hog", prompt=[99] * 16, max_new_tokens=1)
+    assert m.allocate(hog, 16)  # takes the 3 never-used blocks, evicts nothing
+    assert m.num_free_blocks == 8
+    b = jaxkv.Request("b", prompt=[*range(32), *range(100, 118)], max_new_tokens=1)
+    assert m.find_cache_hit(b) == 32
+    # The hit takes 5 cached blocks off the free queue and b needs 5 new ones:
+    # 10 > 8, so nothing is taken and nothing changes.
+    assert not m.allocate(b, 18, num_cached=32)
+    assert b.num_computed == 0
+    assert m.blocks_of(b) == []
+    assert m.num_free_blocks == 8
+    assert m.find_cache_hit(b) == 32  # still cached
+
+
 def test_prefix_caching_refuses_encoder_caches():
     spec = jaxkv.CrossAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
