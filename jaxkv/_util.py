@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import jax
+import numpy as np
 
 _T = TypeVar("_T")
 
@@ -40,20 +41,37 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
     )
 
 
-def check_positive_int(owner: str, name: str, value: object) -> None:
-    """Raises unless `value` is a positive Python int (bools rejected)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r}.")
+def is_int(value: object) -> TypeGuard[int | np.integer]:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def check_positive_int(owner: str, name: str, value: object) -> int:
+    """`value` as an int; raises unless it is a positive int (Python or NumPy;
+    bools rejected).
+    """  # noqa: D205
+    if not is_int(value):
+        raise TypeError(
+            f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})."
+        )
     if value <= 0:
         raise ValueError(f"{owner}.{name} must be positive, got {value}.")
+    return int(value)
 
 
-def check_non_negative_int(owner: str, name: str, value: object) -> None:
-    """Raises unless `value` is a non-negative Python int (bools rejected)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r}.")
+def check_non_negative_int(owner: str, name: str, value: object) -> int:
+    """`value` as an int; raises unless it is a non-negative int (Python or NumPy;
+    bools rejected).
+    """  # noqa: D205
+    if not is_int(value):
+        raise TypeError(
+            f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})."
+        )
     if value < 0:
         raise ValueError(f"{owner}.{name} must be >= 0, got {value}.")
+    return int(value)
 
 
 def reject_unsupported(owner: str, name: str, value: object, default: object) -> None:

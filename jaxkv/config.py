@@ -73,6 +73,7 @@ class LayerConfig:
                 f"{type(self.backend).__name__}."
             )
         check_non_negative_int(owner, "num_heads", self.num_heads)
+        object.__setattr__(self, "num_heads", int(self.num_heads))
         cap = self.logits_soft_cap
         if cap is not None and (
             not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0
@@ -163,10 +164,12 @@ class RunnerConfig:
         object.__setattr__(self, "layers", layers)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int("RunnerConfig", name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("token_buckets", "request_buckets"):
             buckets = tuple(getattr(self, name))
             for b in buckets:
                 check_positive_int("RunnerConfig", name + "[i]", b)
+            buckets = tuple(int(b) for b in buckets)
             if list(buckets) != sorted(set(buckets)):
                 raise ValueError(
                     f"RunnerConfig.{name} must be strictly ascending, got {buckets}."
@@ -211,6 +214,12 @@ class RunnerConfig:
                 )
             if tl.spec is None:
                 raise ValueError(f"{where}, which has no KV cache.")
+            if layer.layer_type == "mamba" or tl.layer_type == "mamba":
+                raise ValueError(
+                    f"{where}: Mamba state cannot be shared (layer types "
+                    f"{layer.layer_type!r} and {tl.layer_type!r}); only attention "
+                    "layers share KV."
+                )
         object.__setattr__(self, "_index", index)
 
     def layer(self, name: str) -> LayerConfig:

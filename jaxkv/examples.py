@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxkv.backends import AttentionBackend, get_backend
+from jaxkv.cache.planner import align_hybrid_block_size
 from jaxkv.config import LayerConfig, RunnerConfig
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -57,9 +60,14 @@ def tiny_hybrid_config(
         block_size=block_size,
         shapes=((3, hidden), (num_heads, head_size, 16)),
         dtypes=(dtype, "float32"),
-        page_size_padded=full.page_size_bytes,
         shard_axes=(1, 0),  # channels of the conv state, heads of the SSM state
     )
+    # The Mamba page is padded to the attention page so both share pools; if
+    # the state does not fit an attention page, the attention block size is
+    # raised until it does (vLLM's hybrid alignment, below).
+    fits = mamba.real_page_size_bytes <= full.page_size_bytes
+    if fits:
+        mamba = dataclasses.replace(mamba, page_size_padded=full.page_size_bytes)
     kinds = [
         ("self_attn", full, None),
         ("self_attn", swa, None),
@@ -80,8 +88,9 @@ def tiny_hybrid_config(
         )
         for i, (kind, spec, target) in enumerate(kinds)
     ]
-    return RunnerConfig(
+    cfg = RunnerConfig(
         layers=tuple(layers),
         kv_sharing_fast_prefill=kv_sharing_fast_prefill,
         **runner_kwargs,  # pyright: ignore[reportArgumentType]
     )
+    return cfg if fits else align_hybrid_block_size(cfg).runner_config

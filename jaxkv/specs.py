@@ -19,6 +19,7 @@ from jax.typing import DTypeLike
 from jaxkv._util import (
     check_non_negative_int,
     check_positive_int,
+    is_int,
     reject_unsupported,
 )
 
@@ -40,11 +41,38 @@ def _draft_field() -> Any:
 
 
 def normalize_dtype(owner: str, value: DTypeLike) -> np.dtype[Any]:
-    """Normalises `value` to a NumPy dtype so equal specs hash equally."""
+    """Normalises `value` to a NumPy dtype so equal specs hash equally.
+
+    Raises:
+      TypeError: If `value` is not a dtype, or one a KV cache cannot hold:
+        booleans, complex numbers, sub-byte types (int4, fp4) and non-numeric
+        types.
+    """
     try:
-        return np.dtype(jax.numpy.dtype(value))
+        dtype = np.dtype(jax.numpy.dtype(value))
     except TypeError as err:
         raise TypeError(f"{owner}.dtype must be a dtype, got {value!r}.") from err
+    numeric = jax.numpy.issubdtype(dtype, jax.numpy.floating) or (
+        jax.numpy.issubdtype(dtype, jax.numpy.integer)
+    )
+    if not numeric or dtype.itemsize < 1 or (dtype.itemsize * 8) not in (8, 16, 32, 64):
+        raise TypeError(
+            f"{owner}.dtype={dtype.name} cannot be stored in a KV cache; use a float "
+            "(float32, bfloat16, float16, float8 variants) or an integer type of 8 to "
+            "64 bits."
+        )
+    bits = getattr(
+        jax.numpy,
+        "finfo"
+        if numeric and jax.numpy.issubdtype(dtype, jax.numpy.floating)
+        else "iinfo",
+    )(dtype).bits
+    if bits < 8:
+        raise TypeError(
+            f"{owner}.dtype={dtype.name} is a sub-byte type ({bits} bits); KV caches "
+            "store whole bytes."
+        )
+    return dtype
 
 
 class KVCacheSpec:
@@ -104,10 +132,20 @@ class AttentionSpec(KVCacheSpec):
         owner = type(self).__name__
         for name in ("block_size", "num_kv_heads", "head_size"):
             check_positive_int(owner, name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "dtype", normalize_dtype(owner, self.dtype))
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self._default_head_size_v())
-        check_non_negative_int(owner, "head_size_v", self.head_size_v)
+        object.__setattr__(
+            self,
+            "head_size_v",
+            check_non_negative_int(owner, "head_size_v", self.head_size_v),
+        )
+        if self.head_size_v == 0 and self._default_head_size_v() != 0:
+            raise ValueError(
+                f"{owner}.head_size_v must be positive (only MLA specs store no "
+                "values), got 0."
+            )
         reject_unsupported(owner, "kv_quant_mode", self.kv_quant_mode, "none")
         if self.page_size_padded is not None:
             check_positive_int(owner, "page_size_padded", self.page_size_padded)
@@ -315,6 +353,13 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         check_positive_int("MambaSpec", "block_size", self.block_size)
+        object.__setattr__(self, "block_size", int(self.block_size))
+        for i, shape in enumerate(self.shapes):
+            if not isinstance(shape, tuple | list) or not all(map(is_int, shape)):
+                raise TypeError(
+                    f"MambaSpec.shapes[{i}]={shape!r} must be a tuple of ints (one "
+                    "shape per state, e.g. shapes=((3, 256), (8, 64, 16)))."
+                )
         shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
         if not shapes:
             raise ValueError("MambaSpec.shapes must name at least one state, got ().")

@@ -45,8 +45,13 @@ def test_plan_matches_the_seed_functions():
 
 def test_plan_from_a_memory_budget_probes_one_block():
     cfg = jaxkv.tiny_hybrid_config()
-    one = jaxkv.make_plan(cfg, num_blocks=1).pool_bytes
+    one = jaxkv.make_plan(cfg, num_blocks=2).pool_bytes // 2
     assert one == 2 * 16384  # two pools of one 16 KiB page
+    budget = jaxkv.kv_cache_budget(cfg, memory_bytes=10 * one + one // 2)
+    assert budget.bytes_per_block == one
+    assert budget.pool_bytes_per_block == (16384, 16384)
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        jaxkv.make_plan(cfg, num_blocks=1)
     plan = jaxkv.make_plan(cfg, memory_bytes=10 * one + one // 2)
     assert plan.num_blocks == 10
     assert plan.pool_bytes <= 10 * one + one // 2

@@ -167,7 +167,19 @@ def make_plan(
             packed=packed,
             maps_slot_mapping=maps_slot_mapping,
         ).num_blocks
-    kv = make_kv_cache_config(runner_config, int(num_blocks or 0), packed=packed)
+    num_blocks = check_positive_int("make_plan", "num_blocks", num_blocks)
+    if num_blocks < 2:
+        raise ValueError(
+            f"make_plan: num_blocks={num_blocks} holds no usable block; at least 2 "
+            "are needed (block 0 is the null block)."
+        )
+    return _build_plan(runner_config, num_blocks, packed, maps_slot_mapping)
+
+
+def _build_plan(
+    runner_config: RunnerConfig, num_blocks: int, packed: bool, maps_slot_mapping: bool
+) -> KVCachePlan:
+    kv = make_kv_cache_config(runner_config, int(num_blocks), packed=packed)
     groups, info, sizes = init_attn_backend(
         kv, runner_config, maps_slot_mapping=maps_slot_mapping
     )
@@ -231,9 +243,7 @@ def kv_cache_budget(
       (30, 32768, (16384, 16384), 983040)
     """
     check_positive_int("kv_cache_budget", "memory_bytes", memory_bytes)
-    probe = make_plan(
-        runner_config, num_blocks=1, packed=packed, maps_slot_mapping=maps_slot_mapping
-    )
+    probe = _build_plan(runner_config, 1, packed, maps_slot_mapping)
     per_pool = tuple(p.size_bytes for p in probe.pools)
     per_block = sum(per_pool)
     num_blocks = memory_bytes // per_block
