@@ -33,7 +33,12 @@ def _dense_byte_strides(shape, order, itemsize):
 
 
 class OracleLayer:
-    def __init__(self, pool, offset, shape, byte_strides, dtype, axes, head_size=0):
+    def __init__(
+        self, pool, offset, shape, byte_strides, dtype, axes, head_size=0, owned=None
+    ):
+        # owned = (s, r): of every s kernel block ids only the first r are the
+        # layer's pieces (spec §1.8); the others are other layers' pages.
+        self.owned = owned
         self.pool, self.offset, self.shape = pool, offset, tuple(shape)
         self.byte_strides, self.dtype, self.axes = (
             tuple(byte_strides),
@@ -176,6 +181,7 @@ class Oracle:
                     lay.dtype,
                     lay.axes,
                     lay.head_size,
+                    owned=(g.kernel_block_stride, r),
                 )
 
     @staticmethod
@@ -246,6 +252,8 @@ class Oracle:
         for i, s in enumerate(np.asarray(slots)):
             if s < 0 or s // k >= nblocks:
                 continue
+            if lay.owned is not None and (s // k) % lay.owned[0] >= lay.owned[1]:
+                continue  # another layer's page: jaxkv writes nothing
             idx = {"block": int(s // k), "token": int(s % k)}
             if "kv" in lay.axes:
                 for kv, data in ((0, key[i]), (1, value[i])):

@@ -60,7 +60,12 @@ def kernel_view(
         if strides[d] > strides[token_dim]:
             strides[d] //= scale
     strides[view.block_dim] = kernel_page // view.itemsize
-    return dataclasses.replace(view, shape=tuple(shape), strides=tuple(strides))
+    return dataclasses.replace(
+        view,
+        shape=tuple(shape),
+        strides=tuple(strides),
+        owned=(s, r) if s > r else None,
+    )
 
 
 def kernel_views(

@@ -10,7 +10,9 @@ write nothing and never wrap around.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,84 @@ from jaxkv.cache.strided import (
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
+
+_INT32_MAX = 2**31 - 1
+
+
+def _host_ids(value: object, name: str) -> object:
+    """Checks ids given as host values (NumPy, lists, ints) before they reach jit.
+
+    Device arrays and tracers pass through (:func:`_device_ids` handles them
+    inside jit). On the host, a 64-bit id past int32 would be wrapped by the
+    int32 conversion at the jit boundary (with x64 off), so it is an error;
+    negative ids are padding and become -1.
+
+    Raises:
+      TypeError: If the ids are not integers (floats truncate, NaN becomes 0).
+      ValueError: If an id is past the int32 range.
+    """
+    if isinstance(value, jax.Array):
+        return value
+    ids = np.asarray(value)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must hold integer ids, got dtype {ids.dtype} (float ids would "
+            "be truncated and NaN would become 0)."
+        )
+    if ids.size and ids.max() > _INT32_MAX:
+        where = np.unravel_index(int(np.argmax(ids > _INT32_MAX)), ids.shape)
+        shown = where[0] if len(where) == 1 else tuple(int(i) for i in where)
+        raise ValueError(
+            f"{name}: entry {shown} is {ids[where]}, past the int32 range of ids "
+            "(it would wrap around to another id)."
+        )
+    return np.where(ids < 0, -1, ids).astype(np.int32)
+
+
+def _device_ids(value: ArrayLike, name: str) -> jax.Array:
+    """Ids inside jit as int32: integers only; ids that cannot be valid (past
+    int32) become -1 (dropped), never wrapped.
+    """  # noqa: D205
+    ids = jnp.asarray(value)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(
+            f"{name} must hold integer ids, got dtype {ids.dtype} (float ids would "
+            "be truncated and NaN would become 0)."
+        )
+    if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:
+        ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
+    return ids.astype(jnp.int32)
+
+
+def _checks_host_ids(*names: str) -> Any:
+    """Wraps a jitted op: host-given id arguments `names` are checked first."""
+
+    def wrap(fn: Any) -> Any:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            for name in names:
+                bound.arguments[name] = _host_ids(bound.arguments[name], name)
+            return fn(*bound.args, **bound.kwargs)
+
+        call.lower = fn.lower  # pyright: ignore[reportAttributeAccessIssue]
+        return call
+
+    return wrap
+
+
+def _check_dtype_supported(view: KVCacheView) -> None:
+    """64-bit views need x64: without it JAX stores 32-bit values (wrong bytes)."""
+    if (
+        view.dtype.itemsize == 8
+        and jax.dtypes.canonicalize_dtype(view.dtype) != view.dtype
+    ):
+        raise TypeError(
+            f"The view stores {view.dtype.name}, which needs jax_enable_x64 (without "
+            "it JAX computes in 32 bits and the stored bytes would be wrong)."
+        )
 
 
 def _plan(view: KVCacheView, indexed: tuple[int, ...]):
@@ -81,6 +161,7 @@ def _check_kv_shapes(
         )
 
 
+@_checks_host_ids("slot_mapping")
 @functools.partial(jax.jit, donate_argnums=0)
 def write_kv(
     pools: Pools,
@@ -92,8 +173,10 @@ def write_kv(
     """Writes new K/V of a batch of tokens through `view`; the pools are donated.
 
     Slot ``x`` writes token ``x % k`` of block ``x // k`` (``k`` = the view's
-    block size; kernel slots for kernel views). Negative slots (padding) and
-    slots past the view's blocks write nothing.
+    block size; kernel slots for kernel views). Negative slots (padding),
+    slots past the view's blocks and slots of blocks the view does not own
+    (another layer's page of a packed pool) write nothing; 64-bit slots past
+    int32 are rejected on the host and dropped inside jit, never wrapped.
 
     Args:
       pools: The pool arrays (donated).
@@ -124,20 +207,34 @@ def write_kv(
       (64.0, 2.0, 0.0)
     """
     _check_view(view, KVCacheView, "write_kv")
+    _check_dtype_supported(view)
     key = jnp.asarray(key)
     value = None if value is None else jnp.asarray(value)
+    for name, x in (("key", key), ("value", value)):
+        if x is not None and not (
+            jnp.issubdtype(x.dtype, jnp.floating)
+            or jnp.issubdtype(x.dtype, jnp.integer)
+        ):
+            raise TypeError(
+                f"write_kv: {name} has dtype {x.dtype}; the view stores "
+                f"{view.dtype.name} (real numbers only)."
+            )
     _check_kv_shapes(view, key, value)
     if "head" in view.axes and value is None:
         raise ValueError(
             f"A view with axes {view.axes} stores K and V; value is missing."
         )
-    slots = jnp.asarray(slot_mapping).astype(jnp.int32)
+    slots = _device_ids(slot_mapping, "slot_mapping")
     if slots.shape != (key.shape[0],):
         raise ValueError(
             f"slot_mapping.shape={slots.shape}, expected (num_tokens,)="
             f"({key.shape[0]},)."
         )
+    if slots.shape[0] == 0:
+        return pools
     k = view.block_size
+    if view.owned is not None:
+        slots = jnp.where(view.owns(slots // k), slots, -1)
     bd, td = view.block_dim, view.dim("token")
     block, token = slots // k, slots % k
     pool = pools[view.pool]
@@ -175,6 +272,7 @@ def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
     return tuple(new if i == index else p for i, p in enumerate(pools))
 
 
+@_checks_host_ids("block_table")
 @jax.jit
 def gather_kv_pages(
     pools: Pools, view: KVCacheView, block_table: Int[ArrayLike, "rows cols"]
@@ -188,7 +286,8 @@ def gather_kv_pages(
       pools: The pool arrays.
       view: The layer's view (static).
       block_table: ``(rows, cols)`` int32 block ids in the view's block space.
-        Ids outside ``[0, num_blocks)`` read as all-ones bits (NaN for floats).
+        Ids outside ``[0, num_blocks)`` or not owned by the view read as
+        all-ones bits (NaN for floats).
 
     Returns:
       ``(k_pages, v_pages)``, each ``(rows, cols, page_size, num_kv_heads,
@@ -207,7 +306,10 @@ def gather_kv_pages(
       ((2, 2, 32, 2, 32), (2, 2, 32, 2, 32))
     """
     _check_view(view, KVCacheView, "gather_kv_pages")
-    table = jnp.asarray(block_table).astype(jnp.int32)
+    _check_dtype_supported(view)
+    table = _device_ids(block_table, "block_table")
+    if view.owned is not None:
+        table = jnp.where(view.owns(table), table, -1)
     if table.ndim != 2:
         raise ValueError(f"block_table.shape={table.shape}, expected (rows, cols).")
     bd = view.block_dim
@@ -242,6 +344,7 @@ def gather_kv_pages(
     )
 
 
+@_checks_host_ids("block_ids")
 @functools.partial(jax.jit, donate_argnums=0)
 def write_mamba_state(
     pools: Pools,
@@ -278,7 +381,9 @@ def write_mamba_state(
       (576.0, 2.0)
     """
     _check_view(view, MambaView, "write_mamba_state")
-    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    for s in view.states:
+        _check_dtype_supported(s)
+    ids = _device_ids(block_ids, "block_ids")
     if len(states) != len(view.states):
         raise ValueError(
             f"states has {len(states)} arrays, expected {len(view.states)} (one per "
@@ -299,6 +404,7 @@ def write_mamba_state(
     return _replace(pools, view.pool, pool)
 
 
+@_checks_host_ids("block_ids")
 @jax.jit
 def read_mamba_state(
     pools: Pools, view: MambaView, block_ids: Int[ArrayLike, " n"]
@@ -317,7 +423,9 @@ def read_mamba_state(
       [(2, 3, 128), (2, 4, 32, 16)]
     """
     _check_view(view, MambaView, "read_mamba_state")
-    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    for s in view.states:
+        _check_dtype_supported(s)
+    ids = _device_ids(block_ids, "block_ids")
     return tuple(
         from_bits(
             gather_items(
@@ -329,6 +437,7 @@ def read_mamba_state(
     )
 
 
+@_checks_host_ids("block_ids")
 @functools.partial(jax.jit, donate_argnums=0)
 def zero_blocks(
     pools: Pools, views: Sequence[LayerView], block_ids: Int[ArrayLike, " n"]
@@ -352,15 +461,36 @@ def zero_blocks(
       >>> [float(s.sum()) for s in jaxkv.read_mamba_state(pools, m, jnp.array([1, 2]))]
       [384.0, 2048.0]
     """
-    ids = jnp.asarray(block_ids).astype(jnp.int32)
+    if isinstance(views, KVCacheView | MambaView) or not all(
+        isinstance(v, KVCacheView | MambaView) for v in views
+    ):
+        raise TypeError(
+            "zero_blocks: views must be a sequence of layer views, got "
+            f"{type(views).__name__}; pass (view,) for one view."
+        )
+    spaces = {
+        (v.num_blocks, v.block_size if isinstance(v, KVCacheView) else 0)
+        for v in views
+        if isinstance(v, KVCacheView)
+    } | {(v.num_blocks, 0) for v in views if isinstance(v, MambaView)}
+    if len({n for n, _ in spaces}) > 1 or len({b for _, b in spaces if b}) > 1:
+        raise ValueError(
+            "zero_blocks: views must share one block space (the same block ids "
+            f"and block size), got (num_blocks, block_size) {sorted(spaces)}; zero "
+            "kernel views and manager views in separate calls, with ids in each "
+            "one's space."
+        )
+    ids = _device_ids(block_ids, "block_ids")
     out = list(pools)
     for view in views:
         for v in view.states if isinstance(view, MambaView) else (view,):
+            _check_dtype_supported(v)
+            owned = ids if v.owned is None else jnp.where(v.owns(ids), ids, -1)
             plan = _plan(v, (v.block_dim,))
             rest = [v.shape[d] for d in plan.rest_dims]
             zeros = jnp.zeros((ids.shape[0], *rest), v.dtype)
             out[v.pool] = scatter_items(
-                out[v.pool], plan, (ids,), (v.num_blocks,), zeros
+                out[v.pool], plan, (owned,), (v.num_blocks,), zeros
             )
     return tuple(out)
 
@@ -411,7 +541,7 @@ def validate_slot_mapping(
       ...
       ValueError: slot_mapping for layer 'l0': entry 1 is 64, outside [0, 64) and not the padding value -1.
     """  # noqa: E501
-    slots = np.asarray(slot_mapping)
+    slots = _host_array(slot_mapping, "slot_mapping", layer_name)
     limit = view.num_blocks * view.block_size
     bad = np.flatnonzero((slots != -1) & ((slots < 0) | (slots >= limit)))
     if bad.size:
@@ -419,6 +549,15 @@ def validate_slot_mapping(
         raise ValueError(
             f"slot_mapping for layer {layer_name!r}: entry {i} is {int(slots[i])}, "
             f"outside [0, {limit}) and not the padding value -1."
+        )
+    foreign = np.flatnonzero((slots >= 0) & ~view.owns(slots // view.block_size))
+    if foreign.size and view.owned is not None:
+        i, (stride, pieces) = int(foreign[0]), view.owned
+        raise ValueError(
+            f"slot_mapping for layer {layer_name!r}: entry {i} is {int(slots[i])}, in "
+            f"block {int(slots[i]) // view.block_size}, which is another layer's page "
+            f"of this packed pool (the layer owns blocks b with b % {stride} < "
+            f"{pieces})."
         )
 
 
@@ -441,7 +580,7 @@ def validate_block_ids(
       ...
       ValueError: block ids for layer 'l0': entry (0, 1) is 5, outside [0, 4).
     """
-    ids = np.asarray(block_ids)
+    ids = _host_array(block_ids, "block_ids", layer_name)
     bad = np.argwhere((ids < 0) | (ids >= view.num_blocks))
     if bad.size:
         where = tuple(int(i) for i in bad[0])
@@ -450,3 +589,30 @@ def validate_block_ids(
             f"block ids for layer {layer_name!r}: entry {shown} is {int(ids[where])}, "
             f"outside [0, {view.num_blocks})."
         )
+    if isinstance(view, KVCacheView):
+        foreign = np.argwhere(~view.owns(ids))
+        if foreign.size:
+            where = tuple(int(i) for i in foreign[0])
+            shown = where[0] if len(where) == 1 else where
+            raise ValueError(
+                f"block ids for layer {layer_name!r}: entry {shown} is "
+                f"{int(ids[where])}, another layer's page of this packed pool."
+            )
+
+
+def _host_array(value: ArrayLike, name: str, layer_name: str) -> np.ndarray:
+    """A host validator's integer NumPy array (not a traced value, not floats)."""
+    try:
+        ids = np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(
+            f"{name} for layer {layer_name!r} is a traced value: the validators "
+            "check values on the host; call them before jit (inside jit, invalid "
+            "ids are dropped instead)."
+        ) from None
+    if ids.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} for layer {layer_name!r} must hold integer ids, got dtype "
+            f"{ids.dtype}."
+        )
+    return ids

@@ -41,6 +41,9 @@ class KVCacheView:
         ``dim`` or ``state``.
       head_size: Key head size ``D``: where a fused K|V last dim splits.
       word: Byte width of the pool's carrier word (set when pools are planned).
+      owned: ``(s, r)`` for a kernel view of a packed pool (spec §1.8): of every
+        ``s`` consecutive block ids only the first ``r`` are this layer's pages
+        (the others address other layers' bytes); ``None``: every id is owned.
 
     Example:
       >>> import jaxkv
@@ -59,6 +62,7 @@ class KVCacheView:
     axes: tuple[str, ...]
     head_size: int = 0
     word: int = 1
+    owned: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))
@@ -90,6 +94,17 @@ class KVCacheView:
     def num_blocks(self) -> int:
         """Addressable block ids."""
         return self.shape[self.block_dim]
+
+    def owns(self, block_ids: Any) -> Any:
+        """Whether each of `block_ids` is one of this view's own blocks (in
+        range, and not another layer's page of a packed pool); NumPy or JAX.
+        """  # noqa: D205
+        xp = np if isinstance(block_ids, np.ndarray | int | np.integer) else jax.numpy
+        ok = (block_ids >= 0) & (block_ids < self.num_blocks)
+        if self.owned is not None:
+            stride, pieces = self.owned
+            ok = ok & (xp.remainder(block_ids, stride) < pieces)
+        return ok
 
     @property
     def block_size(self) -> int:
