@@ -143,6 +143,7 @@ from jaxkv.step.fast_prefill import (
 from jaxkv.step.metadata import CommonAttentionMetadata
 from jaxkv.step.packing import StepLayout, pack_step, unpack_step
 from jaxkv.step.programs import Programs
+from jaxkv.step.validate import validate_step
 
 try:
     __version__ = importlib.metadata.version("jaxkv")
@@ -263,6 +264,7 @@ __all__ = [
     "validate_logits_indices",
     "validate_query_start_loc",
     "validate_slot_mapping",
+    "validate_step",
     "with_kv_sharing_layers",
     "write_kv",
     "write_mamba_state",

@@ -53,7 +53,7 @@ def _random_step(rng, block_size=32, widths=8) -> dict[str, Any]:
         query_start_loc=qsl,
         seq_lens=seq_lens,
         positions=positions,
-        block_tables=[tables, tables, tables[:, :1]],  # Mamba: one state block
+        block_tables=[tables, tables, tables],  # Mamba: a column per block too
         slot_mappings=[slots.astype(np.int32)] * 3,
         logits_indices=logits_indices if logits_indices.size else None,
         cu_num_logits=cu,

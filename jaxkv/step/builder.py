@@ -21,12 +21,14 @@ from jaxtyping import Array, Int
 
 from jaxkv._util import pytree_dataclass, static_field
 from jaxkv.cache.plan import KVCachePlan
+from jaxkv.specs import MambaSpec
 from jaxkv.step.buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step.build import build_attn_metadata_from_step
 from jaxkv.step.fast_prefill import FastPrefillBatchMetadata, FastPrefillHelper
 from jaxkv.step.metadata import CommonAttentionMetadata
 from jaxkv.step.packing import StepLayout, pack_step, unpack_step
 from jaxkv.step.programs import Programs
+from jaxkv.step.validate import validate_step
 
 
 @pytree_dataclass
@@ -178,6 +180,10 @@ class StepMetadataBuilder:
             if g.fast_prefill
         )
         self.programs = Programs(self._records_of)
+        self._is_mamba = tuple(
+            isinstance(g.kv_cache_spec, MambaSpec)
+            for g in plan.kv_cache_config.kv_cache_groups
+        )
 
     # --- device side (pure, jittable) -------------------------------------------
 
@@ -312,6 +318,7 @@ class StepMetadataBuilder:
         request_causal: np.ndarray | None = None,
         desc: BatchDescriptor | None = None,
         num_samples: int | None = None,
+        validate: bool = True,
     ) -> PreparedStep:
         """Host work of a step: dispatch, pack, fast-prefill staging.
 
@@ -338,6 +345,10 @@ class StepMetadataBuilder:
           num_samples: Room for sampled tokens instead of the bucket of this
             step's count (``model_inputs`` without fast prefill; the same on
             every data-parallel rank).
+          validate: Check the arrays first (:func:`validate_step`: dtypes,
+            sorted query starts, sequences at least their queries, block tables
+            covering every context with ids of this plan, logits indices in
+            range); off only for arrays already checked.
 
         Returns:
           The prepared step.
@@ -346,6 +357,18 @@ class StepMetadataBuilder:
           ValueError: If `logits_indices` comes without `cu_num_logits` where
             fast prefill needs it, or a field does not fit the bucket.
         """
+        if validate:
+            validate_step(
+                block_sizes=self.plan.block_sizes,
+                is_mamba=self._is_mamba,
+                num_blocks=self.plan.num_blocks,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                positions=positions,
+                block_tables=block_tables,
+                slot_mappings=slot_mappings,
+                logits_indices=logits_indices,
+            )
         qsl = np.asarray(query_start_loc)
         num_reqs, num_tokens = qsl.size - 1, int(qsl[-1])
         q_lens = np.diff(qsl)

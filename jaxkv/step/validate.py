@@ -1,0 +1,141 @@
+"""Host checks of a step's arrays before they are packed: nothing wraps, nothing
+reads keys it should not, every error names the argument.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _ints(value: object, name: str, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" and not (
+        arr.dtype.kind == "b" and name == "is_prefilling"
+    ):
+        raise TypeError(
+            f"{name} must hold integers, got dtype {arr.dtype} (floats would be "
+            "truncated, NaN would become 0)."
+        )
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}.")
+    if (
+        arr.size
+        and arr.dtype.kind != "b"
+        and (arr.max() > _INT32.max or arr.min() < _INT32.min)
+    ):
+        raise ValueError(f"{name} holds values past the int32 range (they would wrap).")
+    return arr
+
+
+def validate_step(
+    *,
+    block_sizes: Sequence[int],
+    is_mamba: Sequence[bool],
+    num_blocks: int,
+    query_start_loc: object,
+    seq_lens: object,
+    positions: object,
+    block_tables: Sequence[object],
+    slot_mappings: Sequence[object],
+    logits_indices: object | None = None,
+) -> None:
+    """Checks a step's host arrays against each other and the pools.
+
+    - ``query_start_loc`` starts at 0 and never decreases;
+    - ``seq_lens`` are at least each request's query length (a query is the
+      tail of its sequence);
+    - ``positions`` and every slot mapping have one entry per token;
+    - every block table has a row per request and enough columns for its
+      sequence, with ids in ``[0, num_blocks)`` in those columns (0, the null
+      block, is allowed: a window may have given a block back);
+    - logits indices are ascending token indices.
+
+    Raises:
+      TypeError: If an array is not integer-typed.
+      ValueError: Naming the argument, the request or group, what was expected
+        and what came.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> jaxkv.validate_step(block_sizes=[16], is_mamba=[False], num_blocks=8,
+      ...     query_start_loc=np.array([0, 3]), seq_lens=np.array([20]),
+      ...     positions=np.arange(17, 20), block_tables=[np.array([[1]])],
+      ...     slot_mappings=[np.array([33, 34, 35])])
+      Traceback (most recent call last):
+      ...
+      ValueError: block_tables[0] has 1 columns; request 0 needs 2 for seq_len 20 (block size 16).
+    """  # noqa: E501
+    qsl = _ints(query_start_loc, "query_start_loc", 1)
+    if qsl.size == 0 or qsl[0] != 0:
+        raise ValueError(
+            f"query_start_loc must start at 0 (one more entry than requests), got "
+            f"{qsl[:4].tolist()}..."
+        )
+    q_lens = np.diff(qsl)
+    if (q_lens < 0).any():
+        r = int(np.argmax(q_lens < 0))
+        raise ValueError(
+            f"query_start_loc must not decrease: entry {r + 1} is {int(qsl[r + 1])} "
+            f"after {int(qsl[r])}."
+        )
+    num_reqs, num_tokens = q_lens.size, int(qsl[-1])
+    seq = _ints(seq_lens, "seq_lens", 1)
+    if seq.shape != (num_reqs,):
+        raise ValueError(f"seq_lens.shape={seq.shape}, expected ({num_reqs},).")
+    short = np.flatnonzero(seq < q_lens)
+    if short.size:
+        r = int(short[0])
+        raise ValueError(
+            f"seq_lens[{r}]={int(seq[r])} is shorter than request {r}'s query of "
+            f"{int(q_lens[r])} tokens (a query is the tail of its sequence)."
+        )
+    pos = _ints(positions, "positions", 1)
+    if pos.shape != (num_tokens,):
+        raise ValueError(f"positions.shape={pos.shape}, expected ({num_tokens},).")
+    if len(block_tables) != len(block_sizes) or len(slot_mappings) != len(block_sizes):
+        raise ValueError(
+            f"Expected {len(block_sizes)} block tables and slot mappings (one per "
+            f"KV-cache group), got {len(block_tables)} and {len(slot_mappings)}."
+        )
+    for g, (bs, mamba) in enumerate(zip(block_sizes, is_mamba, strict=True)):
+        table = _ints(block_tables[g], f"block_tables[{g}]", 2)
+        slots = _ints(slot_mappings[g], f"slot_mappings[{g}]", 1)
+        if slots.shape != (num_tokens,):
+            raise ValueError(
+                f"slot_mappings[{g}].shape={slots.shape}, expected ({num_tokens},)."
+            )
+        if table.shape[0] != num_reqs:
+            raise ValueError(
+                f"block_tables[{g}] has {table.shape[0]} rows, expected one per "
+                f"request ({num_reqs})."
+            )
+        need = -(-seq // bs) if not mamba else np.maximum(seq - 1, 0) // bs + 1
+        if num_reqs and int(need.max()) > table.shape[1]:
+            r = int(np.argmax(need))
+            raise ValueError(
+                f"block_tables[{g}] has {table.shape[1]} columns; request {r} needs "
+                f"{int(need[r])} for seq_len {int(seq[r])} (block size {bs})."
+            )
+        cols = np.arange(table.shape[1])[None, :]
+        used = cols < need[:, None]
+        bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))
+        if bad.size:
+            r, c = (int(i) for i in bad[0])
+            raise ValueError(
+                f"block_tables[{g}][{r}, {c}] is {int(table[r, c])}, outside "
+                f"[0, {num_blocks}) in request {r}'s context."
+            )
+    if logits_indices is not None:
+        idx = _ints(logits_indices, "logits_indices", 1)
+        if idx.size and (idx.min() < 0 or idx.max() >= num_tokens):
+            raise ValueError(
+                f"logits_indices must be token indices in [0, {num_tokens}), got "
+                f"[{int(idx.min())}, {int(idx.max())}]."
+            )
+        if (np.diff(idx) <= 0).any():
+            raise ValueError("logits_indices must be strictly ascending.")
