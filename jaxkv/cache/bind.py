@@ -118,6 +118,11 @@ def bind_kv_caches(
       >>> bound.uncached_layers
       ('encoder.attn',)
     """
+    if isinstance(forward_context, str):
+        raise TypeError(
+            f"bind_kv_caches: forward_context must be a collection of layer names, "
+            f"got the string {forward_context!r}; pass [{forward_context!r}]."
+        )
     shared = get_shared_kv_cache_layers(vllm_config)
     views = dict(kv_caches)
     for layer, target in shared.items():

@@ -18,6 +18,7 @@ from jaxkv.cache.strided import carrier_dtype, granule
 from jaxkv.cache.views import LayerView, MambaView
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
+from jaxkv.groups.init_backend import check_kernel_block_sizes
 from jaxkv.kv_cache_config import KVCacheConfig
 
 
@@ -223,7 +224,13 @@ def plan_kv_cache(
     kernel_block_sizes: Sequence[int],
     attn_groups: Sequence[Sequence[AttentionGroup]],
 ) -> PoolLayout:
-    """The pools and views :func:`init_kv_cache` would create, allocating nothing."""
+    """The pools and views :func:`init_kv_cache` would create, allocating nothing.
+
+    Raises:
+      ValueError: If `kernel_block_sizes` disagree with the groups (see
+        :func:`check_kernel_block_sizes`).
+    """
+    check_kernel_block_sizes(kv_cache_config, kernel_block_sizes, attn_groups)
     views = build_kv_cache_views(
         kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
     )

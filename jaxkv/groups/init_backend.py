@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
+from jaxkv._util import is_int
 from jaxkv.backends import AttentionBackend, create_fast_prefill_custom_backend
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
@@ -207,6 +208,46 @@ def init_attn_backend(
         cg_support_info=get_attn_cg_support(attn_groups, vllm_config),
         kernel_block_sizes=kernel_block_sizes,
     )
+
+
+def check_kernel_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    kernel_block_sizes: Sequence[int],
+    attn_groups: Sequence[Sequence[AttentionGroup]] = (),
+) -> None:
+    """Checks kernel block sizes against the groups they are for.
+
+    One entry per KV-cache group that is not encoder-only, each a positive
+    divisor of its group's block size (each attention group then picks the
+    largest size its backend supports within it).
+
+    Raises:
+      ValueError: Naming the entry, the group's layers, what was expected and
+        what came.
+    """
+    expected = [
+        gid
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+        if not isinstance(
+            representative_spec(group.kv_cache_spec), EncoderOnlyAttentionSpec
+        )
+    ]
+    sizes = list(kernel_block_sizes)
+    if len(sizes) != len(expected):
+        raise ValueError(
+            f"kernel_block_sizes has {len(sizes)} entries, expected {len(expected)} "
+            "(one per KV-cache group that is not encoder-only, as init_attn_backend "
+            f"returns them), got {sizes}."
+        )
+    del attn_groups  # each attention group refines its group's size itself
+    for i, (gid, k) in enumerate(zip(expected, sizes, strict=True)):
+        group = kv_cache_config.kv_cache_groups[gid]
+        bs = group.kv_cache_spec.block_size
+        if not is_int(k) or k <= 0 or bs % k:
+            raise ValueError(
+                f"kernel_block_sizes[{i}]={k!r} must be a positive divisor of the "
+                f"block size {bs} of group {gid} ({list(group.layer_names)[:2]}...)."
+            )
 
 
 def _kernel_sizes_by_group(

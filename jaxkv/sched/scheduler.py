@@ -191,6 +191,11 @@ class Scheduler:
         """Why `req` can never be served, or ``None``."""
         if not req.prompt:
             return "empty prompt"
+        if req.status is not RequestStatus.WAITING or req.num_computed:
+            return (
+                f"the request was already served (status {req.status.value}, "
+                f"{req.num_computed} tokens computed); submit a new Request"
+            )
         if (
             not isinstance(req.max_new_tokens, int | np.integer)
             or req.max_new_tokens < 1
