@@ -79,8 +79,10 @@ def _device_ids(value: ArrayLike, name: str) -> jax.Array:
     return ids.astype(jnp.int32)
 
 
-def _checks_host_ids(*names: str) -> Any:
-    """Wraps a jitted op: host-given id arguments `names` are checked first."""
+def _checks_host_ids(*names: str, view: type | None = None) -> Any:
+    """Wraps a jitted op: its view argument's type (when `view` is given) and its
+    host-given id arguments `names` are checked before jit sees them.
+    """  # noqa: D205
 
     def wrap(fn: Any) -> Any:
         sig = inspect.signature(fn)
@@ -88,6 +90,8 @@ def _checks_host_ids(*names: str) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
+            if view is not None:
+                _check_view(bound.arguments["view"], view, fn.__name__)
             for name in names:
                 bound.arguments[name] = _host_ids(bound.arguments[name], name)
             return fn(*bound.args, **bound.kwargs)
@@ -161,7 +165,7 @@ def _check_kv_shapes(
         )
 
 
-@_checks_host_ids("slot_mapping")
+@_checks_host_ids("slot_mapping", view=KVCacheView)
 @functools.partial(jax.jit, donate_argnums=0)
 def write_kv(
     pools: Pools,
@@ -272,7 +276,7 @@ def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
     return tuple(new if i == index else p for i, p in enumerate(pools))
 
 
-@_checks_host_ids("block_table")
+@_checks_host_ids("block_table", view=KVCacheView)
 @jax.jit
 def gather_kv_pages(
     pools: Pools, view: KVCacheView, block_table: Int[ArrayLike, "rows cols"]
@@ -344,7 +348,7 @@ def gather_kv_pages(
     )
 
 
-@_checks_host_ids("block_ids")
+@_checks_host_ids("block_ids", view=MambaView)
 @functools.partial(jax.jit, donate_argnums=0)
 def write_mamba_state(
     pools: Pools,
@@ -404,7 +408,7 @@ def write_mamba_state(
     return _replace(pools, view.pool, pool)
 
 
-@_checks_host_ids("block_ids")
+@_checks_host_ids("block_ids", view=MambaView)
 @jax.jit
 def read_mamba_state(
     pools: Pools, view: MambaView, block_ids: Int[ArrayLike, " n"]
