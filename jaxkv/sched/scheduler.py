@@ -9,6 +9,7 @@ the model. Its output, :class:`StepArrays`, is what
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -113,8 +114,9 @@ class Scheduler:
     blocks than the pool holds. Rejection touches no other request.
 
     With prefix caching on a model with Mamba groups, a prefill chunk that
-    does not finish the prompt ends on a Mamba block boundary when it can, so
-    the state at that boundary is kept for later hits.
+    does not finish the prompt ends where every group's blocks end (the lcm
+    of the block sizes) when it can, so the Mamba state at that boundary is
+    kept for later hits.
 
     Args:
       plan: The model's plan.
@@ -164,14 +166,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.rejected: list[Request] = []
         self._ids: set[str] = set()
-        mamba = [
-            bs
-            for bs, is_m in zip(
-                self.manager.block_sizes, self.manager.is_mamba, strict=True
-            )
-            if is_m
-        ]
-        self._align = max(mamba) if enable_prefix_caching and mamba else 0
+        # With prefix caching and Mamba groups, prefill chunks end where every
+        # group's blocks end (the lcm of the block sizes), so a hit there finds
+        # full attention blocks and the Mamba state after them.
+        has_mamba = any(self.manager.is_mamba)
+        self._align = (
+            math.lcm(*self.manager.block_sizes)
+            if enable_prefix_caching and has_mamba
+            else 0
+        )
         # Counters: steps scheduled, preemptions, prompt tokens computed
         # (recomputation included), tokens taken from the prefix cache.
         self.stats = {
