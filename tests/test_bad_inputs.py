@@ -64,6 +64,18 @@ def _bad(value: Any) -> Any:
     return value
 
 
+KERNEL16 = jaxkv.AttentionBackend(
+    name="K16",
+    layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
+    supported_kernel_block_sizes=(16,),
+)
+SPLIT = jaxkv.make_plan(
+    jaxkv.tiny_hybrid_config(attention_backend=KERNEL16),
+    num_blocks=4,
+    maps_slot_mapping=True,
+)
+
+
 def _pools() -> Any:
     return PLAN.allocate()
 
@@ -508,6 +520,16 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         lambda: jaxkv.zero_blocks(_pools(), [V], np.array([1.0])),
         TypeError,
         "block_ids",
+    ),
+    (
+        "zero views of two block spaces",
+        lambda: jaxkv.zero_blocks(
+            SPLIT.allocate(),
+            [SPLIT.views["layers.0.self_attn"], SPLIT.views["layers.2.mixer"]],
+            np.array([1]),
+        ),
+        ValueError,
+        "one block space",
     ),
     (
         "zero a single view",

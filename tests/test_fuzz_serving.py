@@ -23,20 +23,23 @@ CASES_PER_CONFIG = 400  # three configs: 1200 cases per run
 N = 16  # tokens per write, padded with -1
 
 
-def _configs() -> dict[str, tuple[Any, dict[str, Any]]]:
-    kw = dict(
-        block_size=16, head_size=8, num_heads=2, num_kv_heads=1, sliding_window=32
+def _config(dtype: str = "float32") -> Any:
+    return jaxkv.tiny_hybrid_config(
+        block_size=16,
+        head_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        sliding_window=32,
+        dtype=dtype,
+        max_model_len=256,
     )
+
+
+def _configs() -> dict[str, tuple[Any, dict[str, Any]]]:
     return {
-        "hybrid": (jaxkv.tiny_hybrid_config(max_model_len=256, **kw), {}),
-        "hybrid-packed": (
-            jaxkv.tiny_hybrid_config(max_model_len=256, **kw),
-            {"packed": True},
-        ),
-        "hybrid-bf16": (
-            jaxkv.tiny_hybrid_config(max_model_len=256, **{**kw, "dtype": "bfloat16"}),
-            {},
-        ),
+        "hybrid": (_config(), {}),
+        "hybrid-packed": (_config(), {"packed": True}),
+        "hybrid-bf16": (_config("bfloat16"), {}),  # attention blocks of 48
     }
 
 
@@ -67,6 +70,7 @@ class Harness:
         self.prompts: list[list[int]] = []
         self.count = 0
         self.hits = 0  # tokens taken from the prefix cache
+        self.finished_prompt: list[int] | None = None
         self.write = jax.jit(self._write_all, donate_argnums=0)
         self.zero = jax.jit(self._zero_all, donate_argnums=0)
 
@@ -127,7 +131,11 @@ class Harness:
     def grow(self):
         fresh = not self.live or self.rng.random() < 0.35
         if fresh:
-            if self.prompts and self.rng.random() < 0.7:  # share a prefix
+            if self.finished_prompt is not None:  # reuse a freed (cached) prefix
+                base, self.finished_prompt = self.finished_prompt, None
+                cut = int(self.rng.integers(1, len(base) + 1))
+                prompt = base[:cut] + self.rng.integers(0, 50, 20).tolist()
+            elif self.prompts and self.rng.random() < 0.7:  # share a prefix
                 # A recent prompt: its blocks are more likely still cached.
                 recent = self.prompts[-8:]
                 base = recent[int(self.rng.integers(len(recent)))]
@@ -198,7 +206,10 @@ class Harness:
     def case(self):
         for _ in range(int(self.rng.integers(2, 6))):
             if self.live and self.rng.random() < 0.1:
-                self.finish(self.live[int(self.rng.integers(len(self.live)))])
+                req = self.live[int(self.rng.integers(len(self.live)))]
+                self.finish(req)
+                if self.rng.random() < 0.5:
+                    self.finished_prompt = req.prompt
             else:
                 self.grow()
         self._balance()

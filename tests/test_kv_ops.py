@@ -360,3 +360,22 @@ def test_reads_and_writes_keep_every_bit():
     kp, vp = jaxkv.gather_kv_pages(pools, attn, np.array([[2]], np.int32))
     np.testing.assert_array_equal(_read_bits(np.asarray(kp)[0, 0, :2]), _read_bits(k))
     np.testing.assert_array_equal(_read_bits(np.asarray(vp)[0, 0, :2]), _read_bits(k))
+
+
+def test_device_ids_past_int32_are_dropped_never_wrapped():
+    """With x64 on, int64 ids on the device reach jit: past int32 they write and
+    read nothing (a wrap would hit slot 33 / block 1)."""
+    with jax.enable_x64(True):
+        plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+        view = plan.views["layers.0.self_attn"]
+        pools = plan.allocate()
+        k = jnp.ones((2, 2, 32), jnp.float32)
+        slots = jnp.array([2**32 + 33, -(2**32) + 34], jnp.int64)
+        pools = jaxkv.write_kv(pools, view, k, k, slots)
+        assert not any(np.asarray(p).any() for p in pools)
+        table = jnp.array([[2**32 + 1]], jnp.int64)
+        kp, _ = jaxkv.gather_kv_pages(pools, view, table)
+        ones = jaxkv.gather_kv_pages(pools, view, jnp.array([[-1]], jnp.int32))[0]
+        np.testing.assert_array_equal(
+            np.asarray(kp).view(np.uint32), np.asarray(ones).view(np.uint32)
+        )
