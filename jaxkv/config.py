@@ -111,6 +111,19 @@ class LayerConfig:
             )
 
 
+_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+)
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
@@ -162,6 +175,11 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
         object.__setattr__(self, "layers", layers)
+        if self.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(
+                f"RunnerConfig.cache_dtype must be one of {_CACHE_DTYPES}, got "
+                f"{self.cache_dtype!r}."
+            )
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int("RunnerConfig", name, getattr(self, name))
             object.__setattr__(self, name, int(getattr(self, name)))

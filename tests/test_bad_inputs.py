@@ -75,6 +75,28 @@ SPLIT = jaxkv.make_plan(
     maps_slot_mapping=True,
 )
 
+PACKED_SPLIT = jaxkv.make_plan(
+    jaxkv.tiny_hybrid_config(attention_backend=KERNEL16),
+    num_blocks=4,
+    packed=True,
+    maps_slot_mapping=True,
+)
+PV: Any = PACKED_SPLIT.views["layers.0.self_attn"]  # owns 2 of every 4 kernel ids
+OTHER = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=64)
+
+
+def _group_disagrees() -> Any:
+    s8, s16 = _full(head_size=8), _full(head_size=16)
+    cfg = _cfg(layers=[_layer(spec=s16)])
+    kv = jaxkv.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[
+            jaxkv.KVCacheTensor(size=4 * s8.page_size_bytes, shared_by=["a"])
+        ],
+        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=s8)],
+    )
+    return jaxkv.init_attn_backend(kv, cfg)
+
 
 def _pools() -> Any:
     return PLAN.allocate()
@@ -581,6 +603,41 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         TypeError,
         "traced",
     ),
+    (
+        "validate another layer's kernel slot",
+        lambda: jaxkv.validate_slot_mapping(np.array([2 * 16 + 3]), PV, "L"),
+        ValueError,
+        "another layer's page",
+    ),
+    (
+        "validate another layer's kernel block",
+        lambda: jaxkv.validate_block_ids(np.array([[0, 3]]), PV, "L"),
+        ValueError,
+        "another layer's page",
+    ),
+    (
+        "write through another plan's view",
+        lambda: jaxkv.write_kv(
+            _pools(), OTHER.views["layers.0.self_attn"], K, K, np.array([1, 2])
+        ),
+        ValueError,
+        "another plan",
+    ),
+    (
+        "read through another plan's Mamba view",
+        lambda: jaxkv.read_mamba_state(
+            _pools(), OTHER.views["layers.2.mixer"], np.array([1])
+        ),
+        ValueError,
+        "another plan",
+    ),
+    (
+        "group spec disagrees with its layer",
+        _group_disagrees,
+        ValueError,
+        "head_size=8",
+    ),
+    ("config cache_dtype", lambda: _cfg(cache_dtype="fp9"), ValueError, "cache_dtype"),
     # --- attention ------------------------------------------------------------
     (
         "attention q heads",

@@ -92,6 +92,7 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
             bound = sig.bind(*args, **kwargs)
             if view is not None:
                 _check_view(bound.arguments["view"], view, fn.__name__)
+                _check_fits(bound.arguments["pools"], bound.arguments["view"])
             for name in names:
                 bound.arguments[name] = _host_ids(bound.arguments[name], name)
             return fn(*bound.args, **bound.kwargs)
@@ -100,6 +101,25 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
         return call
 
     return wrap
+
+
+def _check_fits(pools: Pools, view: LayerView) -> None:
+    """The view must address bytes inside these pools (not another plan's)."""
+    parts = view.states if isinstance(view, MambaView) else (view,)
+    for v in parts:
+        if v.pool >= len(pools):
+            raise ValueError(
+                f"The view reads pool {v.pool}, but {len(pools)} pools were given: "
+                "it belongs to another plan (make views and pools from one plan)."
+            )
+        pool = pools[v.pool]
+        nbytes = int(np.prod(pool.shape)) * np.dtype(pool.dtype).itemsize
+        if v.extent_bytes > nbytes:
+            raise ValueError(
+                f"The view reaches byte {v.extent_bytes} of pool {v.pool}, which has "
+                f"{nbytes}: it belongs to another plan (make views and pools from one "
+                "plan)."
+            )
 
 
 def _check_dtype_supported(view: KVCacheView) -> None:

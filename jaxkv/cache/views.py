@@ -112,6 +112,12 @@ class KVCacheView:
         return self.shape[self.dim("token")] if "token" in self.axes else 0
 
     @property
+    def extent_bytes(self) -> int:
+        """One past the last byte the view addresses in its pool."""
+        last = sum((n - 1) * st for n, st in zip(self.shape, self.strides, strict=True))
+        return self.offset + (last + 1) * self.itemsize
+
+    @property
     def block_stride_bytes(self) -> int:
         """Bytes between consecutive block ids."""
         return self.strides[self.block_dim] * self.itemsize

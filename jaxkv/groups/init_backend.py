@@ -50,6 +50,18 @@ def with_kv_sharing_layers(
     )
 
 
+# What a layer's K/V (or state) looks like: a group spec must agree with its
+# layers' specs on these (the page may be padded, the window may differ).
+_SHAPE_FIELDS = (
+    "num_kv_heads",
+    "head_size",
+    "head_size_v",
+    "dtype",
+    "shapes",
+    "dtypes",
+)
+
+
 def _validate_group_layers(
     kv_cache_config: KVCacheConfig,
     vllm_config: RunnerConfig,
@@ -67,6 +79,18 @@ def _validate_group_layers(
                     f"KV-cache group {gid} lists layer {name!r}, which has no "
                     "KV-cache spec."
                 )
+            own = vllm_config.layer(name).spec
+            group_spec = layer_spec(group.kv_cache_spec, name)
+            if name in shared or own is None:
+                continue
+            for field in _SHAPE_FIELDS:
+                want, got = getattr(own, field, None), getattr(group_spec, field, None)
+                if want != got:
+                    raise ValueError(
+                        f"KV-cache group {gid}'s spec gives layer {name!r} "
+                        f"{field}={got!r}, but the layer's own spec has {want!r}; "
+                        "its view would not match its K/V."
+                    )
 
 
 class AttnBackendInit(NamedTuple):
