@@ -52,7 +52,7 @@ def _step_inputs(
         query_start_loc=qsl,
         seq_lens=seq_lens,
         positions=positions.astype(np.int32),
-        block_tables=[tables, tables, tables[:, :1]],  # Mamba: one state block
+        block_tables=[tables, tables, tables],  # Mamba: a column per block too
         slot_mappings=[slots] * 3,
         logits_indices=logits.astype(np.int32),
         cu_num_logits=cu,
