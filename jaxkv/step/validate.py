@@ -122,8 +122,10 @@ def validate_step(
                 f"{int(need[r])} for seq_len {int(seq[r])} (block size {bs})."
             )
         cols = np.arange(table.shape[1])[None, :]
-        used = cols < need[:, None]
-        bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))
+        bad_ids = (table < 0) | (table >= num_blocks)
+        if not bad_ids.any():
+            continue
+        bad = np.argwhere(bad_ids & (cols < need[:, None]))
         if bad.size:
             r, c = (int(i) for i in bad[0])
             raise ValueError(
