@@ -171,28 +171,14 @@ def run(args: Any) -> dict[str, Any]:
 
 def plot(results: dict[str, Any], path: Path) -> bool:
     """Saves the three sweeps as one figure; False if matplotlib is missing."""
-    try:  # optional (the bench extra); imported by name so type checks pass either way
+    try:  # optional (the pictures extra)
         matplotlib = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt: Any = importlib.import_module("matplotlib.pyplot")
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, x, ys in (
-        (axes[0], "requests", "requests", ["ms"]),
-        (axes[1], "context", "context", ["ms"]),
-        (axes[2], "pool", "pool_MiB", ["write_ms", "attention_ms"]),
-    ):
-        rows = results[key]
-        for y in ys:
-            ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o", label=y)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(x)
-        ax.set_ylabel("ms")
-        ax.legend()
-    fig.suptitle(f"jaxkv scaling ({jax.default_backend()})")
-    fig.tight_layout()
+    matplotlib.use("Agg")
+    from jaxkv.pictures import plot_scaling
+
+    fig = plot_scaling(results, title=f"jaxkv scaling ({jax.default_backend()})")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     return True

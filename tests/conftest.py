@@ -1,5 +1,7 @@
 import os
 
+os.environ.setdefault("MPLBACKEND", "Agg")  # pictures render headless
+
 import jax
 from hypothesis import settings
 

@@ -1,0 +1,290 @@
+"""Pictures of pools, views and steps (matplotlib; ``pip install jaxkv[pictures]``).
+
+Not imported by ``import jaxkv``. Each ``plot_*`` function returns a matplotlib
+``Figure``; the data it draws comes from a NumPy function you can check
+(:func:`byte_map` for the pool pictures).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxkv.cache.plan import KVCachePlan
+from jaxkv.cache.views import KVCacheView, MambaView
+
+
+def _pyplot() -> Any:
+    try:
+        return importlib.import_module("matplotlib.pyplot")
+    except ImportError as err:  # pragma: no cover - exercised without the extra
+        raise ImportError(
+            "jaxkv.pictures needs matplotlib: pip install 'jaxkv[pictures]'."
+        ) from err
+
+
+class ByteMap(NamedTuple):
+    """Who owns each byte of one pool.
+
+    Attributes:
+      owners: ``(num_blocks, bytes_per_block)`` int16: row ``b`` is the pool's
+        bytes ``[b * bytes_per_block, (b + 1) * bytes_per_block)``; each entry
+        an index into `labels`, or ``-1`` where no view addresses the byte
+        (padding).
+      labels: What each index means, e.g. ``"layers.0.self_attn K"``,
+        ``"layers.2.mixer state 1"``.
+      bytes_per_block: Bytes per row.
+    """
+
+    owners: np.ndarray
+    labels: list[str]
+    bytes_per_block: int
+
+
+def _addresses(view: KVCacheView, fixed: dict[int, int]) -> np.ndarray:
+    """Byte addresses of `view`'s own elements (its blocks, not another layer's
+    pages of a packed pool) with dims in `fixed` held at a value.
+    """  # noqa: D205
+    addr = np.full(1, view.offset, np.int64)
+    for d, n in enumerate(view.shape):
+        step = view.strides[d] * view.itemsize
+        idx = np.array([fixed[d]]) if d in fixed else np.arange(n)
+        if d == view.block_dim:
+            idx = idx[view.owns(idx)]
+        addr = (addr[:, None] + idx[None, :].astype(np.int64) * step).ravel()
+    return (addr[:, None] + np.arange(view.itemsize)).ravel()
+
+
+def _parts(name: str, view: Any) -> list[tuple[str, KVCacheView, dict[int, int]]]:
+    if isinstance(view, MambaView):
+        return [(f"{name} state {i}", s, {}) for i, s in enumerate(view.states)]
+    if "kv" in view.axes:
+        kv = view.dim("kv")
+        return [(f"{name} {h}", view, {kv: i}) for i, h in enumerate("KV")]
+    if "head" in view.axes and view.head_size and view.shape[-1] > view.head_size:
+        return [(f"{name} K|V", view, {})]  # fused: K and V share the last dim
+    return [(name, view, {})]
+
+
+def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> ByteMap:
+    """The owner of every byte of `pool`: which layer's K, V or Mamba state.
+
+    With `group`, only that KV-cache group's layers are drawn: a block id is
+    handed to one group at a time, so this is what the pool's bytes mean
+    while its blocks belong to that group (in a hybrid pool the groups'
+    layouts overlay the same pages). Without it, every group is drawn and
+    where views overlap the later group's label wins. KV-sharing layers share
+    their target's view and are listed once (under the target).
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.pictures import byte_map
+      >>> m = byte_map(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4))
+      >>> m.owners.shape, m.labels[:2]
+      ((4, 16384), ['layers.0.self_attn K', 'layers.0.self_attn V'])
+    """
+    spec = plan.pools[pool]
+    num_blocks = plan.num_blocks
+    per_block = spec.size_bytes // num_blocks
+    owners = np.full(spec.size_bytes, -1, np.int16)
+    labels: list[str] = []
+    seen: set[int] = set()
+    members = (
+        None
+        if group is None
+        else set(plan.kv_cache_config.kv_cache_groups[group].layer_names)
+    )
+    for name, view in plan.views.items():
+        if members is not None and name not in members:
+            continue
+        parts = _parts(name, view)
+        if id(view) in seen or all(v.pool != pool for _, v, _ in parts):
+            continue
+        seen.add(id(view))
+        for label, v, fixed in parts:
+            if v.pool != pool:
+                continue
+            owners[_addresses(v, fixed)] = len(labels)
+            labels.append(label)
+    return ByteMap(owners.reshape(num_blocks, per_block), labels, per_block)
+
+
+def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) -> Any:
+    """A pool's bytes as images, one panel per KV-cache group with bytes in it:
+    one row per block, colored by owner (gray: padding).
+
+    Bytes are binned to at most `max_columns` columns per row (each column
+    shows the owner of its first byte); the full-resolution maps are
+    :func:`byte_map` with ``group=g``.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.pictures import plot_byte_map
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> fig = plot_byte_map(plan)
+      >>> [ax.get_title() for ax in fig.axes]  # doctest: +NORMALIZE_WHITESPACE
+      ['pool 0 as group 0 sees it', 'pool 0 as group 1 sees it',
+       'pool 0 as group 2 sees it']
+    """  # noqa: D205
+    plt = _pyplot()
+    colors = importlib.import_module("matplotlib.colors")
+    maps = [
+        (g, m)
+        for g in range(len(plan.kv_cache_config.kv_cache_groups))
+        if (m := byte_map(plan, pool=pool, group=g)).labels
+    ]
+    rows = sum(m.owners.shape[0] for _, m in maps)
+    fig, axes = plt.subplots(
+        len(maps), 1, figsize=(10, 1.0 + 0.9 * len(maps) + 0.25 * rows), squeeze=False
+    )
+    tab = plt.get_cmap("tab20").colors
+    for ax, (g, m) in zip(axes[:, 0], maps, strict=True):
+        step = max(1, -(-m.bytes_per_block // max_columns))
+        shown = m.owners[:, ::step]
+        palette = ["#dddddd", *[tab[(2 * g + i) % 20] for i in range(len(m.labels))]]
+        ax.imshow(
+            shown + 1,
+            cmap=colors.ListedColormap(palette),
+            vmin=0,
+            vmax=len(palette) - 1,
+            aspect="auto",
+            interpolation="nearest",
+        )
+        ax.set_title(f"pool {pool} as group {g} sees it")
+        ax.set_ylabel("block id")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in palette]
+        ax.legend(
+            handles,
+            ["padding", *m.labels],
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize=7,
+        )
+        ax.set_xlabel(f"byte in the block's page (every {step}th)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_step(
+    arrays: Any,
+    *,
+    group: int = 0,
+    block_size: int | None = None,
+) -> Any:
+    """One step's batch: query spans, block tables, slot mappings, sampled tokens.
+
+    Args:
+      arrays: A :class:`StepArrays` (or anything with its fields).
+      group: The KV-cache group whose block table and slots are drawn.
+      block_size: The group's block size, to label slots as ``block:token``.
+
+    The top panel has one bar per request over the step's tokens (its query
+    span, labelled with the sequence length after the step) and a dot on each
+    sampled token; the bottom panel is the group's block table (ids, 0 = null
+    block) with the blocks this step writes outlined.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.pictures import plot_step
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+      >>> s = jaxkv.Scheduler(plan)
+      >>> _ = s.add_request(jaxkv.Request("a", prompt=[1] * 40, max_new_tokens=1))
+      >>> _ = s.add_request(jaxkv.Request("b", prompt=[2] * 5, max_new_tokens=1))
+      >>> fig = plot_step(s.schedule().arrays, block_size=32)
+      >>> [round(p.get_width()) for p in fig.axes[0].patches]
+      [40, 5]
+    """
+    plt = _pyplot()
+    qsl = np.asarray(arrays.query_start_loc)
+    seq = np.asarray(arrays.seq_lens)
+    table = np.asarray(arrays.block_tables[group])
+    slots = np.asarray(arrays.slot_mappings[group])
+    logits = (
+        np.zeros(0, int) if arrays.logits_indices is None else arrays.logits_indices
+    )
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(10, 2.5 + 0.4 * max(1, len(seq))), height_ratios=(1, 1)
+    )
+    cmap = plt.get_cmap("tab10")
+    for r in range(len(seq)):
+        top.barh(
+            r,
+            qsl[r + 1] - qsl[r],
+            left=qsl[r],
+            color=cmap(r % 10),
+            edgecolor="black",
+        )
+        top.text(qsl[r], r, f" req {r}: seq_len {seq[r]}", va="center", fontsize=7)
+    req_of = np.searchsorted(qsl[1:], logits, side="right")
+    top.scatter(logits + 0.5, req_of, color="black", marker="o", zorder=3, s=12)
+    top.set_xlim(0, max(1, int(qsl[-1])))
+    top.invert_yaxis()
+    top.set_xlabel("token in the step (dots: sampled)")
+    top.set_ylabel("request")
+    cols = table.shape[1] if table.size else 1
+    used = max(
+        1, min(cols, int((table != 0).any(axis=0).nonzero()[0].max(initial=0)) + 2)
+    )
+    bottom.imshow(
+        table[:, :used] if table.size else np.zeros((1, 1)),
+        cmap="Greys",
+        aspect="auto",
+        interpolation="nearest",
+        alpha=0.3,
+    )
+    written = set()
+    if block_size:
+        for t, s in enumerate(slots):
+            if s >= 0:
+                r = int(np.searchsorted(qsl[1:], t, side="right"))
+                hits = np.flatnonzero(table[r] == s // block_size)
+                if hits.size:
+                    written.add((r, int(hits[0])))
+    for r in range(table.shape[0]):
+        for c in range(used):
+            bottom.text(c, r, str(table[r, c]), ha="center", va="center", fontsize=7)
+            if (r, c) in written:
+                bottom.add_patch(
+                    plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=1.5)
+                )
+    bottom.set_xlabel(f"block-table column (group {group}; outlined: written)")
+    bottom.set_ylabel("request")
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(results: dict[str, Any], *, title: str = "jaxkv scaling") -> Any:
+    """The scaling benchmark's three sweeps (``benchmarks/bench_scaling.py``).
+
+    ``results`` holds ``requests`` and ``context`` sweeps (rows with the swept
+    value and ``ms``) and a ``pool`` sweep (``pool_MiB``, ``write_ms``,
+    ``attention_ms``), as the benchmark returns them.
+
+    Example:
+      >>> from jaxkv.pictures import plot_scaling
+      >>> fig = plot_scaling({"requests": [{"requests": 8, "ms": 1.0}],
+      ...     "context": [{"context": 128, "ms": 1.0}],
+      ...     "pool": [{"pool_MiB": 64, "write_ms": 0.2, "attention_ms": 1.0}]})
+      >>> len(fig.axes)
+      3
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, x, ys in (
+        (axes[0], "requests", "requests", ["ms"]),
+        (axes[1], "context", "context", ["ms"]),
+        (axes[2], "pool", "pool_MiB", ["write_ms", "attention_ms"]),
+    ):
+        rows = results[key]
+        for y in ys:
+            ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o", label=y)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_ylabel("ms")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,136 @@
+"""Pictures draw what the views own: byte maps against the independent NumPy
+layout model, step pictures against the step's arrays, PNGs that render."""
+
+import io
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib import image as mpl_image
+
+import jaxkv
+from jaxkv.pictures import byte_map, plot_byte_map, plot_step
+from tests.oracle import Oracle
+
+matplotlib.use("Agg")
+
+KERNEL16 = jaxkv.AttentionBackend(
+    name="K16",
+    layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
+    supported_kernel_block_sizes=(16,),
+)
+
+
+def _plans() -> dict[str, Any]:
+    hybrid = jaxkv.tiny_hybrid_config()
+    return {
+        "hybrid": jaxkv.make_plan(hybrid, num_blocks=4),
+        "hybrid-packed": jaxkv.make_plan(hybrid, num_blocks=4, packed=True),
+        "hybrid-bf16": jaxkv.make_plan(
+            jaxkv.tiny_hybrid_config(dtype="bfloat16"), num_blocks=3
+        ),
+        "kernel-split-packed": jaxkv.make_plan(
+            jaxkv.tiny_hybrid_config(attention_backend=KERNEL16),
+            num_blocks=3,
+            packed=True,
+            maps_slot_mapping=True,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_plans()))
+def test_byte_map_regions_are_the_bytes_each_view_owns(name):
+    """Per group, each label's region is exactly its layer's bytes (from the
+    independent NumPy layout model), and the rest is padding."""
+    plan = _plans()[name]
+    oracle = Oracle(
+        plan.kv_cache_config,
+        plan.runner_config,
+        plan.kernel_block_sizes,
+        plan.attn_groups,
+    )
+    checked = 0
+    for pool in range(len(plan.pools)):
+        for g, group in enumerate(plan.kv_cache_config.kv_cache_groups):
+            m = byte_map(plan, pool=pool, group=g)
+            flat = m.owners.ravel()
+            covered: set[int] = set()
+            for layer in group.layer_names:
+                ids = [
+                    i for i, lab in enumerate(m.labels) if lab.startswith(layer + " ")
+                ]
+                if not ids:
+                    continue  # in another pool
+                owned: set[int] = set()
+                lay = oracle.layers[layer]
+                stride, pieces = getattr(lay, "owned", None) or (1, 1)
+                for b in range(plan.views[layer].num_blocks):
+                    if b % stride < pieces:  # not another layer's packed page
+                        owned |= oracle.block_bytes(layer, b)
+                drawn = set(np.flatnonzero(np.isin(flat, ids)).tolist())
+                assert drawn == owned, (name, pool, layer)
+                covered |= owned
+                checked += 1
+            padding = set(np.flatnonzero(flat == -1).tolist())
+            assert padding == set(range(flat.size)) - covered, (name, pool, g)
+    assert checked >= 3
+
+
+def test_hybrid_byte_map_shows_keys_values_and_states():
+    plan = _plans()["hybrid"]
+    labels = [byte_map(plan, pool=0, group=g).labels for g in range(3)]
+    assert labels == [
+        ["layers.0.self_attn K", "layers.0.self_attn V"],
+        ["layers.1.self_attn K", "layers.1.self_attn V"],
+        ["layers.2.mixer state 0", "layers.2.mixer state 1"],
+    ]
+    mamba = byte_map(plan, pool=0, group=2)
+    spec = plan.runner_config.layer("layers.2.mixer").spec
+    # The Mamba page: conv state, SSM state, then padding to the attention page.
+    row = mamba.owners[1]
+    assert (row[: spec.state_bytes[0]] == 0).all()
+    assert (row[spec.state_bytes[0] : spec.real_page_size_bytes] == 1).all()
+    assert (row[spec.real_page_size_bytes :] == -1).all()
+
+
+def test_byte_map_picture_draws_the_map_and_renders():
+    plan = _plans()["hybrid-packed"]
+    fig = plot_byte_map(plan, pool=0, max_columns=512)
+    labels = 0
+    for g, ax in enumerate(fig.axes[:3]):
+        m = byte_map(plan, pool=0, group=g)
+        labels += len(m.labels)
+        step = -(-m.bytes_per_block // 512)
+        image = np.asarray(ax.images[0].get_array())
+        np.testing.assert_array_equal(image, m.owners[:, ::step] + 1)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    png = mpl_image.imread(io.BytesIO(buf.getvalue()))
+    colors = {tuple(px) for px in png.reshape(-1, png.shape[-1])[::37]}
+    assert len(colors) > labels  # every owner gets its own color (and padding)
+
+
+def test_step_picture_draws_the_step():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
+    for i, n in enumerate((40, 5, 70)):
+        s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * n, max_new_tokens=1))
+    arrays = s.schedule().arrays
+    fig = plot_step(arrays, block_size=32)
+    top, bottom = fig.axes[:2]
+    widths = [round(p.get_width()) for p in top.patches]
+    assert widths == np.diff(arrays.query_start_loc).tolist()
+    sampled = top.collections[0].get_offsets()
+    assert len(sampled) == (
+        0 if arrays.logits_indices is None else len(arrays.logits_indices)
+    )
+    # Outlined cells: the (request, block) pairs this step writes.
+    table, slots = arrays.block_tables[0], arrays.slot_mappings[0]
+    qsl = arrays.query_start_loc
+    written = {
+        (r, int(np.flatnonzero(table[r] == slots[t] // 32)[0]))
+        for r in range(len(qsl) - 1)
+        for t in range(qsl[r], qsl[r + 1])
+    }
+    assert len(bottom.patches) == len(written)
