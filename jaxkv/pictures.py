@@ -116,8 +116,8 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
     one row per block, colored by owner (gray: padding).
 
     Bytes are binned to at most `max_columns` columns per row (each column
-    shows the owner of its first byte); the full-resolution maps are
-    :func:`byte_map` with ``group=g``.
+    shows the owner of its first byte; the axis is in bytes); the
+    full-resolution maps are :func:`byte_map` with ``group=g``.
 
     Example:
       >>> import jaxkv
@@ -151,6 +151,7 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
             vmax=len(palette) - 1,
             aspect="auto",
             interpolation="nearest",
+            extent=(0, m.bytes_per_block, shown.shape[0] - 0.5, -0.5),
         )
         ax.set_title(f"pool {pool} as group {g} sees it")
         ax.set_ylabel("block id")
@@ -162,7 +163,7 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
             bbox_to_anchor=(1.01, 1.0),
             fontsize=7,
         )
-        ax.set_xlabel(f"byte in the block's page (every {step}th)")
+        ax.set_xlabel("byte in the block's page")
     fig.tight_layout()
     return fig
 
