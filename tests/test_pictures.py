@@ -10,7 +10,7 @@ import pytest
 from matplotlib import image as mpl_image
 
 import jaxkv
-from jaxkv.pictures import byte_map, plot_byte_map, plot_step
+from jaxkv.pictures import byte_map, plot_byte_map, plot_scaling, plot_step
 from tests.oracle import Oracle
 
 matplotlib.use("Agg")
@@ -134,3 +134,24 @@ def test_step_picture_draws_the_step():
         for t in range(qsl[r], qsl[r + 1])
     }
     assert len(bottom.patches) == len(written)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    assert mpl_image.imread(io.BytesIO(buf.getvalue())).shape[0] > 100
+
+
+def test_scaling_picture_plots_the_benchmark_rows():
+    results = {
+        "requests": [{"requests": 8, "ms": 1.0}, {"requests": 32, "ms": 3.0}],
+        "context": [{"context": 128, "ms": 1.0}, {"context": 512, "ms": 2.5}],
+        "pool": [
+            {"pool_MiB": 64, "write_ms": 0.2, "attention_ms": 1.0},
+            {"pool_MiB": 256, "write_ms": 0.21, "attention_ms": 1.1},
+        ],
+    }
+    fig = plot_scaling(results)
+    lines = [ax.get_lines() for ax in fig.axes]
+    assert [len(x) for x in lines] == [1, 1, 2]
+    assert list(lines[2][1].get_ydata()) == [1.0, 1.1]  # attention over pool sizes
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    assert buf.getvalue()[:4] == b"\x89PNG"
