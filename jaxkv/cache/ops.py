@@ -55,10 +55,9 @@ def _host_ids(value: object, name: str) -> object:
             "be truncated and NaN would become 0)."
         )
     if ids.size and ids.max() > _INT32_MAX:
-        where = np.unravel_index(int(np.argmax(ids > _INT32_MAX)), ids.shape)
-        shown = where[0] if len(where) == 1 else tuple(int(i) for i in where)
+        shown, value = _first(ids > _INT32_MAX, ids)
         raise ValueError(
-            f"{name}: entry {shown} is {ids[where]}, past the int32 range of ids "
+            f"{name}: entry {shown} is {value}, past the int32 range of ids "
             "(it would wrap around to another id)."
         )
     return np.where(ids < 0, -1, ids).astype(np.int32)
@@ -605,23 +604,24 @@ def validate_block_ids(
       ValueError: block ids for layer 'l0': entry (0, 1) is 5, outside [0, 4).
     """
     ids = _host_array(block_ids, "block_ids", layer_name)
-    bad = np.argwhere((ids < 0) | (ids >= view.num_blocks))
-    if bad.size:
-        where = tuple(int(i) for i in bad[0])
-        shown = where[0] if len(where) == 1 else where
-        raise ValueError(
-            f"block ids for layer {layer_name!r}: entry {shown} is {int(ids[where])}, "
-            f"outside [0, {view.num_blocks})."
-        )
-    if isinstance(view, KVCacheView):
-        foreign = np.argwhere(~view.owns(ids))
-        if foreign.size:
-            where = tuple(int(i) for i in foreign[0])
-            shown = where[0] if len(where) == 1 else where
+    for mask, why in (
+        ((ids < 0) | (ids >= view.num_blocks), f"outside [0, {view.num_blocks})"),
+        (
+            ~view.owns(ids) if isinstance(view, KVCacheView) else ids < 0,
+            "another layer's page of this packed pool",
+        ),
+    ):
+        if mask.any():
+            shown, value = _first(mask, ids)
             raise ValueError(
-                f"block ids for layer {layer_name!r}: entry {shown} is "
-                f"{int(ids[where])}, another layer's page of this packed pool."
+                f"block ids for layer {layer_name!r}: entry {shown} is {value}, {why}."
             )
+
+
+def _first(mask: np.ndarray, values: np.ndarray) -> tuple[object, int]:
+    """The first index where `mask` holds (an int for 1-D) and the value there."""
+    where = tuple(int(i) for i in np.argwhere(mask)[0])
+    return (where[0] if len(where) == 1 else where), int(values[where])
 
 
 def _host_array(value: ArrayLike, name: str, layer_name: str) -> np.ndarray:
