@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.cache.views import KVCacheView, MambaView
+from jaxkv.specs import MambaSpec
 
 
 def _pyplot() -> Any:
@@ -165,6 +166,117 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
         )
         ax.set_xlabel("byte in the block's page")
     fig.tight_layout()
+    return fig
+
+
+class DeviceShare(NamedTuple):
+    """What one device of a mesh holds of a sharded pool.
+
+    Attributes:
+      device: The device's id.
+      data: Its data-parallel rank (its own requests and block ids).
+      tensor: Its tensor-parallel rank.
+      heads: The group's KV heads it holds (global head ids); for a Mamba
+        group, the slice of each state's split axis.
+      bytes: Bytes of the pool on the device.
+    """
+
+    device: int
+    data: int
+    tensor: int
+    heads: range
+    bytes: int
+
+
+def device_map(sharded: Any, *, pool: int = 0, group: int = 0) -> list[DeviceShare]:
+    """Which device of a :class:`ShardedPlan`'s mesh holds which part of `pool`.
+
+    Device ``(d, t)`` holds row ``[d, t]`` of the ``(D, T, words)`` pool: the
+    rank-local layout (:func:`byte_map` of ``sharded.local``) for the requests
+    of data rank ``d`` and the KV heads ``[t * h, (t + 1) * h)`` (``h`` the
+    local heads of `group`).
+
+    Example:
+      >>> import jax, jaxkv
+      >>> from jaxkv.pictures import device_map
+      >>> mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+      >>> sp = jaxkv.shard_plan(jaxkv.tiny_hybrid_config(), mesh=mesh, num_blocks=4)
+      >>> device_map(sp)[0].heads, device_map(sp)[0].bytes
+      (range(0, 2), 65536)
+    """
+    local = sharded.local.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    if isinstance(local, MambaSpec):
+        axis = next((a for a in local.shard_axes if a is not None), None)
+        h = 1 if axis is None else local.shapes[local.shard_axes.index(axis)][axis]
+    else:
+        h = getattr(local, "num_kv_heads", 1)
+    names = list(sharded.mesh.axis_names)
+    devices = np.asarray(sharded.mesh.devices)
+    out = []
+    for d in range(sharded.data_parallel):
+        for t in range(sharded.tensor_parallel):
+            index = [0] * devices.ndim
+            if sharded.data_axis:
+                index[names.index(sharded.data_axis)] = d
+            if sharded.tensor_axis:
+                index[names.index(sharded.tensor_axis)] = t
+            out.append(
+                DeviceShare(
+                    device=int(devices[tuple(index)].id),
+                    data=d,
+                    tensor=t,
+                    heads=range(t * h, (t + 1) * h),
+                    bytes=sharded.local.pools[pool].size_bytes,
+                )
+            )
+    return out
+
+
+def plot_device_map(
+    sharded: Any, *, pool: int = 0, group: int = 0, max_columns: int = 256
+) -> Any:
+    """A sharded pool on its mesh: one panel per device, the device's bytes
+    colored by owner, titled with the device, its data rank and its heads.
+
+    Example:
+      >>> import jax, jaxkv
+      >>> from jaxkv.pictures import plot_device_map
+      >>> mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+      >>> sp = jaxkv.shard_plan(jaxkv.tiny_hybrid_config(), mesh=mesh, num_blocks=4)
+      >>> plot_device_map(sp).axes[0].get_title()
+      'device 0 (data 0, tensor 0): KV heads 0-1'
+    """  # noqa: D205
+    plt = _pyplot()
+    colors = importlib.import_module("matplotlib.colors")
+    m = byte_map(sharded.local, pool=pool, group=group)
+    step = max(1, -(-m.bytes_per_block // max_columns))
+    palette = ["#dddddd", *plt.get_cmap("tab20").colors[: max(1, len(m.labels))]]
+    rows, cols = sharded.data_parallel, sharded.tensor_parallel
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols + 2, 1.2 + 1.1 * rows), squeeze=False
+    )
+    for share in device_map(sharded, pool=pool, group=group):
+        ax = axes[share.data, share.tensor]
+        ax.imshow(
+            m.owners[:, ::step] + 1,
+            cmap=colors.ListedColormap(palette),
+            vmin=0,
+            vmax=len(palette) - 1,
+            aspect="auto",
+            interpolation="nearest",
+            extent=(0, m.bytes_per_block, m.owners.shape[0] - 0.5, -0.5),
+        )
+        what = "KV heads" if m.labels and not m.labels[0].count(" state ") else "split"
+        ax.set_title(
+            f"device {share.device} (data {share.data}, tensor {share.tensor}): "
+            f"{what} {share.heads.start}-{share.heads.stop - 1}",
+            fontsize=8,
+        )
+        ax.tick_params(labelsize=6)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in palette]
+    fig.legend(handles, ["padding", *m.labels], loc="upper right", fontsize=7)
+    fig.suptitle(f"pool {pool}, group {group}: each device's rows [d, t]")
+    fig.tight_layout(rect=(0, 0, 0.8, 0.95))
     return fig
 
 

@@ -64,6 +64,29 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
         assert {s.device for s in shards} == set(mesh.devices.flat)
         for s in shards:
             assert s.data.nbytes * d * t == pool.nbytes, (s.data.nbytes, pool.nbytes)
+    # The device map says which device holds which rows and heads, as JAX
+    # placed them; its picture draws each device's local byte map.
+    from jaxkv.pictures import byte_map, device_map, plot_device_map
+
+    for g in range(3):
+        shares = device_map(sp, pool=0, group=g)
+        where = {
+            (s.index[0].start or 0, s.index[1].start or 0): s.device.id
+            for s in pools[0].addressable_shards
+        }
+        assert {(x.data, x.tensor): x.device for x in shares} == where
+        assert all(x.bytes * d * t == pools[0].nbytes for x in shares)
+        held = sorted(h for x in shares if x.data == 0 for h in x.heads)
+        if g < 2:  # attention groups: each tensor rank holds its own heads
+            assert held == list(range(kv_heads)), held
+    fig = plot_device_map(sp, pool=0, group=0, max_columns=64)
+    local = byte_map(sp.local, pool=0, group=0)
+    cols = -(-local.bytes_per_block // 64)
+    assert len(fig.axes) == d * t
+    for ax in fig.axes:
+        np.testing.assert_array_equal(
+            np.asarray(ax.images[0].get_array()), local.owners[:, ::cols] + 1
+        )
 
     # One step per data-parallel rank: 2 requests each, different per rank.
     rng = np.random.default_rng(d * 10 + t)

@@ -125,7 +125,7 @@ def allocate_pools(
       >>> pool.shape, pool.dtype
       ((16,), dtype('uint32'))
     """
-    return tuple(_zeros(p.shape, np.dtype(p.dtype), sharding) for p in pools)
+    return tuple(zeros(p.shape, np.dtype(p.dtype), sharding) for p in pools)
 
 
 @functools.cache
@@ -138,7 +138,8 @@ def _zeros_fn(sharding: Any) -> Any:
     )
 
 
-def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+def zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+    """A zeroed array made under jit on `sharding` (one compile per shape)."""
     return _zeros_fn(sharding)(tuple(shape), dtype)
 
 

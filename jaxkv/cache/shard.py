@@ -18,13 +18,13 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.plan import KVCachePlan, make_plan
 from jaxkv.cache.planner import align_hybrid_block_size
+from jaxkv.cache.pools import zeros
 from jaxkv.config import RunnerConfig
 from jaxkv.specs import AttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec
 
@@ -209,10 +209,7 @@ class ShardedPlan:
         process materialises only its addressable shards.
         """
         return tuple(
-            jax.jit(
-                lambda shape=shape, dtype=p.dtype: jnp.zeros(shape, dtype),
-                out_shardings=self.pool_sharding,
-            )()
+            zeros(shape, np.dtype(p.dtype), self.pool_sharding)
             for shape, p in zip(self.pool_shapes(), self.local.pools, strict=True)
         )
 
