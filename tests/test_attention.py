@@ -90,7 +90,7 @@ def batches(draw):
 
 
 @settings(
-    max_examples=examples(60),
+    max_examples=examples(40),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

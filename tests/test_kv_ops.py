@@ -63,7 +63,7 @@ def _kv_inputs(view, n, rng):
 
 
 @settings(
-    max_examples=examples(80),
+    max_examples=examples(50),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
