@@ -285,13 +285,18 @@ def plot_step(
     *,
     group: int = 0,
     block_size: int | None = None,
+    staged: Any = None,
 ) -> Any:
     """One step's batch: query spans, block tables, slot mappings, sampled tokens.
 
     Args:
       arrays: A :class:`StepArrays` (or anything with its fields).
       group: The KV-cache group whose block table and slots are drawn.
-      block_size: The group's block size, to label slots as ``block:token``.
+      block_size: The group's block size, to outline the blocks written.
+      staged: The staged fast-prefill logits indices (the padded buffer,
+        e.g. ``prepared.inputs.fast_prefill.logits_indices_padded``), drawn
+        as a third panel: the real indices, then the padding that repeats the
+        last one.
 
     The top panel has one bar per request over the step's tokens (its query
     span, labelled with the sequence length after the step) and a dot on each
@@ -317,9 +322,14 @@ def plot_step(
     logits = (
         np.zeros(0, int) if arrays.logits_indices is None else arrays.logits_indices
     )
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(10, 2.5 + 0.4 * max(1, len(seq))), height_ratios=(1, 1)
+    panels = 2 if staged is None else 3
+    fig, axes = plt.subplots(
+        panels,
+        1,
+        figsize=(10, 2.5 + 0.4 * max(1, len(seq)) + (panels - 2)),
+        height_ratios=(1, 1, 0.4)[:panels],
     )
+    top, bottom = axes[0], axes[1]
     cmap = plt.get_cmap("tab10")
     for r in range(len(seq)):
         top.barh(
@@ -364,6 +374,24 @@ def plot_step(
                 )
     bottom.set_xlabel(f"block-table column (group {group}; outlined: written)")
     bottom.set_ylabel("request")
+    if staged is not None:
+        buf = np.asarray(staged).reshape(1, -1)
+        real = len(logits)
+        axes[2].imshow(buf, cmap="Blues", aspect="auto", interpolation="nearest")
+        for i, v in enumerate(buf[0]):
+            axes[2].text(
+                i,
+                0,
+                str(v),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if i < real else "gray",
+            )
+        axes[2].set_yticks([])
+        axes[2].set_xlabel(
+            f"staged fast-prefill logits indices ({real} real, then padding)"
+        )
     fig.tight_layout()
     return fig
 

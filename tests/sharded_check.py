@@ -87,6 +87,11 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
         np.testing.assert_array_equal(
             np.asarray(ax.images[0].get_array()), local.owners[:, ::cols] + 1
         )
+    import io
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    assert png.getvalue()[:4] == b"\x89PNG"
 
     # One step per data-parallel rank: 2 requests each, different per rank.
     rng = np.random.default_rng(d * 10 + t)

@@ -155,3 +155,23 @@ def test_scaling_picture_plots_the_benchmark_rows():
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
+
+
+def test_step_picture_draws_the_staged_fast_prefill_buffer():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
+    for i, n in enumerate((20, 9)):
+        s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * n, max_new_tokens=1))
+    arrays = s.schedule().arrays
+    prepared = jaxkv.StepMetadataBuilder(plan).prepare(**arrays._asdict())
+    fp = prepared.inputs.fast_prefill
+    assert fp is not None  # the built-in model has fast-prefill layers
+    staged = np.asarray(fp.logits_indices_padded)
+    fig = plot_step(arrays, block_size=32, staged=staged)
+    drawn = np.asarray(fig.axes[2].images[0].get_array())[0]
+    np.testing.assert_array_equal(drawn, staged)
+    sampled = np.asarray(arrays.logits_indices)
+    assert drawn[: sampled.size].tolist() == sampled.tolist()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    assert buf.getvalue()[:4] == b"\x89PNG"
