@@ -1,6 +1,7 @@
 """Run by tests/test_shard.py in a subprocess with 8 simulated CPU devices.
 
-For one mesh ``D x T`` (data x tensor) and the built-in hybrid model (full and
+For each mesh ``D x T`` (data x tensor) given as ``DxT:axis_type:layout``
+and the built-in hybrid model (full and
 sliding-window attention and Mamba sharing pools), checks that:
 
 * every device holds 1/(D*T) of every pool, allocated on its device;
@@ -36,34 +37,7 @@ import jaxkv  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def main(d: int, t: int, axis_type: str, packed: bool) -> None:
-    types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
-    mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
-    heads, kv_heads, head = 8, 8, 16
-    cfg = jaxkv.tiny_hybrid_config(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        block_size=16,
-        sliding_window=24,
-        kv_sharing_fast_prefill=False,
-        max_model_len=64,
-    )
-    blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
-    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, packed=packed)
-    glob = jaxkv.make_plan(cfg, num_blocks=blocks, packed=packed)
-    local_cfg = jaxkv.local_runner_config(cfg, tensor_parallel=t)
-    ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks, packed=packed)
-    pools = sp.allocate()
-
-    # 1/(D*T) of every pool per device, on its own device.
-    for pool, spec in zip(pools, sp.local.pools, strict=True):
-        assert pool.shape == (d, t, *spec.shape), pool.shape
-        shards = pool.addressable_shards
-        assert len(shards) == d * t
-        assert {s.device for s in shards} == set(mesh.devices.flat)
-        for s in shards:
-            assert s.data.nbytes * d * t == pool.nbytes, (s.data.nbytes, pool.nbytes)
+def _check_device_map(sp: Any, pools: Any, d: int, t: int, kv_heads: int) -> None:
     # The device map says which device holds which rows and heads, as JAX
     # placed them; its picture draws each device's local byte map.
     from jaxkv.pictures import byte_map, device_map, plot_device_map
@@ -92,6 +66,38 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     png = io.BytesIO()
     fig.savefig(png, format="png")
     assert png.getvalue()[:4] == b"\x89PNG"
+
+
+def main(d: int, t: int, axis_type: str, packed: bool) -> None:
+    types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
+    mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
+    heads, kv_heads, head = 8, 8, 16
+    cfg = jaxkv.tiny_hybrid_config(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        block_size=16,
+        sliding_window=24,
+        kv_sharing_fast_prefill=False,
+        max_model_len=64,
+    )
+    blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
+    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, packed=packed)
+    glob = jaxkv.make_plan(cfg, num_blocks=blocks, packed=packed)
+    local_cfg = jaxkv.local_runner_config(cfg, tensor_parallel=t)
+    ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks, packed=packed)
+    pools = sp.allocate()
+
+    # 1/(D*T) of every pool per device, on its own device.
+    for pool, spec in zip(pools, sp.local.pools, strict=True):
+        assert pool.shape == (d, t, *spec.shape), pool.shape
+        shards = pool.addressable_shards
+        assert len(shards) == d * t
+        assert {s.device for s in shards} == set(mesh.devices.flat)
+        for s in shards:
+            assert s.data.nbytes * d * t == pool.nbytes, (s.data.nbytes, pool.nbytes)
+    if d > 1 and t > 1 and axis_type == "explicit" and not packed:  # both axes
+        _check_device_map(sp, pools, d, t, kv_heads)
 
     # One step per data-parallel rank: 2 requests each, different per rank.
     rng = np.random.default_rng(d * 10 + t)
@@ -297,8 +303,13 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
                 np.testing.assert_array_equal(
                     got.view(np.uint8), np.asarray(ref).view(np.uint8)
                 )
-    print("OK")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], "packed" in sys.argv[4:])
+    # Cases as "DxT:axis_type:layout" (one process, one JAX start for all).
+    for case in sys.argv[1:]:
+        mesh_shape, axis_type, layout = case.split(":")
+        d, t = (int(x) for x in mesh_shape.split("x"))
+        main(d, t, axis_type, layout == "packed")
+        print(f"{case} OK", flush=True)
+    print("OK")
