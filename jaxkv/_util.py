@@ -90,3 +90,26 @@ def reject_unsupported(owner: str, name: str, value: object, default: object) ->
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)
+
+
+def host_int_array(value: object, name: str) -> np.ndarray:
+    """`value` as a host NumPy array of integers (ids, counts, positions).
+
+    Raises:
+      TypeError: If `value` is a traced value (host checks run before jit)
+        or does not hold integers (float ids would be truncated, NaN would
+        become 0). `name` names the argument in the message.
+    """
+    try:
+        arr = np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(
+            f"{name} is a traced value: host checks look at values before jit "
+            "(inside jit, invalid ids are dropped instead)."
+        ) from None
+    if arr.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must hold integer ids, got dtype {arr.dtype} (float ids would "
+            "be truncated and NaN would become 0)."
+        )
+    return arr

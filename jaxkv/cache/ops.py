@@ -20,6 +20,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
+from jaxkv._util import host_int_array
 from jaxkv.cache.strided import (
     from_bits,
     gather_items,
@@ -48,12 +49,7 @@ def _host_ids(value: object, name: str) -> object:
     """
     if isinstance(value, jax.Array):
         return value
-    ids = np.asarray(value)
-    if ids.dtype.kind not in "iu":
-        raise TypeError(
-            f"{name} must hold integer ids, got dtype {ids.dtype} (float ids would "
-            "be truncated and NaN would become 0)."
-        )
+    ids = host_int_array(value, name)
     if ids.size and ids.max() > _INT32_MAX:
         shown, value = _first(ids > _INT32_MAX, ids)
         raise ValueError(
@@ -626,17 +622,4 @@ def _first(mask: np.ndarray, values: np.ndarray) -> tuple[object, int]:
 
 def _host_array(value: ArrayLike, name: str, layer_name: str) -> np.ndarray:
     """A host validator's integer NumPy array (not a traced value, not floats)."""
-    try:
-        ids = np.asarray(value)
-    except jax.errors.TracerArrayConversionError:
-        raise TypeError(
-            f"{name} for layer {layer_name!r} is a traced value: the validators "
-            "check values on the host; call them before jit (inside jit, invalid "
-            "ids are dropped instead)."
-        ) from None
-    if ids.dtype.kind not in "iu":
-        raise TypeError(
-            f"{name} for layer {layer_name!r} must hold integer ids, got dtype "
-            f"{ids.dtype}."
-        )
-    return ids
+    return host_int_array(value, f"{name} for layer {layer_name!r}")

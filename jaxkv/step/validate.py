@@ -8,26 +8,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv._util import host_int_array
+
 _INT32 = np.iinfo(np.int32)
 
 
 def _ints(value: object, name: str, ndim: int) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu" and not (
-        arr.dtype.kind == "b" and name == "is_prefilling"
-    ):
-        raise TypeError(
-            f"{name} must hold integers, got dtype {arr.dtype} (floats would be "
-            "truncated, NaN would become 0)."
-        )
+    arr = host_int_array(value, name)
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}.")
+    # Only types wider than int32 can hold values that would wrap.
     if (
-        arr.size
-        and arr.dtype.kind != "b"
+        arr.dtype.itemsize >= 4
+        and arr.dtype != np.int32
+        and arr.size
         and (arr.max() > _INT32.max or arr.min() < _INT32.min)
     ):
-        raise ValueError(f"{name} holds values past the int32 range (they would wrap).")
+        raise ValueError(
+            f"{name} holds values past the int32 range (they would wrap around)."
+        )
     return arr
 
 
