@@ -51,6 +51,7 @@ from jaxkv.cache.planner import (
     HybridBlockAlignment,
     align_hybrid_block_size,
     make_kv_cache_config,
+    unify_page_sizes,
 )
 from jaxkv.cache.pools import (
     KVCacheInit,
@@ -259,6 +260,7 @@ __all__ = [
     "stage_logits_indices",
     "tiny_hybrid_config",
     "token_requests_and_positions",
+    "unify_page_sizes",
     "unpack_step",
     "validate_block_ids",
     "validate_logits_indices",

@@ -40,6 +40,10 @@ def _load(name):
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
         (
+            "bench_sched",
+            "--running 4 --prompt 24 --prefix 8 --steps 3".split(),
+        ),
+        (
             "bench_prefix",
             "--num-requests 3 --prefix 64 --suffix 4 --max-new-tokens 2 "
             "--token-buckets 64 --num-blocks 64 --iters 1".split(),

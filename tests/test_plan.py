@@ -172,3 +172,53 @@ def test_build_attn_metadata_rejects_a_config_with_fewer_groups():
             [np.zeros(1, i32)] * 3,
             small,
         )
+
+
+def _mixed_pages(full_head=8, swa_head=16, mla=False):
+    kw = dict(block_size=16, num_kv_heads=1, dtype="float32")
+    full = (
+        jaxkv.MLAAttentionSpec(head_size=full_head, **{**kw, "num_kv_heads": 1})
+        if mla
+        else jaxkv.FullAttentionSpec(head_size=full_head, **kw)
+    )
+    swa = jaxkv.SlidingWindowSpec(head_size=swa_head, sliding_window=32, **kw)
+    be = jaxkv.get_backend("JAX_PAGED")
+    return jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(name=f"l{i}", spec=s, backend=be, num_heads=1)
+            for i, s in enumerate([full, swa, full, swa])
+        ],
+        max_model_len=256,
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mixed_page_sizes_are_unified_as_vllm_does(packed):
+    # vLLM 0.32 (unify_kv_cache_spec_page_size): full layers of head size 8
+    # beside sliding-window layers of head size 16, block 16: the full layers'
+    # block size is raised to 32 so both pages are 2048 bytes.
+    plan = jaxkv.make_plan(_mixed_pages(), num_blocks=8, packed=packed)
+    specs = [g.kv_cache_spec for g in plan.kv_cache_config.kv_cache_groups]
+    assert sorted((type(s).__name__, s.block_size) for s in specs) == [
+        ("FullAttentionSpec", 32),
+        ("SlidingWindowSpec", 16),
+    ]
+    assert {s.page_size_bytes for s in specs} == {2048}
+    assert plan.runner_config.layer("l0").spec.block_size == 32
+    assert plan.views["l0"].block_size == 32
+    # The scheduler and manager follow the plan's block sizes.
+    m = jaxkv.KVCacheManager(plan)
+    assert sorted(m.block_sizes) == [16, 32]
+    r = jaxkv.Request("r", prompt=list(range(40)), max_new_tokens=1)
+    assert m.allocate(r, 40)
+    assert sorted(len(t) for t in m.blocks_of(r)) == [2, 3]
+
+
+def test_mixed_pages_that_do_not_divide_are_padded_or_refused():
+    # Head sizes 12 and 16: 1536 does not divide 2048, so the page is padded.
+    plan = jaxkv.make_plan(_mixed_pages(full_head=12), num_blocks=4)
+    spec = plan.runner_config.layer("l0").spec
+    assert (spec.block_size, spec.page_size_bytes) == (16, 2048)
+    # An MLA page can be neither raised to a divisor nor padded.
+    with pytest.raises(ValueError, match=r"\['l0', 'l2'\].*\['l1', 'l3'\].*block size"):
+        jaxkv.make_plan(_mixed_pages(full_head=24, swa_head=16, mla=True), num_blocks=4)

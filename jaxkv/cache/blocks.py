@@ -22,13 +22,20 @@ class BlockAllocator:
 
     Block 0 is the null block; the prefix cache maps keys to blocks.
 
-    One free list for all KV-cache groups: groups overlay the same pages (a hybrid
-    pool holds attention and Mamba pages), so an id belongs to one group at a
-    time. A block is free when no request holds it; a free block may still be
-    *cached* (registered under a prefix-cache key with :meth:`cache`): it can
+    One free queue for all KV-cache groups: groups overlay the same pages (a
+    hybrid pool holds attention and Mamba pages), so an id belongs to one group
+    at a time. A block is free when no request holds it; a free block may still
+    be *cached* (registered under a prefix-cache key with :meth:`cache`): it can
     be reused by a request whose prefix matches (:meth:`touch`) until
-    :meth:`allocate` hands it out again, which evicts it. The free queue is
-    least-recently-freed first, so cached blocks are evicted in LRU order.
+    :meth:`allocate` hands it out again, which evicts it.
+
+    The free queue follows vLLM's ``BlockPool.free_blocks`` (0.32 and 0.33):
+    :meth:`allocate` takes from the front; freed blocks that hold no cached
+    prefix go to the *front* (reused first, last freed first), freed cached
+    blocks to the *back* (evicted last, least recently freed first). A key may
+    name several blocks (two requests computed the same prefix at once):
+    every copy stays cached, :meth:`lookup` gives the first registered, and
+    evicting one copy leaves the others.
 
     Example:
       >>> import jaxkv
@@ -51,7 +58,9 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._refs = [0] * num_blocks
         self._key_of: dict[int, Hashable] = {}
-        self._cached: dict[Hashable, int] = {}
+        # key -> its blocks, first registered first (a dict as an ordered set).
+        self._cached: dict[Hashable, dict[int, None]] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -61,18 +70,27 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Blocks registered in the prefix cache (held or free)."""
-        return len(self._cached)
+        return len(self._key_of)
 
     def ref_count(self, block: int) -> int:
         """Requests holding `block`."""
         return self._refs[block]
 
+    def free_queue(self) -> list[int]:
+        """The free blocks in the order :meth:`allocate` hands them out."""
+        return list(self._free)
+
+    def key_of(self, block: int) -> Hashable | None:
+        """The prefix-cache key `block` is registered under, or ``None``."""
+        return self._key_of.get(block)
+
     def allocate(self, n: int) -> list[int]:
-        """`n` blocks, each held once; cached ones handed out are evicted.
+        """`n` blocks from the front of the free queue, each held once; cached
+        ones handed out are evicted.
 
         Raises:
           RuntimeError: If fewer than `n` are free.
-        """
+        """  # noqa: D205
         if n > len(self._free):
             raise RuntimeError(
                 f"Out of KV-cache blocks: need {n}, {len(self._free)} free."
@@ -80,24 +98,52 @@ class BlockAllocator:
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
-            key = self._key_of.pop(block, None)
-            if key is not None and self._cached.get(key) == block:
-                del self._cached[key]
+            if block in self._key_of:
+                self._evict(block)
             self._refs[block] = 1
             out.append(block)
         return out
 
+    def _evict(self, block: int) -> None:
+        key = self._key_of.pop(block)
+        copies = self._cached[key]
+        del copies[block]
+        if not copies:
+            del self._cached[key]
+        self.num_evictions += 1
+
     def free(self, ids: Sequence[int]) -> None:
-        """Drops one hold on each id; ids no request holds join the free queue.
+        """Drops one hold on each id, in eviction order (first evicted first).
+
+        Ids no request holds any more join the free queue: uncached ones at the
+        front (in the given order: ``ids[0]`` is reused first), cached ones at
+        the back (in the given order: ``ids[0]`` is evicted first among them).
+        Checked before anything changes.
 
         Raises:
-          ValueError: If an id is the null block, out of range or not held.
+          ValueError: If an id is the null block, out of range or not held (as
+            often as it is given).
         """
         for block in ids:
             self._check_held(block)
+        drops: dict[int, int] = {}
+        for block in ids:
+            drops[block] = drops.get(block, 0) + 1
+            if drops[block] > self._refs[block]:
+                raise ValueError(
+                    f"Block id {block} is freed {drops[block]} times but held "
+                    f"{self._refs[block]} times."
+                )
+        front, back = [], []
+        for block in ids:
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free[block] = None
+                (back if block in self._key_of else front).append(block)
+        for block in reversed(front):
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        for block in back:
+            self._free[block] = None
 
     def touch(self, ids: Sequence[int]) -> None:
         """Holds each id once more (a prefix-cache hit); free ones leave the queue."""
@@ -106,20 +152,39 @@ class BlockAllocator:
                 raise ValueError(
                     f"Block id {block} is not in 1..{self.num_blocks - 1}."
                 )
+        for block in ids:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
 
     def cache(self, block: int, *, key: Hashable) -> None:
-        """Registers a held block under `key` (first come: an existing entry stays)."""
+        """Registers a held block under `key`, beside any other copy under it.
+
+        Raises:
+          ValueError: If `block` is not held, or already registered under
+            another key (a block's tokens never change once it is full).
+        """
         self._check_held(block)
-        if key not in self._cached and block not in self._key_of:
-            self._cached[key] = block
-            self._key_of[block] = key
+        have = self._key_of.get(block)
+        if have is not None:
+            if have != key:
+                raise ValueError(
+                    f"Block id {block} is already cached under another key."
+                )
+            return
+        self._cached.setdefault(key, {})[block] = None
+        self._key_of[block] = key
+
+    def uncache(self, block: int) -> None:
+        """Removes `block` from the prefix cache (no effect if it is not cached)."""
+        if block in self._key_of:
+            self._evict(block)
+            self.num_evictions -= 1
 
     def lookup(self, key: Hashable) -> int | None:
-        """The cached block under `key`, or ``None``."""
-        return self._cached.get(key)
+        """The first registered cached block under `key`, or ``None``."""
+        copies = self._cached.get(key)
+        return next(iter(copies)) if copies else None
 
     def evict_all(self) -> None:
         """Forgets every cached block (held blocks stay held)."""

@@ -17,7 +17,11 @@ from jaxkv.cache.bind import (
     attention_layer,
     bind_kv_caches,
 )
-from jaxkv.cache.planner import align_hybrid_block_size, make_kv_cache_config
+from jaxkv.cache.planner import (
+    align_hybrid_block_size,
+    make_kv_cache_config,
+    unify_page_sizes,
+)
 from jaxkv.cache.pools import PoolSpec, allocate_pools, plan_kv_cache
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
@@ -139,6 +143,9 @@ def make_plan(
       align_hybrid: First raise the attention block size and pad the Mamba
         pages so both share pages (:func:`align_hybrid_block_size`); the plan's
         ``runner_config`` is then the aligned one (build the model from it).
+        Attention layers with smaller pages than the largest are always unified
+        as vLLM does (:func:`unify_page_sizes`: more tokens per block, or a
+        padded page), so read block sizes from ``plan.runner_config``.
 
     Returns:
       The plan.
@@ -160,6 +167,7 @@ def make_plan(
         )
     if align_hybrid:
         runner_config = align_hybrid_block_size(runner_config).runner_config
+    runner_config = unify_page_sizes(runner_config)
     if memory_bytes is not None:
         num_blocks = kv_cache_budget(
             runner_config,
@@ -243,6 +251,7 @@ def kv_cache_budget(
       (30, 32768, (16384, 16384), 983040)
     """
     check_positive_int("kv_cache_budget", "memory_bytes", memory_bytes)
+    runner_config = unify_page_sizes(runner_config)
     probe = _build_plan(runner_config, 1, packed, maps_slot_mapping)
     per_pool = tuple(p.size_bytes for p in probe.pools)
     per_block = sum(per_pool)

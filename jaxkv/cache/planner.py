@@ -70,8 +70,9 @@ def make_kv_cache_config(
         )
         raise ValueError(
             "make_kv_cache_config: hybrid layers must have equal page sizes, got "
-            f"{detail}; set page_size_padded on the smaller pages, or plan with "
-            "make_plan(..., align_hybrid=True) (align_hybrid_block_size)."
+            f"{detail}; plan with make_plan, which unifies attention pages "
+            "(unify_page_sizes), set page_size_padded on the smaller pages, or "
+            "plan with make_plan(..., align_hybrid=True) (align_hybrid_block_size)."
         )
     page = pages.pop()
     if len(by_spec) == 1:
@@ -115,6 +116,89 @@ def make_kv_cache_config(
         kv_cache_tensors=tuple(tensors),
         kv_cache_groups=tuple(group_specs),
     )
+
+
+def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
+    """Gives every cache layer the largest attention page, as vLLM's
+    ``unify_kv_cache_spec_page_size`` does (vLLM 0.32).
+
+    With ``P`` the largest page of any attention layer, a layer with a smaller
+    page gets ``block_size * P / page`` tokens per block when its page divides
+    ``P`` (an attention layer with half the bytes per token holds twice the
+    tokens), else its page padded to ``P`` (``page_size_padded``; non-MLA
+    attention and Mamba layers). KV-sharing layers follow their target. A
+    model whose largest page is a Mamba state is returned unchanged: align it
+    with :func:`align_hybrid_block_size` first.
+
+    Args:
+      runner_config: The model's layers.
+
+    Returns:
+      The config with equal pages (the same object if they already were).
+
+    Raises:
+      ValueError: If an MLA layer's page neither divides nor may be padded to
+        ``P``, naming the layers and the two ways out.
+
+    Example (full layers of head size 8 beside sliding-window layers of 16):
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=1, dtype="float32")
+      >>> full = jaxkv.FullAttentionSpec(head_size=8, **kw)
+      >>> swa = jaxkv.SlidingWindowSpec(head_size=16, sliding_window=32, **kw)
+      >>> be = jaxkv.get_backend("JAX_PAGED")
+      >>> cfg = jaxkv.RunnerConfig(layers=[
+      ...     jaxkv.LayerConfig(name=f"l{i}", spec=s, backend=be)
+      ...     for i, s in enumerate([full, swa])])
+      >>> [l.spec.block_size for l in jaxkv.unify_page_sizes(cfg).layers]
+      [32, 16]
+    """  # noqa: D205
+    specs = {
+        layer.spec
+        for layer in runner_config.layers
+        if layer.spec is not None
+        and not isinstance(layer.spec, EncoderOnlyAttentionSpec)
+    }
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) <= 1:
+        return runner_config
+    attn_pages = [s.page_size_bytes for s in specs if isinstance(s, AttentionSpec)]
+    top = max(pages)
+    if not attn_pages or max(attn_pages) < top:
+        return runner_config  # a Mamba page is the largest: align_hybrid's case
+    new: dict[KVCacheSpec, KVCacheSpec] = {}
+    for spec in specs:
+        page = spec.page_size_bytes
+        if page == top:
+            continue
+        if isinstance(spec, MambaSpec):
+            new[spec] = dataclasses.replace(spec, page_size_padded=top)
+        elif top % page == 0 and spec.page_size_padded is None:
+            new[spec] = dataclasses.replace(
+                spec, block_size=spec.block_size * (top // page)
+            )
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            new[spec] = dataclasses.replace(spec, page_size_padded=top)
+        else:
+            names = [layer.name for layer in runner_config.layers if layer.spec == spec]
+            widest = [
+                layer.name
+                for layer in runner_config.layers
+                if layer.spec is not None and layer.spec.page_size_bytes == top
+            ]
+            raise ValueError(
+                f"make_plan: the pages of {names} ({page} bytes) cannot be unified "
+                f"with the {top}-byte pages of {widest}: {top} is not a multiple of "
+                f"{page} and MLA pages cannot be padded. Give those layers a block "
+                "size whose page divides the largest, or give every layer the same "
+                "bytes per token."
+            )
+    if not new:
+        return runner_config
+    layers = [
+        dataclasses.replace(layer, spec=new[layer.spec]) if layer.spec in new else layer
+        for layer in runner_config.layers
+    ]
+    return dataclasses.replace(runner_config, layers=layers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

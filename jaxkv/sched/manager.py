@@ -66,14 +66,17 @@ class KVCacheManager:
       columns are given back. A step that ends on a block boundary leaves in
       that block the state after exactly its tokens (vLLM's "align" mode).
 
-    With prefix caching, each full block is registered after the step that
-    computed it under the chained hash of its tokens
-    (:func:`hash_token_blocks`) and its group; a new request reuses the longest
-    prefix every group can reuse (:func:`longest_cache_hit`, iterated to a
-    length all groups agree on; at least one token is always computed). Freed
-    blocks stay cached until allocation evicts them, least recently freed
-    first. Models with cross-attention or encoder-only caches (not a function
-    of the tokens) cannot enable it.
+    With prefix caching, each block a step fills is registered when it is
+    allocated (vLLM's ``allocate_slots``) under the chained hash of its tokens
+    (:func:`hash_token_blocks`) and its group, so a request admitted later in
+    the same step shares it (a Mamba state only from the next step, once it is
+    written); a new request reuses the longest prefix every group can reuse
+    (:func:`longest_cache_hit`, iterated to a length all groups agree on; at
+    least one token is always computed). Freed blocks stay cached until
+    allocation evicts them (:class:`BlockAllocator`: uncached blocks are
+    reused first, cached ones evicted least recently freed first; copies of
+    one prefix all stay cached). Models with cross-attention or encoder-only
+    caches (not a function of the tokens) cannot enable it.
 
     Args:
       plan: The model's plan (its groups, block sizes and block count).
@@ -131,6 +134,11 @@ class KVCacheManager:
         self._tables: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, dict[int, list[bytes]]] = {}
         self._registered: dict[str, list[int]] = {}
+        # Blocks registered at allocation whose step has not been committed
+        # yet, per request; the Mamba ones among them (block -> request): their
+        # state is written only at the end of that step.
+        self._uncommitted: dict[str, list[int]] = {}
+        self._pending_states: dict[int, str] = {}
 
     # --- queries ----------------------------------------------------------------
 
@@ -175,11 +183,10 @@ class KVCacheManager:
         """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
         per = self._hashes.setdefault(req.req_id, {})
         have = per.setdefault(block_size, [])
-        tokens = req.tokens
-        if len(tokens) // block_size > len(have):
+        if req.num_tokens // block_size > len(have):
             start = len(have) * block_size
             have += hash_token_blocks(
-                tokens[start:],
+                req.token_range(start, req.num_tokens),
                 block_size,
                 parent=have[-1] if have else None,
                 salt=req.cache_salt,
@@ -194,7 +201,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        hit = len(req.tokens) - 1
+        hit = req.num_tokens - 1
         while True:
             agreed = hit
             for g, spec in enumerate(self.specs):
@@ -233,17 +240,41 @@ class KVCacheManager:
 
         For a request with nothing computed yet, `num_cached` tokens (from
         :meth:`find_cache_hit`) are taken from the prefix cache first, and
-        ``req.num_computed`` set to them. All or nothing: returns ``False``
-        and changes nothing when too few blocks are free.
+        ``req.num_computed`` set to them. With prefix caching, the blocks this
+        step fills are registered here (vLLM's ``allocate_slots``), so a request
+        admitted later in the same step shares them: attention reads them after
+        this step's writes. A Mamba state is only written at the end of the
+        step that computes it, so a hit whose Mamba state block is still being
+        computed (registered by another request not yet committed) is refused
+        for now, as vLLM defers it to the next step.
+
+        All or nothing: returns ``False`` and changes nothing when too few
+        blocks are free or a hit's Mamba state is not computed yet.
         """
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_cached", num_cached),
+        ):
+            if type(value) is not int and not isinstance(value, int | np.integer):
+                raise TypeError(
+                    f"allocate: {name} must be an int, got {value!r} for request "
+                    f"{req.req_id!r}."
+                )
+            if value < 0 or isinstance(value, bool):
+                raise ValueError(
+                    f"allocate: {name} must be a non-negative int, got {value!r} for "
+                    f"request {req.req_id!r}."
+                )
         if num_cached and (req.num_computed or req.req_id in self._tables):
             raise ValueError(
                 f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
                 "is only taken at admission."
             )
         tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
-        hits: list[list[int]] = [[] for _ in self.block_sizes]
+        hits: list[list[int]] = []
         if num_cached:
+            hits = [[] for _ in self.block_sizes]
+            tables = [list(t) for t in tables]
             for g in range(len(tables)):
                 bs = self.block_sizes[g]
                 hashes = self._block_hashes(req, bs)
@@ -256,38 +287,76 @@ class KVCacheManager:
                             f"allocate: num_cached={num_cached} is not a cache hit of "
                             f"request {req.req_id!r} (group {g}, block {j})."
                         )
+                    if block in self._pending_states:
+                        return False
                     tables[g][j] = block
                     hits[g].append(block)
         start = num_cached or req.num_computed
         end = start + num_new_tokens
         new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
-        touched_free = sum(
-            self.allocator.ref_count(b) == 0 for blocks in hits for b in set(blocks)
+        need = sum(map(len, new))
+        touched_free = (
+            sum(
+                self.allocator.ref_count(b) == 0 for blocks in hits for b in set(blocks)
+            )
+            if hits
+            else 0
         )
-        need = sum(len(cols) for cols in new)
         if need + touched_free > self.allocator.num_free:
             return False
         for blocks in hits:
             self.allocator.touch(blocks)
-        ids = iter(self.allocator.allocate(need))
-        for g, cols in enumerate(new):
-            for j in cols:
-                tables[g] += [0] * (j + 1 - len(tables[g]))
-                tables[g][j] = next(ids)
+        if need:
+            ids = iter(self.allocator.allocate(need))
+            for g, cols in enumerate(new):
+                for j in cols:
+                    tables[g] += [0] * (j + 1 - len(tables[g]))
+                    tables[g][j] = next(ids)
         self._tables[req.req_id] = tables
-        self._registered.setdefault(req.req_id, [0] * len(tables))
+        registered = self._registered.setdefault(req.req_id, [0] * len(tables))
         if num_cached:
-            self._registered[req.req_id] = [num_cached // bs for bs in self.block_sizes]
+            registered[:] = [num_cached // bs for bs in self.block_sizes]
             req.num_computed = num_cached
             req.num_cached_tokens += num_cached
+        if self.enable_prefix_caching:
+            self._register(req, tables, registered, min(end, req.num_tokens))
         return True
+
+    def _register(
+        self,
+        req: Request,
+        tables: list[list[int]],
+        registered: list[int],
+        n: int,
+    ) -> None:
+        """Caches the blocks that are full once `req`'s first `n` tokens are in."""
+        for g, table in enumerate(tables):
+            bs = self.block_sizes[g]
+            full = n // bs
+            if full <= registered[g]:
+                continue
+            hashes = self._block_hashes(req, bs)
+            if self.is_mamba[g]:
+                # Only a step ending on a block boundary leaves in that block
+                # the state after exactly its tokens.
+                cols = [full - 1] if n % bs == 0 else []
+            else:
+                cols = range(registered[g], full)
+            for j in cols:
+                block = table[j]
+                if block and self.allocator.key_of(block) is None:
+                    self.allocator.cache(block, key=(g, hashes[j]))
+                    self._uncommitted.setdefault(req.req_id, []).append(block)
+                    if self.is_mamba[g]:
+                        self._pending_states[block] = req.req_id
+            registered[g] = full
 
     def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
         """Columns of group `g` that need a new block to compute ``[start, end)``."""
         if end <= start:
             return []
         bs = self.block_sizes[g]
-        if self.is_mamba[g]:
+        if self.is_mamba[g] or end - start == 1:  # a Mamba state, or a decode
             dst = (end - 1) // bs
             return [] if dst < len(table) and table[dst] else [dst]
         return [
@@ -297,29 +366,21 @@ class KVCacheManager:
         ]
 
     def commit(self, req: Request) -> None:
-        """After a step: caches `req`'s newly full blocks and frees what it no
-        longer needs (windows, old Mamba states); ``req.num_computed`` must
-        already count the step's tokens.
+        """After a step: frees what `req` no longer needs (blocks no window of a
+        future query reaches, Mamba states before its last) and marks the Mamba
+        states it computed as ready for hits; ``req.num_computed`` must already
+        count the step's tokens.
+
+        vLLM frees these blocks at the request's next ``allocate_slots``; jaxkv
+        frees them as soon as the step ran, so they are free for the next
+        step's admissions.
         """  # noqa: D205
         tables = self._tables[req.req_id]
         n = req.num_computed
-        registered = self._registered[req.req_id]
+        for block in self._uncommitted.pop(req.req_id, ()):
+            self._pending_states.pop(block, None)
         for g, table in enumerate(tables):
             bs = self.block_sizes[g]
-            if self.enable_prefix_caching:
-                hashes = self._block_hashes(req, bs)
-                if self.is_mamba[g]:
-                    # Only a step ending on a block boundary leaves in that block
-                    # the state after exactly its tokens.
-                    cols = (
-                        [n // bs - 1] if n % bs == 0 and n // bs > registered[g] else []
-                    )
-                else:
-                    cols = list(range(registered[g], n // bs))
-                for j in cols:
-                    if table[j]:
-                        self.allocator.cache(table[j], key=(g, hashes[j]))
-                registered[g] = max(registered[g], n // bs)
             spec = self.specs[g]
             if self.is_mamba[g]:
                 keep = max(0, (n - 1) // bs)
@@ -337,6 +398,11 @@ class KVCacheManager:
         cached ones stay reusable until evicted, the last blocks first.
         """  # noqa: D205
         tables = self._tables.pop(req.req_id, None)
+        # Blocks registered for a step that was never committed may never have
+        # been computed: they leave the cache (losing an entry is safe).
+        for block in self._uncommitted.pop(req.req_id, ()):
+            self._pending_states.pop(block, None)
+            self.allocator.uncache(block)
         self._registered.pop(req.req_id, None)
         self._hashes.pop(req.req_id, None)
         for table in tables or []:
@@ -353,19 +419,23 @@ class KVCacheManager:
         slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
         t0 = 0
         for r, (req, n) in enumerate(batch):
-            pos = np.arange(req.num_computed, req.num_computed + n)
+            start = req.num_computed
             for g, ids in enumerate(self._tables[req.req_id]):
-                row = np.asarray(ids, np.int32)
-                if row.size > self.widths[g]:
+                if len(ids) > self.widths[g]:
                     raise ValueError(
-                        f"Request {req.req_id!r} holds {row.size} blocks in group {g}, "
-                        f"more than its block table's {self.widths[g]} columns "
+                        f"Request {req.req_id!r} holds {len(ids)} blocks in group "
+                        f"{g}, more than its block table's {self.widths[g]} columns "
                         f"(max_model_len={self.plan.runner_config.max_model_len})."
                     )
-                tables[g][r, : row.size] = row
+                tables[g][r, : len(ids)] = ids
                 if not self.is_mamba[g]:
                     bs = self.block_sizes[g]
-                    slots[g][t0 : t0 + n] = row[pos // bs] * bs + pos % bs
+                    if n == 1:  # a decode: no arrays
+                        slots[g][t0] = ids[start // bs] * bs + start % bs
+                    else:
+                        pos = np.arange(start, start + n)
+                        row = np.asarray(ids, np.int32)
+                        slots[g][t0 : t0 + n] = row[pos // bs] * bs + pos % bs
             t0 += n
         return StepBlocks(block_tables=tables, slot_mappings=slots)
 

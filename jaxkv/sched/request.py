@@ -70,6 +70,20 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """``len(self.tokens)``, without building the list."""
+        return len(self.prompt) + len(self.output)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """``self.tokens[start:stop]``, without building the whole list."""
+        p = len(self.prompt)
+        if stop <= p:
+            return self.prompt[start:stop]
+        if start >= p:
+            return self.output[start - p : stop - p]
+        return self.prompt[start:] + self.output[: stop - p]
+
+    @property
     def finished(self) -> bool:
         """Whether it generated all its tokens or a stop token."""
         return len(self.output) >= self.max_new_tokens or bool(

@@ -73,7 +73,7 @@ class ScheduledStep:
         """Requests whose last token this step reaches: one sampled token each,
         in batch order.
         """  # noqa: D205
-        return [r for r, n in self.batch if r.num_computed + n == len(r.tokens)]
+        return [r for r, n in self.batch if r.num_computed + n == r.num_tokens]
 
 
 def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
@@ -90,7 +90,7 @@ def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
     out, end = [], 0
     for req, n in batch:
         end += n
-        if req.num_computed + n == len(req.tokens):
+        if req.num_computed + n == req.num_tokens:
             out.append(end - 1)
     return out
 
@@ -113,10 +113,10 @@ class Scheduler:
     over ``max_model_len``, token ids outside ``[0, vocab_size)``, or more
     blocks than the pool holds. Rejection touches no other request.
 
-    With prefix caching on a model with Mamba groups, a prefill chunk that
-    does not finish the prompt ends where every group's blocks end (the lcm
-    of the block sizes) when it can, so the Mamba state at that boundary is
-    kept for later hits.
+    With prefix caching on a model with Mamba groups, prefill chunks end
+    where every group's blocks end (the lcm of the block sizes), the last one
+    at the last boundary before the final token, so the Mamba state there is
+    kept for later hits (vLLM's align mode; see :meth:`_chunk`).
 
     Args:
       plan: The model's plan.
@@ -248,14 +248,32 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, budget: int, start: int) -> int:
-        """Tokens `req` computes from `start` under `budget` (aligned chunks)."""
-        n = min(len(req.tokens) - start, budget)
+        """Tokens `req` computes from `start` under `budget`.
+
+        With Mamba prefix caching, a prefill chunk ends on a block boundary (the
+        lcm of the groups' block sizes) and never runs past the last boundary a
+        later request can hit (``(len(tokens) - 1) // lcm * lcm``, the last
+        token being always recomputed): vLLM's ``_mamba_block_aligned_split``
+        in align mode, a prompt's only chunk included. The result may be 0 (a
+        chunk that would end before the next boundary): the request waits.
+        """
+        tokens = req.num_tokens
+        n = min(tokens - start, budget)
+        bs = self._align
+        prefill_end = max(len(req.prompt), tokens - 1)
+        if not bs or start >= prefill_end:
+            return n
         end = start + n
-        if self._align and end < len(req.prompt):
-            aligned = end // self._align * self._align
-            if aligned > start:
-                n = aligned - start
-        return n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.max_num_batched_tokens:
+                end = aligned
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            (tokens - 1) // bs * bs,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
 
     def _preempt(self, req: Request) -> None:
         self.manager.free(req)
@@ -274,6 +292,9 @@ class Scheduler:
         while i < len(self.running) and budget and len(batch) < self.max_num_seqs:
             req = self.running[i]
             n = self._chunk(req, budget, req.num_computed)
+            if not n:  # an aligned chunk does not fit this step's budget
+                i += 1
+                continue
             while not self.manager.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -290,7 +311,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.manager.find_cache_hit(req)
             n = self._chunk(req, budget, hit)
-            if not self.manager.allocate(req, n, num_cached=hit):
+            if not n or not self.manager.allocate(req, n, num_cached=hit):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -345,7 +366,7 @@ class Scheduler:
                 [
                     t
                     for r, n in batch
-                    for t in r.tokens[r.num_computed : r.num_computed + n]
+                    for t in r.token_range(r.num_computed, r.num_computed + n)
                 ],
                 np.int32,
             ),
@@ -376,7 +397,7 @@ class Scheduler:
         tokens = iter(int(t) for t in sampled_token_ids)
         finished = []
         for req, n in step.batch:
-            sample = req.num_computed + n == len(req.tokens)
+            sample = req.num_computed + n == req.num_tokens
             req.num_computed += n
             if sample:
                 req.output.append(next(tokens))
