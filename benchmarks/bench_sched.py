@@ -1,3 +1,4 @@
+# pyright: reportMissingImports=false
 """Host cost of scheduling: microseconds per scheduled request per step.
 
 Steady decoding of N running requests (prompts of --prompt tokens, half of
@@ -103,7 +104,7 @@ def run_jaxkv(n: int, args: Any, caching: bool) -> dict[str, float]:
     assert len(s.running) == n
     m = s.manager
     alloc, commit = _Timed(m.allocate), _Timed(m.commit)
-    m.allocate, m.commit = alloc, commit  # type: ignore[method-assign]
+    m.allocate, m.commit = alloc, commit
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -235,7 +236,7 @@ def run_vllm(n: int, args: Any, caching: bool) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; returns the results."""
-    p = parser(__doc__.split("\n")[0])
+    p = parser((__doc__ or "").split("\n")[0])
     p.add_argument("--running", default="64,256,1024")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--prefix", type=int, default=256)
@@ -258,8 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "baseline us/req": base,
                     "jaxkv/baseline": ours["us_per_req"] / base,
                     "vLLM mgr us/req": "-" if vllm is None else vllm,
-                    "first/last third": ours["first_third_us"]
-                    / ours["last_third_us"],
+                    "first/last third": ours["first_third_us"] / ours["last_third_us"],
                     "allocate us": ours["allocate_us"],
                     "commit us": ours["commit_us"],
                 }

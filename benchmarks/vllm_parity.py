@@ -1,3 +1,4 @@
+# pyright: reportMissingImports=false
 """jaxkv's block manager in lockstep with vLLM's own (not part of the suite).
 
 Needs vLLM's real ``KVCacheManager`` importable (``pip install torch==2.13.0``,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,7 @@ BS = 4
 @dataclasses.dataclass
 class Pair:
     ours: jaxkv.Request
-    theirs: object
+    theirs: Any
     new: int = 0
 
 
@@ -318,7 +320,7 @@ def run_trace(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--traces", type=int, default=200)
     ap.add_argument(
         "--vllm-frees-late",

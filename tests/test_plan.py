@@ -175,13 +175,22 @@ def test_build_attn_metadata_rejects_a_config_with_fewer_groups():
 
 
 def _mixed_pages(full_head=8, swa_head=16, mla=False):
-    kw = dict(block_size=16, num_kv_heads=1, dtype="float32")
-    full = (
-        jaxkv.MLAAttentionSpec(head_size=full_head, **{**kw, "num_kv_heads": 1})
+    full: jaxkv.AttentionSpec = (
+        jaxkv.MLAAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=full_head, dtype="float32"
+        )
         if mla
-        else jaxkv.FullAttentionSpec(head_size=full_head, **kw)
+        else jaxkv.FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=full_head, dtype="float32"
+        )
     )
-    swa = jaxkv.SlidingWindowSpec(head_size=swa_head, sliding_window=32, **kw)
+    swa = jaxkv.SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=swa_head,
+        dtype="float32",
+        sliding_window=32,
+    )
     be = jaxkv.get_backend("JAX_PAGED")
     return jaxkv.RunnerConfig(
         layers=[
@@ -204,8 +213,12 @@ def test_mixed_page_sizes_are_unified_as_vllm_does(packed):
         ("SlidingWindowSpec", 16),
     ]
     assert {s.page_size_bytes for s in specs} == {2048}
-    assert plan.runner_config.layer("l0").spec.block_size == 32
-    assert plan.views["l0"].block_size == 32
+    spec = plan.runner_config.layer("l0").spec
+    assert spec is not None
+    assert spec.block_size == 32
+    view = plan.views["l0"]
+    assert isinstance(view, jaxkv.KVCacheView)
+    assert view.block_size == 32
     # The scheduler and manager follow the plan's block sizes.
     m = jaxkv.KVCacheManager(plan)
     assert sorted(m.block_sizes) == [16, 32]
@@ -218,6 +231,7 @@ def test_mixed_pages_that_do_not_divide_are_padded_or_refused():
     # Head sizes 12 and 16: 1536 does not divide 2048, so the page is padded.
     plan = jaxkv.make_plan(_mixed_pages(full_head=12), num_blocks=4)
     spec = plan.runner_config.layer("l0").spec
+    assert spec is not None
     assert (spec.block_size, spec.page_size_bytes) == (16, 2048)
     # An MLA page can be neither raised to a divisor nor padded.
     with pytest.raises(ValueError, match=r"\['l0', 'l2'\].*\['l1', 'l3'\].*block size"):

@@ -172,7 +172,11 @@ def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
             continue
         if isinstance(spec, MambaSpec):
             new[spec] = dataclasses.replace(spec, page_size_padded=top)
-        elif top % page == 0 and spec.page_size_padded is None:
+        elif (
+            isinstance(spec, AttentionSpec)
+            and top % page == 0
+            and spec.page_size_padded is None
+        ):
             new[spec] = dataclasses.replace(
                 spec, block_size=spec.block_size * (top // page)
             )
