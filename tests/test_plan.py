@@ -1,5 +1,6 @@
 """The plan object, the core/demo split, fields jaxkv rejects rather than ignores."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -236,3 +237,15 @@ def test_mixed_pages_that_do_not_divide_are_padded_or_refused():
     # An MLA page can be neither raised to a divisor nor padded.
     with pytest.raises(ValueError, match=r"\['l0', 'l2'\].*\['l1', 'l3'\].*block size"):
         jaxkv.make_plan(_mixed_pages(full_head=24, swa_head=16, mla=True), num_blocks=4)
+
+
+def test_unified_pages_pad_a_smaller_mamba_state():
+    cfg = _mixed_pages()
+    state = jaxkv.MambaSpec(block_size=16, shapes=((256,),), dtypes=("float32",))
+    mixer = jaxkv.LayerConfig(
+        name="mixer", spec=state, backend=jaxkv.get_backend("MAMBA2"), num_heads=1
+    )
+    cfg = dataclasses.replace(cfg, layers=(*cfg.layers, mixer))
+    out = jaxkv.unify_page_sizes(cfg).layer("mixer").spec
+    assert out is not None
+    assert (state.page_size_bytes, out.page_size_bytes) == (1024, 2048)

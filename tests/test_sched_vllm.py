@@ -365,3 +365,35 @@ def test_window_blocks_are_free_right_after_the_step():
     assert m.num_free_blocks == 4
     b = jaxkv.Request("b", prompt=list(range(100, 116)), max_new_tokens=1)
     assert m.allocate(b, 16)  # 4 blocks: admitted (vLLM refuses it here)
+
+
+def test_a_chunk_that_cannot_reach_a_block_boundary_waits():
+    # Budget 6, block 4: a's aligned chunk takes 4, leaving 2 for b, whose
+    # chunk would end mid-block: b waits rather than being admitted for 0
+    # tokens or a sub-block chunk.
+    s = jaxkv.Scheduler(
+        _plan(mamba=True), enable_prefix_caching=True, max_num_batched_tokens=6
+    )
+    a = jaxkv.Request("a", prompt=list(range(20)), max_new_tokens=1)
+    b = jaxkv.Request("b", prompt=list(range(50, 70)), max_new_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    step = s.schedule()
+    assert [(r.req_id, n) for r, n in step.batch] == [("a", 4)]
+    assert list(s.waiting) == [b]
+    steps = _serve(s, [], together=True)
+    assert all(n > 0 and (n % 4 == 0 or r == "a") for batch in steps for r, n in batch)
+
+
+def test_a_resumed_request_recomputes_its_outputs_in_aligned_chunks():
+    # A preempted request recomputes prompt and outputs; everything before its
+    # last token is prefill, so chunks stay aligned (vLLM: num_tokens - 1).
+    s = jaxkv.Scheduler(
+        _plan(mamba=True), enable_prefix_caching=True, max_num_batched_tokens=6
+    )
+    r = jaxkv.Request("r", prompt=list(range(5)), max_new_tokens=20)
+    r.output = [9] * 8  # as after a preemption: 13 tokens, none computed
+    assert s._chunk(r, 6, 0) == 4
+    assert s._chunk(r, 6, 4) == 4
+    assert s._chunk(r, 6, 8) == 4  # past the prompt, still before token 12
+    assert s._chunk(r, 6, 12) == 1

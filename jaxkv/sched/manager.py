@@ -4,6 +4,7 @@ prefix caching, window freeing and Mamba state blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -415,28 +416,40 @@ class KVCacheManager:
         ``num_computed`` on (its blocks allocated with :meth:`allocate`).
         """
         num_tokens = sum(n for _, n in batch)
-        tables = [np.zeros((len(batch), w), np.int32) for w in self.widths]
-        slots = [np.full(num_tokens, -1, np.int32) for _ in self.widths]
-        t0 = 0
-        for r, (req, n) in enumerate(batch):
-            start = req.num_computed
-            for g, ids in enumerate(self._tables[req.req_id]):
-                if len(ids) > self.widths[g]:
-                    raise ValueError(
-                        f"Request {req.req_id!r} holds {len(ids)} blocks in group "
-                        f"{g}, more than its block table's {self.widths[g]} columns "
-                        f"(max_model_len={self.plan.runner_config.max_model_len})."
-                    )
-                tables[g][r, : len(ids)] = ids
-                if not self.is_mamba[g]:
-                    bs = self.block_sizes[g]
+        rows = [self._tables[req.req_id] for req, _ in batch]
+        tables, slots = [], []
+        for g, width in enumerate(self.widths):
+            lens = np.fromiter((len(t[g]) for t in rows), np.int64, len(rows))
+            if lens.size and lens.max() > width:
+                r = int(np.argmax(lens))
+                raise ValueError(
+                    f"Request {batch[r][0].req_id!r} holds {lens[r]} blocks in group "
+                    f"{g}, more than its block table's {width} columns "
+                    f"(max_model_len={self.plan.runner_config.max_model_len})."
+                )
+            table = np.zeros((len(rows), width), np.int32)
+            # Every row's ids in one pass: row r fills its first lens[r] columns.
+            table[np.arange(width) < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(t[g] for t in rows),
+                np.int32,
+                int(lens.sum()),
+            )
+            tables.append(table)
+            slot = np.full(num_tokens, -1, np.int32)
+            if not self.is_mamba[g]:
+                bs = self.block_sizes[g]
+                t0 = 0
+                for (req, n), t in zip(batch, rows, strict=True):
+                    ids, start = t[g], req.num_computed
                     if n == 1:  # a decode: no arrays
-                        slots[g][t0] = ids[start // bs] * bs + start % bs
+                        slot[t0] = ids[start // bs] * bs + start % bs
                     else:
                         pos = np.arange(start, start + n)
-                        row = np.asarray(ids, np.int32)
-                        slots[g][t0 : t0 + n] = row[pos // bs] * bs + pos % bs
-            t0 += n
+                        slot[t0 : t0 + n] = (
+                            np.asarray(ids, np.int32)[pos // bs] * bs + pos % bs
+                        )
+                    t0 += n
+            slots.append(slot)
         return StepBlocks(block_tables=tables, slot_mappings=slots)
 
 

@@ -342,18 +342,27 @@ class Scheduler:
         )
 
     def _arrays(self, batch: list[tuple[Request, int]]) -> StepArrays:
-        q_lens = np.array([n for _, n in batch], np.int32)
-        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
+        starts = np.fromiter((r.num_computed for r, _ in batch), np.int32, len(batch))
+        qsl = np.zeros(len(batch) + 1, np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
         blocks = self.manager.step_blocks(batch)
         samples = sampled_token_indices(batch)
+        token_ids: list[int] = []
+        for r, n in batch:
+            if n == 1:  # a decode: one token, no list
+                p, c = len(r.prompt), r.num_computed
+                token_ids.append(r.prompt[c] if c < p else r.output[c - p])
+            else:
+                token_ids += r.token_range(r.num_computed, r.num_computed + n)
         return StepArrays(
             query_start_loc=qsl,
-            seq_lens=np.array([r.num_computed + n for r, n in batch], np.int32),
-            positions=np.concatenate(
-                [
-                    np.zeros(0),
-                    *(np.arange(r.num_computed, r.num_computed + n) for r, n in batch),
-                ]
+            seq_lens=starts + q_lens,
+            # Each token's position: its request's start plus its rank in it.
+            positions=(
+                np.arange(num_tokens, dtype=np.int32)
+                + np.repeat(starts - qsl[:-1], q_lens)
             ).astype(np.int32),
             block_tables=blocks.block_tables,
             slot_mappings=blocks.slot_mappings,
@@ -362,17 +371,9 @@ class Scheduler:
             cu_num_logits=np.concatenate(
                 [[0], np.searchsorted(samples, qsl[1:])]
             ).astype(np.int32),
-            token_ids=np.array(
-                [
-                    t
-                    for r, n in batch
-                    for t in r.token_range(r.num_computed, r.num_computed + n)
-                ],
-                np.int32,
-            ),
-            is_prefilling=np.array(
-                [r.num_computed < len(r.prompt) for r, _ in batch], bool
-            ),
+            token_ids=np.asarray(token_ids, np.int32),
+            is_prefilling=starts
+            < np.fromiter((len(r.prompt) for r, _ in batch), np.int32, len(batch)),
         )
 
     def update(
