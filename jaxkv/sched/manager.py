@@ -4,7 +4,6 @@ prefix caching, window freeing and Mamba state blocks.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -119,6 +118,17 @@ class KVCacheManager:
             else None
             for g in groups
         ]
+        # Groups that give blocks back before a request ends: windows and
+        # Mamba states (full attention keeps every block).
+        self._freeing_groups = [
+            g
+            for g, spec in enumerate(self.specs)
+            if self.is_mamba[g]
+            or isinstance(
+                spec,
+                SlidingWindowSpec | SlidingWindowMLASpec | ChunkedLocalAttentionSpec,
+            )
+        ]
         if num_blocks is not None and not 2 <= num_blocks <= plan.num_blocks:
             raise ValueError(
                 f"KVCacheManager: num_blocks={num_blocks!r} must be in "
@@ -133,6 +143,12 @@ class KVCacheManager:
             if reason:
                 raise ValueError(f"enable_prefix_caching: {reason}")
         self._tables: dict[str, list[list[int]]] = {}
+        # The same tables as rows of one array per group, kept in step with
+        # the lists, so a batch's block table is one gather (no per-step
+        # rebuild from Python lists); rows are recycled, zeroed.
+        self._mirror = [np.zeros((0, w), np.int32) for w in self.widths]
+        self._row: dict[str, int] = {}
+        self._free_rows: list[int] = []
         self._hashes: dict[str, dict[int, list[bytes]]] = {}
         self._registered: dict[str, list[int]] = {}
         # Blocks registered at allocation whose step has not been committed
@@ -252,6 +268,10 @@ class KVCacheManager:
         All or nothing: returns ``False`` and changes nothing when too few
         blocks are free or a hit's Mamba state is not computed yet.
         """
+        if num_new_tokens == 1 and not num_cached and type(num_new_tokens) is int:
+            done = self._allocate_decode(req)
+            if done is not None:
+                return done
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_cached", num_cached),
@@ -314,6 +334,12 @@ class KVCacheManager:
                     tables[g] += [0] * (j + 1 - len(tables[g]))
                     tables[g][j] = next(ids)
         self._tables[req.req_id] = tables
+        row = self._row_of(req.req_id)
+        for g, cols in enumerate(new):
+            self._mirror_set(g, row, cols, tables[g])
+        for g, blocks in enumerate(hits):
+            if blocks:
+                self._mirror_set(g, row, range(len(tables[g])), tables[g])
         registered = self._registered.setdefault(req.req_id, [0] * len(tables))
         if num_cached:
             registered[:] = [num_cached // bs for bs in self.block_sizes]
@@ -321,6 +347,50 @@ class KVCacheManager:
             req.num_cached_tokens += num_cached
         if self.enable_prefix_caching:
             self._register(req, tables, registered, min(end, req.num_tokens))
+        return True
+
+    def _row_of(self, req_id: str) -> int:
+        row = self._row.get(req_id)
+        if row is None:
+            if not self._free_rows:
+                have = len(self._mirror[0])
+                grow = max(16, have)
+                self._mirror = [
+                    np.concatenate([m, np.zeros((grow, m.shape[1]), np.int32)])
+                    for m in self._mirror
+                ]
+                self._free_rows = list(range(have + grow - 1, have - 1, -1))
+            row = self._row[req_id] = self._free_rows.pop()
+        return row
+
+    def _mirror_set(
+        self, g: int, row: int, cols: Sequence[int], table: list[int]
+    ) -> None:
+        width = self.widths[g]
+        for j in cols:
+            if j < width:  # past the width: step_blocks refuses the request
+                self._mirror[g][row, j] = table[j]
+
+    def _allocate_decode(self, req: Request) -> bool | None:
+        """One more token where every group has its block already.
+
+        Most decode steps; ``None`` when a block is needed (the general path
+        decides).
+        """
+        tables = self._tables.get(req.req_id)
+        if tables is None:
+            return None
+        pos = req.num_computed
+        for table, bs in zip(tables, self.block_sizes, strict=True):
+            j = pos // bs
+            if j >= len(table) or not table[j]:
+                return None
+        if self.enable_prefix_caching:
+            end = pos + 1
+            if any(end % bs == 0 for bs in self.block_sizes):
+                self._register(
+                    req, tables, self._registered[req.req_id], min(end, req.num_tokens)
+                )
         return True
 
     def _register(
@@ -378,9 +448,11 @@ class KVCacheManager:
         """  # noqa: D205
         tables = self._tables[req.req_id]
         n = req.num_computed
-        for block in self._uncommitted.pop(req.req_id, ()):
-            self._pending_states.pop(block, None)
-        for g, table in enumerate(tables):
+        if self._uncommitted:
+            for block in self._uncommitted.pop(req.req_id, ()):
+                self._pending_states.pop(block, None)
+        for g in self._freeing_groups:
+            table = tables[g]
             bs = self.block_sizes[g]
             spec = self.specs[g]
             if self.is_mamba[g]:
@@ -393,6 +465,7 @@ class KVCacheManager:
             if gone:
                 self.allocator.free(gone[::-1])
                 table[:keep] = [0] * keep
+                self._mirror[g][self._row[req.req_id], :keep] = 0
 
     def free(self, req: Request) -> None:
         """Gives back every block `req` holds (finished, rejected or preempted);
@@ -408,6 +481,11 @@ class KVCacheManager:
         self._hashes.pop(req.req_id, None)
         for table in tables or []:
             self.allocator.free([b for b in table[::-1] if b])
+        row = self._row.pop(req.req_id, None)
+        if row is not None:
+            for m in self._mirror:
+                m[row] = 0
+            self._free_rows.append(row)
 
     def step_blocks(self, batch: Sequence[tuple[Request, int]]) -> StepBlocks:
         """Block tables and slot mappings of a scheduled batch.
@@ -417,24 +495,22 @@ class KVCacheManager:
         """
         num_tokens = sum(n for _, n in batch)
         rows = [self._tables[req.req_id] for req, _ in batch]
+        index = np.fromiter((self._row[req.req_id] for req, _ in batch), np.int64)
         tables, slots = [], []
         for g, width in enumerate(self.widths):
-            lens = np.fromiter((len(t[g]) for t in rows), np.int64, len(rows))
-            if lens.size and lens.max() > width:
-                r = int(np.argmax(lens))
+            longest = max((len(t[g]) for t in rows), default=0)
+            if longest > width:
+                req = next(
+                    r
+                    for (r, _), t in zip(batch, rows, strict=True)
+                    if len(t[g]) > width
+                )
                 raise ValueError(
-                    f"Request {batch[r][0].req_id!r} holds {lens[r]} blocks in group "
-                    f"{g}, more than its block table's {width} columns "
+                    f"Request {req.req_id!r} holds {longest} blocks in group {g}, "
+                    f"more than its block table's {width} columns "
                     f"(max_model_len={self.plan.runner_config.max_model_len})."
                 )
-            table = np.zeros((len(rows), width), np.int32)
-            # Every row's ids in one pass: row r fills its first lens[r] columns.
-            table[np.arange(width) < lens[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(t[g] for t in rows),
-                np.int32,
-                int(lens.sum()),
-            )
-            tables.append(table)
+            tables.append(self._mirror[g][index])
             slot = np.full(num_tokens, -1, np.int32)
             if not self.is_mamba[g]:
                 bs = self.block_sizes[g]

@@ -289,9 +289,14 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         i = 0
+        align = self._align
         while i < len(self.running) and budget and len(batch) < self.max_num_seqs:
             req = self.running[i]
-            n = self._chunk(req, budget, req.num_computed)
+            n = (
+                self._chunk(req, budget, req.num_computed)
+                if align
+                else min(req.num_tokens - req.num_computed, budget)
+            )
             if not n:  # an aligned chunk does not fit this step's budget
                 i += 1
                 continue
@@ -329,12 +334,14 @@ class Scheduler:
                 "given back."
             )
         # Decodes first (the order backends with a decode threshold expect).
-        batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
+        prefill = [
+            max(0, min(len(r.prompt), r.num_computed + n) - r.num_computed)
+            for r, n in batch
+        ]
+        if any(prefill):
+            batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
         self.stats["steps"] += bool(batch)
-        for req, n in batch:
-            self.stats["prefill_tokens"] += max(
-                0, min(len(req.prompt), req.num_computed + n) - req.num_computed
-            )
+        self.stats["prefill_tokens"] += sum(prefill)
         return ScheduledStep(
             batch=batch,
             arrays=self._arrays(batch),
