@@ -276,12 +276,12 @@ class KVCacheManager:
             ("num_new_tokens", num_new_tokens),
             ("num_cached", num_cached),
         ):
-            if type(value) is not int and not isinstance(value, int | np.integer):
+            if not isinstance(value, int | np.integer):
                 raise TypeError(
                     f"allocate: {name} must be an int, got {value!r} for request "
                     f"{req.req_id!r}."
                 )
-            if value < 0 or isinstance(value, bool):
+            if isinstance(value, bool) or value < 0:
                 raise ValueError(
                     f"allocate: {name} must be a non-negative int, got {value!r} for "
                     f"request {req.req_id!r}."

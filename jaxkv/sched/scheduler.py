@@ -16,9 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxkv._util import check_positive_int
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.sched.manager import KVCacheManager
 from jaxkv.sched.request import Request, RequestStatus
+
+_INT32_LIMIT = 2**31  # token ids travel to the device as int32
+MAX_REJECTED_KEPT = 1024  # Scheduler.rejected keeps the latest this many
 
 
 class StepArrays(NamedTuple):
@@ -156,15 +160,33 @@ class Scheduler:
         self.manager = KVCacheManager(
             plan, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks
         )
-        self.max_num_batched_tokens = int(
-            max_num_batched_tokens or cfg.max_num_batched_tokens
+        # Given limits are checked, never replaced by the config's (0 is not
+        # "the default").
+        self.max_num_batched_tokens = (
+            cfg.max_num_batched_tokens
+            if max_num_batched_tokens is None
+            else check_positive_int(
+                "Scheduler", "max_num_batched_tokens", max_num_batched_tokens
+            )
         )
-        self.max_num_seqs = int(max_num_seqs or cfg.max_num_seqs)
+        self.max_num_seqs = (
+            cfg.max_num_seqs
+            if max_num_seqs is None
+            else check_positive_int("Scheduler", "max_num_seqs", max_num_seqs)
+        )
         self.max_model_len = cfg.max_model_len
-        self.vocab_size = vocab_size
+        self.vocab_size = (
+            None
+            if vocab_size is None
+            else check_positive_int("Scheduler", "vocab_size", vocab_size)
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.rejected: list[Request] = []
+        # The latest rejections (bounded: a long-lived server keeps no more);
+        # stats["rejected"] counts them all.
+        self.rejected: deque[Request] = deque(maxlen=MAX_REJECTED_KEPT)
+        self._applied: ScheduledStep | None = None
+        self._latest: ScheduledStep | None = None
         self._ids: set[str] = set()
         # With prefix caching and Mamba groups, prefill chunks end where every
         # group's blocks end (the lcm of the block sizes), so a hit there finds
@@ -191,34 +213,70 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def rejection_reason(self, req: Request) -> str | None:
-        """Why `req` can never be served, or ``None``."""
-        if not req.prompt:
+        """Why `req` can never be served, or ``None``.
+
+        Checks every field that enters the scheduler, so a bad request is
+        rejected here and never fails a later step: the prompt (a sequence of
+        ints in ``[0, vocab_size)``, or within int32 without a vocabulary),
+        ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, the model
+        length and the blocks it needs.
+        """
+        try:
+            ids = np.asarray(req.prompt)
+        except (TypeError, ValueError) as e:
+            return f"prompt must be a sequence of token ids ({e})"
+        if isinstance(req.prompt, str | bytes) or ids.ndim != 1:
+            return (
+                "prompt must be a flat sequence of token ids, got "
+                f"{type(req.prompt).__name__} of shape {ids.shape}"
+            )
+        if ids.size == 0:
             return "empty prompt"
+        if not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+            return f"prompt token ids must be ints, got dtype {ids.dtype}"
+        top = _INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        if ids.min() < 0 or ids.max() >= top:
+            return (
+                f"prompt token ids must be in [0, {top}), got "
+                f"[{ids.min()}, {ids.max()}]"
+            )
+        if isinstance(req.max_new_tokens, bool):
+            return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+        stops = req.stop_token_ids
+        if isinstance(stops, str | bytes) or not isinstance(stops, Sequence | set):
+            return (
+                "stop_token_ids must be a sequence of ints, got "
+                f"{type(stops).__name__} {stops!r}"
+            )
+        if not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in stops
+        ):
+            return f"stop_token_ids must be ints, got {list(stops)!r}"
+        if req.cache_salt is not None and not isinstance(req.cache_salt, str):
+            return (
+                "cache_salt must be a str or None, got "
+                f"{type(req.cache_salt).__name__} {req.cache_salt!r}"
+            )
         if req.status is not RequestStatus.WAITING or req.num_computed:
             return (
                 f"the request was already served (status {req.status.value}, "
                 f"{req.num_computed} tokens computed); submit a new Request"
+            )
+        if req.output:
+            return (
+                f"the request already has {len(req.output)} output tokens; submit a "
+                "new Request"
             )
         if (
             not isinstance(req.max_new_tokens, int | np.integer)
             or req.max_new_tokens < 1
         ):
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
-        total = len(req.prompt) + int(req.max_new_tokens)
+        total = len(ids) + int(req.max_new_tokens)
         if total > self.max_model_len:
             return (
-                f"prompt ({len(req.prompt)} tokens) + max_new_tokens "
+                f"prompt ({len(ids)} tokens) + max_new_tokens "
                 f"({req.max_new_tokens}) > max_model_len ({self.max_model_len})"
-            )
-        ids = np.asarray(req.prompt)
-        if not np.issubdtype(ids.dtype, np.integer):
-            return f"prompt token ids must be ints, got dtype {ids.dtype}"
-        if ids.min() < 0 or (
-            self.vocab_size is not None and ids.max() >= self.vocab_size
-        ):
-            return (
-                f"prompt token ids must be in [0, {self.vocab_size}), got "
-                f"[{ids.min()}, {ids.max()}]"
             )
         need = self.manager.max_blocks_needed(total, self.max_num_batched_tokens)
         if need > self.manager.num_usable_blocks:
@@ -234,7 +292,18 @@ class Scheduler:
         Raises:
           ValueError: If a live request has the same ``req_id``.
         """
-        if req.req_id in self._ids:
+        if not isinstance(req, Request):
+            raise TypeError(
+                f"add_request: expected a jaxkv.Request, got {type(req).__name__}."
+            )
+        try:
+            live = req.req_id in self._ids
+        except TypeError:
+            raise TypeError(
+                "add_request: req_id must be hashable (a str), got "
+                f"{type(req.req_id).__name__} {req.req_id!r}."
+            ) from None
+        if live:
             raise ValueError(f"add_request: request id {req.req_id!r} is already live.")
         reason = self.rejection_reason(req)
         if reason is not None:
@@ -242,6 +311,10 @@ class Scheduler:
             self.rejected.append(req)
             self.stats["rejected"] += 1
             return False
+        # Stored as Python ints: a tuple or NumPy prompt serves like a list.
+        req.prompt = [int(t) for t in req.prompt]
+        req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
+        req.max_new_tokens = int(req.max_new_tokens)
         req.status = RequestStatus.WAITING
         self._ids.add(req.req_id)
         self.waiting.append(req)
@@ -342,11 +415,12 @@ class Scheduler:
             batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
         self.stats["steps"] += bool(batch)
         self.stats["prefill_tokens"] += sum(prefill)
-        return ScheduledStep(
+        self._latest = ScheduledStep(
             batch=batch,
             arrays=self._arrays(batch),
             preempted=preempted,
         )
+        return self._latest
 
     def _arrays(self, batch: list[tuple[Request, int]]) -> StepArrays:
         q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
@@ -393,16 +467,52 @@ class Scheduler:
           sampled_token_ids: One token per request of ``step.sampled``, in
             order.
 
+        Everything is checked before anything changes, so after an exception
+        the requests and blocks are exactly as before the call (and the step
+        can be applied again with good tokens).
+
         Raises:
-          ValueError: If the number of sampled tokens does not match.
+          ValueError: If fewer tokens than sampling requests come, a token is
+            outside ``[0, vocab_size)`` (int32 without a vocabulary), or the
+            step was already applied or is not the latest scheduled one.
+          TypeError: If the tokens are not integers (floats, NaN, bools).
         """
+        if step is self._applied:
+            raise ValueError(
+                "update: this step was already applied (a retry?); schedule() the "
+                "next step instead."
+            )
+        if step is not self._latest:
+            raise ValueError(
+                "update: the step is not the one schedule() returned last; apply "
+                "each scheduled step once, in order."
+            )
         sampled = step.sampled
         if len(sampled_token_ids) < len(sampled):
             raise ValueError(
                 f"update: {len(sampled)} requests sample a token this step, got "
                 f"{len(sampled_token_ids)} tokens."
             )
-        tokens = iter(int(t) for t in sampled_token_ids)
+        # Validated before anything changes: a bad token leaves every request
+        # and block as it was.
+        top = _INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        tokens_in = np.asarray(sampled_token_ids[: len(sampled)])
+        if tokens_in.size and (
+            not np.issubdtype(tokens_in.dtype, np.integer)
+            or tokens_in.dtype == np.bool_
+        ):
+            raise TypeError(
+                f"update: sampled token ids must be ints, got dtype {tokens_in.dtype}."
+            )
+        bad = np.flatnonzero((tokens_in < 0) | (tokens_in >= top))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"update: request {sampled[i].req_id!r} sampled token "
+                f"{tokens_in[i]}, outside [0, {top})."
+            )
+        self._applied = step
+        tokens = iter(int(t) for t in tokens_in)
         finished = []
         for req, n in step.batch:
             sample = req.num_computed + n == req.num_tokens
