@@ -4,11 +4,13 @@ never failing a later step, and a refused call changes nothing.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.sched.scheduler import MAX_REJECTED_KEPT
 
 
 def _plan():
@@ -71,7 +73,7 @@ def test_a_bad_request_is_rejected_and_the_others_are_served(field, value, reaso
     assert not s.add_request(bad)
     assert bad.status is jaxkv.RequestStatus.REJECTED
     assert bad.reject_reason is not None
-    assert __import__("re").search(reason, bad.reject_reason), bad.reject_reason
+    assert re.search(reason, bad.reject_reason), bad.reject_reason
     assert s.add_request(good[1])
     _serve(s, good)
 
@@ -170,9 +172,9 @@ def test_a_step_is_applied_once_and_in_order():
 
 def test_rejected_requests_are_bounded():
     s = jaxkv.Scheduler(_plan())
-    n = jaxkv.sched.scheduler.MAX_REJECTED_KEPT + 10
+    n = MAX_REJECTED_KEPT + 10
     for i in range(n):
         s.add_request(jaxkv.Request(f"x{i}", prompt=[], max_new_tokens=1))
-    assert len(s.rejected) == jaxkv.sched.scheduler.MAX_REJECTED_KEPT
+    assert len(s.rejected) == MAX_REJECTED_KEPT
     assert s.rejected[-1].req_id == f"x{n - 1}"
     assert s.stats["rejected"] == n
