@@ -126,8 +126,9 @@ def test_scheduler_limits_are_checked_not_defaulted(kwargs, error, match):
 @pytest.mark.parametrize(
     ("tokens", "error", "match"),
     [
-        ([math.nan, 1], TypeError, "must be ints"),
-        ([1.0, 1], TypeError, "must be ints"),
+        ([math.nan, 1], TypeError, "sampled tokens must hold integer ids"),
+        ([1.0, 1], TypeError, "sampled tokens must hold integer ids"),
+        ([True, False], TypeError, "sampled tokens must hold integer ids"),
         ([-1, 1], ValueError, "'a' sampled token -1"),
         ([1, 10**12], ValueError, "'b' sampled token 1000000000000"),
         ([1, 100], ValueError, "outside \\[0, 100\\)"),

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxkv._util import check_positive_int
+from jaxkv._util import check_positive_int, host_int_array
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.sched.manager import KVCacheManager
 from jaxkv.sched.request import Request, RequestStatus
@@ -475,7 +475,8 @@ class Scheduler:
           ValueError: If fewer tokens than sampling requests come, a token is
             outside ``[0, vocab_size)`` (int32 without a vocabulary), or the
             step was already applied or is not the latest scheduled one.
-          TypeError: If the tokens are not integers (floats, NaN, bools).
+          TypeError: If the tokens are not integers (floats, NaN, bools) or
+            are traced values.
         """
         if step is self._applied:
             raise ValueError(
@@ -496,14 +497,11 @@ class Scheduler:
         # Validated before anything changes: a bad token leaves every request
         # and block as it was.
         top = _INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        tokens_in = np.asarray(sampled_token_ids[: len(sampled)])
-        if tokens_in.size and (
-            not np.issubdtype(tokens_in.dtype, np.integer)
-            or tokens_in.dtype == np.bool_
-        ):
-            raise TypeError(
-                f"update: sampled token ids must be ints, got dtype {tokens_in.dtype}."
-            )
+        tokens_in = (
+            host_int_array(sampled_token_ids[: len(sampled)], "update: sampled tokens")
+            if sampled
+            else np.zeros(0, np.int64)
+        )
         bad = np.flatnonzero((tokens_in < 0) | (tokens_in >= top))
         if bad.size:
             i = int(bad[0])
