@@ -302,18 +302,24 @@ def _trace(seed, *, mamba, num_blocks, check=True):
     assert not pending
     assert not s.has_unfinished
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
-    return sum(r.num_cached_tokens for r in reqs), s.stats["preemptions"]
+    return (
+        sum(r.num_cached_tokens for r in reqs),
+        s.stats["preemptions"],
+        s.manager.allocator.num_evictions,
+    )
 
 
 @pytest.mark.parametrize("mamba", [False, True], ids=["full", "full+mamba"])
 def test_seeded_traces_keep_the_books(mamba):
-    hits = preempted = 0
+    hits = preempted = evicted = 0
     for seed in range(6):
-        h, p = _trace(seed, mamba=mamba, num_blocks=12)
+        h, p, e = _trace(seed, mamba=mamba, num_blocks=12)
         hits += h
         preempted += p
+        evicted += e
     assert hits > 0
     assert preempted > 0  # the pool is small enough to preempt
+    assert evicted > 0  # and to evict cached prefixes
 
 
 @pytest.mark.parametrize("mamba", [False, True], ids=["full", "full+mamba"])
