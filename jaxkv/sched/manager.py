@@ -152,10 +152,10 @@ class KVCacheManager:
         self._hashes: dict[str, dict[int, list[bytes]]] = {}
         self._registered: dict[str, list[int]] = {}
         # Blocks registered at allocation whose step has not been committed
-        # yet, per request; the Mamba ones among them (block -> request): their
-        # state is written only at the end of that step.
+        # yet, per request; the Mamba ones among them: their state is written
+        # only at the end of that step.
         self._uncommitted: dict[str, list[int]] = {}
-        self._pending_states: dict[int, str] = {}
+        self._pending_states: set[int] = set()
 
     # --- queries ----------------------------------------------------------------
 
@@ -419,7 +419,7 @@ class KVCacheManager:
                     self.allocator.cache(block, key=(g, hashes[j]))
                     self._uncommitted.setdefault(req.req_id, []).append(block)
                     if self.is_mamba[g]:
-                        self._pending_states[block] = req.req_id
+                        self._pending_states.add(block)
             registered[g] = full
 
     def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
@@ -450,7 +450,7 @@ class KVCacheManager:
         n = req.num_computed
         if self._uncommitted:
             for block in self._uncommitted.pop(req.req_id, ()):
-                self._pending_states.pop(block, None)
+                self._pending_states.discard(block)
         for g in self._freeing_groups:
             table = tables[g]
             bs = self.block_sizes[g]
@@ -475,7 +475,7 @@ class KVCacheManager:
         # Blocks registered for a step that was never committed may never have
         # been computed: they leave the cache (losing an entry is safe).
         for block in self._uncommitted.pop(req.req_id, ()):
-            self._pending_states.pop(block, None)
+            self._pending_states.discard(block)
             self.allocator.uncache(block)
         self._registered.pop(req.req_id, None)
         self._hashes.pop(req.req_id, None)
