@@ -38,6 +38,8 @@ from jaxkv.cache.layout import (
 )
 from jaxkv.cache.ops import (
     gather_kv_pages,
+    kernel_cache,
+    put_kernel_cache,
     read_mamba_state,
     read_view,
     validate_block_ids,
@@ -60,6 +62,7 @@ from jaxkv.cache.pools import (
     allocate_pools,
     init_kv_cache,
     plan_kv_cache,
+    resolve_storage,
 )
 from jaxkv.cache.shard import (
     ShardedPlan,
@@ -69,7 +72,7 @@ from jaxkv.cache.shard import (
 )
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import LayerConfig, RunnerConfig
-from jaxkv.examples import tiny_hybrid_config
+from jaxkv.examples import llama_like_config, tiny_hybrid_config
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.cg_support import (
     AttentionCGSupportInfo,
@@ -259,6 +262,10 @@ __all__ = [
     "smallest_bucket",
     "stage_logits_indices",
     "tiny_hybrid_config",
+    "llama_like_config",
+    "kernel_cache",
+    "put_kernel_cache",
+    "resolve_storage",
     "token_requests_and_positions",
     "unify_page_sizes",
     "unpack_step",

@@ -19,10 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
 
 from jaxkv.cache.bind import AttentionLayer
-from jaxkv.cache.ops import Pools, gather_kv_pages
+from jaxkv.cache.ops import Pools, check_layer, gather_kv_pages
 from jaxkv.cache.views import KVCacheView, LayerView
 from jaxkv.step.build import CommonAttentionMetadata
 
@@ -60,6 +61,7 @@ def paged_attention(
     use_mm_prefix: bool = False,
     pages_per_chunk: int = 4,
     query_tile: int | None = None,
+    layer: Int[ArrayLike, ""] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 
@@ -87,6 +89,9 @@ def paged_attention(
         pages. 1 suits decode batches; prefill chunks want 8-32 (each request
         then costs at most one partly empty tile). Default: 16 when the bucket
         holds more tokens than requests (prefill chunks), else 1.
+      layer: For a layer-stacked typed pool: the layer slot to read, possibly
+        traced (``lax.scan`` over the layers of one stack, with `view` any
+        of them: they share one view but for the slot); ``None``: the view's.
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -139,11 +144,13 @@ def paged_attention(
         )
     if query_tile is None:
         query_tile = 16 if q.shape[0] > meta.max_reqs else 1
+    check_layer(layer, view, pools, "paged_attention")
     return _paged_attention(
         q,
         pools,
         view,
         meta,
+        layer,
         scale=scale,
         sliding_window=sliding_window,
         attention_chunk_size=attention_chunk_size,
@@ -173,6 +180,7 @@ def _paged_attention(
     pools: Pools,
     view: KVCacheView,
     meta: CommonAttentionMetadata,
+    layer: jax.Array | None,
     *,
     scale: float,
     sliding_window: int | None,
@@ -258,7 +266,7 @@ def _paged_attention(
         else:  # every row starts at chunk 0: one slice of the table
             pages = jax.lax.dynamic_slice_in_dim(table, c * chunk, chunk, axis=1)
             j = (c * span + key_ids)[None, :]  # (1, span)
-        k_pages, v_pages = gather_kv_pages(pools, view, pages)
+        k_pages, v_pages = gather_kv_pages(pools, view, pages, layer=layer)
         if v_pages is None:  # MLA: the latent is both key and value
             v_pages = k_pages
         rows = pages.shape[0]

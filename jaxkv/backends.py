@@ -329,6 +329,12 @@ _REGISTRY: dict[str, AttentionBackend] = {
         supports_batch_invariance=True,
         supports_update_block_table=True,
     ),
+    "JAX_PAGED_FUSED": AttentionBackend(
+        name="JaxPagedFusedAttentionBackend",
+        layout=KVCacheLayout.BLOCKS_FIRST_FUSED,
+        supports_batch_invariance=True,
+        supports_update_block_table=True,
+    ),
     "JAX_PAGED_KV_FIRST": AttentionBackend(
         name="JaxPagedKVFirstAttentionBackend",
         layout=KVCacheLayout.KV_FIRST,

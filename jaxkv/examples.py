@@ -94,3 +94,61 @@ def tiny_hybrid_config(
         **runner_kwargs,  # pyright: ignore[reportArgumentType]
     )
     return cfg if fits else align_hybrid_block_size(cfg).runner_config
+
+
+def llama_like_config(
+    *,
+    num_layers: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    num_heads: int = 4,
+    block_size: int = 16,
+    dtype: str = "float32",
+    sliding_window: int | None = None,
+    window_every: int = 0,
+    attention_backend: str | AttentionBackend = "JAX_PAGED_FUSED",
+    **runner_kwargs: object,
+) -> RunnerConfig:
+    """A decoder of `num_layers` attention layers (GQA), Llama-like or Gemma-like.
+
+    With `sliding_window` and ``window_every=n``, every layer but each n-th is
+    a sliding-window layer (Gemma-3's 5 local : 1 global with ``n=6``). The
+    default backend lays each layer out as vLLM 0.33's default ``LBNHC`` (K and
+    V side by side per token and head), which typed pools hold as
+    ``(L, num_blocks, block_size, H, 2D)``.
+
+    Example:
+      >>> import jaxkv
+      >>> cfg = jaxkv.llama_like_config(num_layers=6, sliding_window=32,
+      ...                               window_every=3)
+      >>> [type(layer.spec).__name__[:7] for layer in cfg.layers][:3]
+      ['Sliding', 'Sliding', 'FullAtt']
+    """
+    attn = (
+        attention_backend
+        if isinstance(attention_backend, AttentionBackend)
+        else get_backend(attention_backend)
+    )
+    kw = dict(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+    )
+    layers = []
+    for i in range(num_layers):
+        local = sliding_window is not None and window_every and (i + 1) % window_every
+        spec = (
+            SlidingWindowSpec(sliding_window=sliding_window, **kw)  # pyright: ignore[reportArgumentType]
+            if local
+            else FullAttentionSpec(**kw)  # pyright: ignore[reportArgumentType]
+        )
+        layers.append(
+            LayerConfig(
+                name=f"layers.{i}.self_attn",
+                spec=spec,
+                backend=attn,
+                num_heads=num_heads,
+            )
+        )
+    return RunnerConfig(layers=tuple(layers), **runner_kwargs)  # pyright: ignore[reportArgumentType]

@@ -17,10 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
 from jaxkv._util import host_int_array
+from jaxkv.cache import typed
 from jaxkv.cache.strided import (
     from_bits,
     gather_items,
@@ -88,6 +90,13 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
             if view is not None:
                 _check_view(bound.arguments["view"], view, fn.__name__)
                 _check_fits(bound.arguments["pools"], bound.arguments["view"])
+            if "layer" in sig.parameters:
+                check_layer(
+                    bound.arguments.get("layer"),
+                    bound.arguments["view"],
+                    bound.arguments["pools"],
+                    fn.__name__,
+                )
             for name in names:
                 bound.arguments[name] = _host_ids(bound.arguments[name], name)
             return fn(*bound.args, **bound.kwargs)
@@ -96,6 +105,45 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
         return call
 
     return wrap
+
+
+def check_layer(layer: object, view: object, pools: Pools, name: str) -> None:
+    """A `layer` override is for typed pools only; a host value must be in range."""
+    if layer is None:
+        return
+    if not isinstance(view, KVCacheView) or not view.typed:
+        raise TypeError(
+            f"{name}: layer= picks a layer slot of a typed (layer-stacked) pool, but "
+            "this view reads a flat word pool; plan with storage='stacked' or drop "
+            "layer=."
+        )
+    if isinstance(layer, jax.Array):
+        try:
+            layer = np.asarray(layer)
+        except jax.errors.TracerArrayConversionError:  # traced: checked by type
+            if not jnp.issubdtype(layer.dtype, jnp.integer) or layer.shape != ():
+                raise TypeError(
+                    f"{name}: layer must be an integer scalar, got {layer.dtype}"
+                    f"{list(layer.shape)}."
+                ) from None
+            return
+    value = host_int_array(layer, "layer")
+    slots = pools[view.pool].shape[0]
+    if value.shape != () or not 0 <= int(value) < slots:
+        raise ValueError(
+            f"{name}: layer={layer!r}, expected an integer scalar in [0, {slots}) "
+            f"(the layer slots of pool {view.pool})."
+        )
+
+
+def _layer_index(layer: object, view: KVCacheView) -> jax.Array:
+    """The slot to access: `layer` (traced or not) or the view's own."""
+    if layer is None:
+        return jnp.int32(view.layer)
+    ids = jnp.asarray(layer)
+    if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:
+        ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
+    return ids.astype(jnp.int32)
 
 
 def _check_fits(pools: Pools, view: LayerView) -> None:
@@ -108,6 +156,29 @@ def _check_fits(pools: Pools, view: LayerView) -> None:
                 "it belongs to another plan (make views and pools from one plan)."
             )
         pool = pools[v.pool]
+        if v.typed:
+            shape = tuple(pool.shape)
+            slot = int(np.prod(shape[1:])) * np.dtype(pool.dtype).itemsize
+            if (
+                len(shape) < 2
+                or slot != v.nbytes
+                or np.dtype(pool.dtype).itemsize != v.itemsize
+                or v.layer is None
+                or shape[0] <= v.layer
+            ):
+                raise ValueError(
+                    f"The view reads layer slot {v.layer} of a typed pool {v.pool} "
+                    f"of {v.nbytes} bytes per slot ({v.dtype.name}), but that pool "
+                    f"is {pool.dtype}{list(shape)}: it belongs to another plan (make "
+                    "views and pools from one plan)."
+                )
+            continue
+        if pool.ndim != 1:
+            raise ValueError(
+                f"The view reads pool {v.pool} as flat words, but that pool is "
+                f"{pool.dtype}{list(pool.shape)} (a typed pool): it belongs to another "
+                "plan (make views and pools from one plan)."
+            )
         nbytes = int(np.prod(pool.shape)) * np.dtype(pool.dtype).itemsize
         if v.extent_bytes > nbytes:
             raise ValueError(
@@ -188,6 +259,8 @@ def write_kv(
     key: Shaped[ArrayLike, "num_tokens ..."],
     value: Shaped[ArrayLike, "num_tokens ..."] | None,
     slot_mapping: Int[ArrayLike, " num_tokens"],
+    *,
+    layer: Int[ArrayLike, ""] | None = None,
 ) -> Pools:
     """Writes new K/V of a batch of tokens through `view`; the pools are donated.
 
@@ -206,6 +279,9 @@ def write_kv(
         MLA.
       slot_mapping: ``(num_tokens,)`` int32 slots, unique apart from padding
         (which of two writes to one slot wins is unspecified).
+      layer: For a view of a layer-stacked typed pool: the layer slot to write,
+        possibly traced (``lax.scan`` over layers); ``None``: the view's own.
+        A traced slot outside the pool writes nothing.
 
     Returns:
       The new pools.
@@ -257,6 +333,10 @@ def write_kv(
     bd, td = view.block_dim, view.dim("token")
     block, token = slots // k, slots % k
     pool = pools[view.pool]
+    if view.typed:
+        return _replace(
+            pools, view.pool, _write_typed(pool, view, key, value, block, token, layer)
+        )
     if "kv" in view.axes:
         # K and V rows go out in one scatter: the token-axis concatenation fuses
         # into the carrier bitcast, so the program has one data kernel, one index
@@ -287,6 +367,46 @@ def write_kv(
     return _replace(pools, view.pool, new)
 
 
+def _write_typed(
+    pool: jax.Array,
+    view: KVCacheView,
+    key: jax.Array,
+    value: jax.Array | None,
+    block: jax.Array,
+    token: jax.Array,
+    layer: object,
+) -> jax.Array:
+    """`write_kv` on a typed pool: one scatter indexed by (layer, block, token)."""
+    bd, td = view.block_dim, view.dim("token")
+    slot = _layer_index(layer, view)
+    if "kv" in view.axes:
+        if value is None:  # unreachable: checked by write_kv
+            raise ValueError("value is missing.")
+        n = block.shape[0]
+        halves = jnp.concatenate(
+            [jnp.zeros((n,), jnp.int32), jnp.ones((n,), jnp.int32)]
+        )
+        data = jnp.concatenate(
+            [to_bits(key.astype(view.dtype)), to_bits(value.astype(view.dtype))]
+        )
+        return typed.scatter(
+            pool,
+            view,
+            layer=slot,
+            indexed=(bd, td, view.dim("kv")),
+            indices=(jnp.tile(block, 2), jnp.tile(token, 2), halves),
+            data=from_bits(data, view.dtype),
+        )
+    return typed.scatter(
+        pool,
+        view,
+        layer=slot,
+        indexed=(bd, td),
+        indices=(block, token),
+        data=_kv_data(view, key, value),
+    )
+
+
 def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
     return tuple(new if i == index else p for i, p in enumerate(pools))
 
@@ -294,7 +414,11 @@ def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
 @_checks_host_ids("block_table", view=KVCacheView)
 @jax.jit
 def gather_kv_pages(
-    pools: Pools, view: KVCacheView, block_table: Int[ArrayLike, "rows cols"]
+    pools: Pools,
+    view: KVCacheView,
+    block_table: Int[ArrayLike, "rows cols"],
+    *,
+    layer: Int[ArrayLike, ""] | None = None,
 ) -> tuple[
     Shaped[Array, "rows cols page_size ..."],
     Shaped[Array, "rows cols page_size ..."] | None,
@@ -307,6 +431,8 @@ def gather_kv_pages(
       block_table: ``(rows, cols)`` int32 block ids in the view's block space.
         Ids outside ``[0, num_blocks)`` or not owned by the view read as
         all-ones bits (NaN for floats).
+      layer: For a layer-stacked typed pool: the layer slot (possibly traced);
+        ``None``: the view's own.
 
     Returns:
       ``(k_pages, v_pages)``, each ``(rows, cols, page_size, num_kv_heads,
@@ -333,6 +459,8 @@ def gather_kv_pages(
         raise ValueError(f"block_table.shape={table.shape}, expected (rows, cols).")
     bd = view.block_dim
     ids = table.reshape(-1)
+    if view.typed:
+        return _gather_typed(pools[view.pool], view, ids, table.shape, layer)
     if "kv" in view.axes:
         # Gather K and V separately so no (.., 2, ..) intermediate is built.
         kvd = view.dim("kv")
@@ -355,6 +483,46 @@ def gather_kv_pages(
         pools[view.pool], plan, (ids,), (view.shape[bd],), view.shape, view.dtype
     )
     pages = pages.reshape(*table.shape, *pages.shape[1:])
+    if "head" not in view.axes:
+        return from_bits(pages, view.dtype), None
+    return (
+        from_bits(pages[..., : view.head_size], view.dtype),
+        from_bits(pages[..., view.head_size :], view.dtype),
+    )
+
+
+def _gather_typed(
+    pool: jax.Array,
+    view: KVCacheView,
+    ids: jax.Array,
+    rows_cols: tuple[int, ...],
+    layer: object,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`gather_kv_pages` on a typed pool: gathers indexed by (layer, block)."""
+    bd = view.block_dim
+    slot = _layer_index(layer, view)
+
+    def pages_of(x: jax.Array) -> jax.Array:
+        return x.reshape(*rows_cols, *x.shape[1:])
+
+    if "kv" in view.axes:
+        kvd = view.dim("kv")
+        k, v = (
+            pages_of(
+                typed.gather(
+                    pool,
+                    view,
+                    layer=slot,
+                    indexed=(bd, kvd),
+                    indices=(ids, jnp.full_like(ids, half)),
+                )
+            )
+            for half in (0, 1)
+        )
+        return from_bits(k, view.dtype), from_bits(v, view.dtype)
+    pages = pages_of(
+        typed.gather(pool, view, layer=slot, indexed=(bd,), indices=(ids,))
+    )
     if "head" not in view.axes:
         return from_bits(pages, view.dtype), None
     return (
@@ -505,6 +673,17 @@ def zero_blocks(
         for v in view.states if isinstance(view, MambaView) else (view,):
             _check_dtype_supported(v)
             owned = ids if v.owned is None else jnp.where(v.owns(ids), ids, -1)
+            if v.typed:
+                rest = [n for d, n in enumerate(v.shape) if d != v.block_dim]
+                out[v.pool] = typed.scatter(
+                    out[v.pool],
+                    v,
+                    layer=jnp.int32(v.layer),
+                    indexed=(v.block_dim,),
+                    indices=(owned,),
+                    data=jnp.zeros((ids.shape[0], *rest), v.dtype),
+                )
+                continue
             plan = _plan(v, (v.block_dim,))
             rest = [v.shape[d] for d in plan.rest_dims]
             zeros = jnp.zeros((ids.shape[0], *rest), v.dtype)
@@ -515,7 +694,9 @@ def zero_blocks(
 
 
 @jax.jit
-def read_view(pools: Pools, view: KVCacheView) -> jax.Array:
+def read_view(
+    pools: Pools, view: KVCacheView, *, layer: Int[ArrayLike, ""] | None = None
+) -> jax.Array:
     """Materialises a whole view in its logical shape (a copy, for inspection).
 
     Example:
@@ -527,6 +708,13 @@ def read_view(pools: Pools, view: KVCacheView) -> jax.Array:
       >>> jaxkv.read_view(pools, views["layers.1.self_attn"]).shape
       (4, 2, 32, 2, 32)
     """
+    if view.typed:
+        return typed.read_slot(pools[view.pool], view, layer=_layer_index(layer, view))
+    if layer is not None:
+        raise TypeError(
+            "read_view: layer= picks a layer slot of a typed pool; this view reads a "
+            "flat word pool."
+        )
     bd = view.block_dim
     ids = jnp.arange(view.num_blocks, dtype=jnp.int32)
     items = gather_items(
@@ -538,6 +726,116 @@ def read_view(pools: Pools, view: KVCacheView) -> jax.Array:
         view.dtype,
     )
     return from_bits(jnp.moveaxis(items, 0, bd), view.dtype)
+
+
+def _typed_view(view: object, name: str) -> KVCacheView:
+    if not isinstance(view, KVCacheView) or not view.typed:
+        raise TypeError(
+            f"{name}: needs the view of a typed pool (plan with storage='typed' or "
+            f"'stacked'), got {view!r:.80}; a word pool has no array a kernel "
+            "could take in place."
+        )
+    return view
+
+
+def kernel_cache(
+    pools: Pools,
+    view: KVCacheView,
+    *,
+    layer: Int[ArrayLike, ""] | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> jax.Array:
+    """A layer's cache as the array a kernel takes: its typed pool's slot.
+
+    The slot in the view's physical order (``(num_blocks, block_size, H,
+    D + Dv)`` for a fused LBNHC layer), reshaped to `shape` if given (e.g.
+    ``(num_blocks, block_size, 2 * H, 1, D)`` for ragged paged attention v3):
+    a reshape of the pool for a one-slot pool (``storage="typed"``), an index
+    into it for a stacked one; never a conversion. Call it inside the jitted
+    step; a bits pool (``pool_dtype="bits"``) gives the bits.
+
+    Raises:
+      TypeError: If the view reads a word pool.
+      ValueError: If `shape` holds another number of elements.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="typed")
+      >>> pools = plan.allocate()
+      >>> jaxkv.kernel_cache(pools, plan.views["layers.1.self_attn"]).shape
+      (4, 16, 2, 64)
+    """
+    view = _typed_view(view, "kernel_cache")
+    _check_fits(pools, view)
+    check_layer(layer, view, pools, "kernel_cache")
+    pool = pools[view.pool]
+    phys = typed.physical_shape(view.shape, view.strides)
+    if pool.shape[0] == 1 and layer is None:
+        slot = pool.reshape(phys)
+    else:
+        slots = pool.reshape((pool.shape[0], *phys))
+        slot = lax.dynamic_index_in_dim(
+            slots, _layer_index(layer, view), 0, keepdims=False
+        )
+    if shape is None:
+        return slot
+    if int(np.prod(shape)) != int(np.prod(phys)):
+        raise ValueError(
+            f"kernel_cache: shape={tuple(shape)} holds {int(np.prod(shape))} "
+            f"elements, the layer's cache {phys} holds {int(np.prod(phys))}."
+        )
+    return slot.reshape(shape)
+
+
+def put_kernel_cache(
+    pools: Pools,
+    view: KVCacheView,
+    cache: jax.Array,
+    *,
+    layer: Int[ArrayLike, ""] | None = None,
+) -> Pools:
+    """Puts back the cache a write-fused kernel returned for a layer.
+
+    The inverse of :func:`kernel_cache`: a reshape for a one-slot pool, an
+    in-place update of the slot for a stacked one (inside a jit that donates
+    the pools neither copies the pool).
+
+    Raises:
+      TypeError: If the view reads a word pool.
+      ValueError: If `cache` has another size or dtype than the slot.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="stacked")
+      >>> pools, view = plan.allocate(), plan.views["layers.1.self_attn"]
+      >>> cache = jaxkv.kernel_cache(pools, view)
+      >>> pools = jaxkv.put_kernel_cache(pools, view, cache.at[1, 0].set(1.0))
+      >>> k, v = jaxkv.gather_kv_pages(pools, view, jnp.array([[1]]))
+      >>> float(k[0, 0, 0].sum()), float(v[0, 0, 0].sum())
+      (64.0, 64.0)
+    """
+    view = _typed_view(view, "put_kernel_cache")
+    _check_fits(pools, view)
+    check_layer(layer, view, pools, "put_kernel_cache")
+    pool = pools[view.pool]
+    phys = typed.physical_shape(view.shape, view.strides)
+    cache = jnp.asarray(cache)
+    if int(np.prod(cache.shape)) != int(np.prod(phys)) or cache.dtype != pool.dtype:
+        raise ValueError(
+            f"put_kernel_cache: cache is {cache.dtype}{list(cache.shape)}, expected "
+            f"{int(np.prod(phys))} elements of {pool.dtype} (the layer's cache "
+            f"{phys})."
+        )
+    if pool.shape[0] == 1 and layer is None:
+        return _replace(pools, view.pool, cache.reshape(pool.shape))
+    slots = pool.reshape((pool.shape[0], *phys))
+    new = lax.dynamic_update_index_in_dim(
+        slots, cache.reshape(phys), _layer_index(layer, view), 0
+    )
+    return _replace(pools, view.pool, new.reshape(pool.shape))
 
 
 def validate_slot_mapping(

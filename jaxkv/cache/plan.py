@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from jaxkv._util import cdiv, check_positive_int
 from jaxkv.cache.bind import (
@@ -22,12 +24,32 @@ from jaxkv.cache.planner import (
     make_kv_cache_config,
     unify_page_sizes,
 )
-from jaxkv.cache.pools import PoolSpec, allocate_pools, plan_kv_cache
+from jaxkv.cache.pools import (
+    PoolSpec,
+    allocate_pools,
+    plan_kv_cache,
+    resolve_storage,
+)
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.cg_support import AttentionCGSupportInfo
 from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
 from jaxkv.kv_cache_config import KVCacheConfig
+
+
+class LayerStack(NamedTuple):
+    """What :meth:`KVCachePlan.layer_stack` returns.
+
+    Attributes:
+      layer: The first layer's :class:`AttentionLayer`; with ``layer=slots[i]``
+        every read, write and :func:`paged_attention` addresses ``names[i]``.
+      slots: ``(len(names),)`` int32 layer slots in the stacked pool.
+      names: The layers, in scan order.
+    """
+
+    layer: AttentionLayer
+    slots: np.ndarray
+    names: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -48,6 +70,9 @@ class KVCachePlan:
       cg_support: The weakest compile support of the model's backends.
       pools: Shape, dtype and carrier word of each physical pool.
       views: Every cached layer's view (KV-sharing layers alias their target's).
+      storage: How pools are stored (resolved: ``"words"``, ``"typed"`` or
+        ``"stacked"``; see :func:`make_plan`).
+      pool_dtype: ``"native"`` or ``"bits"`` (typed pools of narrow floats).
 
     Example:
       >>> import jaxkv
@@ -65,6 +90,8 @@ class KVCachePlan:
     cg_support: AttentionCGSupportInfo
     pools: tuple[PoolSpec, ...]
     views: BoundKVCaches
+    storage: str = "words"
+    pool_dtype: str = "bits"
 
     @property
     def num_blocks(self) -> int:
@@ -99,6 +126,59 @@ class KVCachePlan:
         """  # noqa: D205
         return attention_layer(self.views, self.runner_config, name)
 
+    def layer_stack(self, names: Sequence[str]) -> LayerStack:
+        """The layers `names` as one stack to ``lax.scan`` over.
+
+        Every layer must be an attention layer of one stacked typed pool
+        (``storage="stacked"``) with the same view and attention parameters
+        but for its slot, so one :class:`AttentionLayer` serves them all and
+        ``slots[i]`` (traced inside the scan) picks layer ``names[i]``.
+
+        Raises:
+          ValueError: If the layers live in different pools, in a word pool,
+            or differ in view or attention parameters (naming the first two
+            that disagree).
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=3),
+          ...                        num_blocks=4, storage="stacked")
+          >>> stack = plan.layer_stack([f"layers.{i}.self_attn" for i in range(3)])
+          >>> stack.slots.tolist(), stack.layer.view.pool
+          ([0, 1, 2], 0)
+        """
+        names = list(names)
+        if not names:
+            raise ValueError("layer_stack: names is empty.")
+        layers = [self.attention_layer(n) for n in names]
+        first = layers[0]
+        if not first.view.typed:
+            raise ValueError(
+                f"layer_stack: layer {first.name!r} lives in a word pool; plan with "
+                f"storage='stacked' (this plan's storage is {self.storage!r})."
+            )
+        base = dataclasses.replace(
+            first, view=dataclasses.replace(first.view, layer=0, offset=0)
+        )
+        for layer in layers[1:]:
+            other = dataclasses.replace(
+                layer,
+                name=first.name,
+                view=dataclasses.replace(layer.view, layer=0, offset=0),
+            )
+            if other != base:
+                raise ValueError(
+                    f"layer_stack: layers {first.name!r} and {layer.name!r} cannot be "
+                    "scanned together: they differ in pool, view or attention "
+                    "parameters (window, chunk, soft cap); scan each kind of layer "
+                    "on its own."
+                )
+        return LayerStack(
+            layer=first,
+            slots=np.asarray([layer.view.layer for layer in layers], np.int32),
+            names=tuple(names),
+        )
+
     @property
     def pool_bytes(self) -> int:
         """Bytes of all pools together."""
@@ -126,6 +206,8 @@ def make_plan(
     packed: bool = False,
     maps_slot_mapping: bool = False,
     align_hybrid: bool = False,
+    storage: str = "auto",
+    pool_dtype: str = "auto",
 ) -> KVCachePlan:
     """Plans a model's KV cache: groups, kernel blocks, pools and views.
 
@@ -146,6 +228,22 @@ def make_plan(
         Attention layers with smaller pages than the largest are always unified
         as vLLM does (:func:`unify_page_sizes`: more tokens per block, or a
         padded page), so read block sizes from ``plan.runner_config``.
+      storage: How pools are stored. ``"words"``: flat arrays of carrier words
+        (uint32 where alignment allows), every layout and every sharing of
+        bytes between layers of different dtypes or shapes. ``"typed"``: a
+        pool whose views are dense attention caches of one dtype becomes an
+        element-typed array ``(1, *layer cache)`` (one per KV-cache tensor:
+        what a write-fused kernel takes and returns in place). ``"stacked"``:
+        as typed, and the tensors whose layers agree in shape share one array
+        ``(L, *layer cache)``; reads, writes and :func:`paged_attention` take
+        a traced ``layer=`` (``lax.scan`` over layers). Pools typed storage
+        cannot hold (Mamba state, padded or packed pages, mixed dtypes) stay
+        words. ``"auto"`` (default): ``"words"`` on CPU, ``"stacked"`` on
+        accelerators (:func:`resolve_storage`).
+      pool_dtype: What typed pools hold: ``"native"`` (the cache dtype) or
+        ``"bits"`` (unsigned integers of its width; XLA:CPU scatters narrow
+        floats through float32 over the whole pool). ``"auto"`` (default):
+        bits for floats narrower than 4 bytes on CPU, native otherwise.
 
     Returns:
       The plan.
@@ -165,6 +263,7 @@ def make_plan(
             "make_plan: give exactly one of num_blocks and memory_bytes, got "
             f"num_blocks={num_blocks!r}, memory_bytes={memory_bytes!r}."
         )
+    storage, pool_dtype = resolve_storage(storage, pool_dtype)
     if align_hybrid:
         runner_config = align_hybrid_block_size(runner_config).runner_config
     runner_config = unify_page_sizes(runner_config)
@@ -181,17 +280,26 @@ def make_plan(
             f"make_plan: num_blocks={num_blocks} holds no usable block; at least 2 "
             "are needed (block 0 is the null block)."
         )
-    return _build_plan(runner_config, num_blocks, packed, maps_slot_mapping)
+    return _build_plan(
+        runner_config, num_blocks, packed, maps_slot_mapping, storage, pool_dtype
+    )
 
 
 def _build_plan(
-    runner_config: RunnerConfig, num_blocks: int, packed: bool, maps_slot_mapping: bool
+    runner_config: RunnerConfig,
+    num_blocks: int,
+    packed: bool,
+    maps_slot_mapping: bool,
+    storage: str,
+    pool_dtype: str,
 ) -> KVCachePlan:
     kv = make_kv_cache_config(runner_config, int(num_blocks), packed=packed)
     groups, info, sizes = init_attn_backend(
         kv, runner_config, maps_slot_mapping=maps_slot_mapping
     )
-    pools, views = plan_kv_cache(kv, runner_config, sizes, groups)
+    pools, views = plan_kv_cache(
+        kv, runner_config, sizes, groups, storage=storage, pool_dtype=pool_dtype
+    )
     bound = bind_kv_caches(
         views, [layer.name for layer in runner_config.layers], kv, runner_config, groups
     )
@@ -203,6 +311,8 @@ def _build_plan(
         cg_support=info,
         pools=pools,
         views=bound,
+        storage=storage,
+        pool_dtype=pool_dtype,
     )
 
 
@@ -252,7 +362,8 @@ def kv_cache_budget(
     """
     check_positive_int("kv_cache_budget", "memory_bytes", memory_bytes)
     runner_config = unify_page_sizes(runner_config)
-    probe = _build_plan(runner_config, 1, packed, maps_slot_mapping)
+    # Storage changes no byte count (typed pools hold the same pages).
+    probe = _build_plan(runner_config, 1, packed, maps_slot_mapping, "words", "bits")
     per_pool = tuple(p.size_bytes for p in probe.pools)
     per_block = sum(per_pool)
     num_blocks = memory_bytes // per_block

@@ -15,36 +15,77 @@ import numpy as np
 from jaxkv.cache.kernel_views import kernel_views
 from jaxkv.cache.layout import build_kv_cache_views, pool_index
 from jaxkv.cache.strided import carrier_dtype, granule
-from jaxkv.cache.views import LayerView, MambaView
+from jaxkv.cache.typed import is_dense, physical_shape, storage_dtype
+from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.init_backend import check_kernel_block_sizes
 from jaxkv.kv_cache_config import KVCacheConfig
 
+STORAGES = ("auto", "words", "typed", "stacked")
+POOL_DTYPES = ("auto", "native", "bits")
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PoolSpec:
-    """One physical pool: a flat array of carrier words.
+    """One physical pool: a flat array of carrier words, or a typed array.
+
+    A word pool (``typed_shape is None``) is ``(size_bytes // word,)`` words
+    of ``word`` bytes, read through strided byte views. A typed pool is
+    ``typed_shape = (L, *slot)`` elements of ``typed_dtype``: ``L`` layer
+    slots, each a dense layer cache (see :mod:`jaxkv.cache.typed`).
 
     Example:
       >>> import jaxkv
       >>> jaxkv.PoolSpec(size_bytes=1024, word=4).shape
       (256,)
+      >>> spec = jaxkv.PoolSpec(size_bytes=2048, word=2,
+      ...     typed_shape=(2, 4, 16, 8), typed_dtype="bfloat16")
+      >>> spec.shape, spec.dtype.name, spec.num_layers
+      ((2, 4, 16, 8), 'bfloat16', 2)
     """
 
     size_bytes: int
     word: int
+    typed_shape: tuple[int, ...] | None = None
+    typed_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if self.typed_shape is not None:
+            dtype = np.dtype(jnp.dtype(self.typed_dtype))
+            object.__setattr__(self, "typed_dtype", dtype)
+            object.__setattr__(
+                self, "typed_shape", tuple(int(d) for d in self.typed_shape)
+            )
+            if math.prod(self.typed_shape) * dtype.itemsize != self.size_bytes:
+                raise ValueError(
+                    f"PoolSpec: typed_shape {self.typed_shape} of {dtype.name} is "
+                    f"{math.prod(self.typed_shape) * dtype.itemsize} bytes, not "
+                    f"size_bytes={self.size_bytes}."
+                )
+
+    @property
+    def typed(self) -> bool:
+        """Whether the pool is a typed array (layer slots of elements)."""
+        return self.typed_shape is not None
 
     @property
     def dtype(self) -> np.dtype:
-        """The carrier dtype (uint8, uint16 or uint32)."""
-        return carrier_dtype(self.word)
+        """The array dtype: the carrier word (uint8/16/32) or the typed dtype."""
+        return self.typed_dtype if self.typed else carrier_dtype(self.word)
 
     @property
-    def shape(self) -> tuple[int]:
+    def shape(self) -> tuple[int, ...]:
         """Shape of the pool array."""
+        if self.typed_shape is not None:
+            return self.typed_shape
         return (self.size_bytes // self.word,)
+
+    @property
+    def num_layers(self) -> int:
+        """Layer slots of a typed pool (1 for a word pool)."""
+        return self.typed_shape[0] if self.typed_shape is not None else 1
 
 
 def _view_granules(view: LayerView) -> list[int]:
@@ -64,54 +105,187 @@ def _view_granules(view: LayerView) -> list[int]:
     return out
 
 
+def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
+    """The storage and pool dtype that ``"auto"`` means on this platform.
+
+    ``storage="auto"`` is ``"words"`` on CPU (XLA:CPU's fastest scatters are
+    integer ones; every seed layout) and ``"stacked"`` elsewhere (typed,
+    layer-stacked pools: what kernels and layer scans read).
+    ``pool_dtype="auto"`` is ``"bits"`` on CPU (XLA:CPU converts narrow-float
+    scatters through float32 over the whole pool) and ``"native"`` elsewhere;
+    on CPU it applies to floats narrower than 4 bytes only.
+
+    Raises:
+      ValueError: For an unknown name.
+
+    Example:
+      >>> import jaxkv
+      >>> jaxkv.resolve_storage("auto", "auto")  # on CPU
+      ('words', 'bits')
+      >>> jaxkv.resolve_storage("typed", "native")
+      ('typed', 'native')
+    """
+    if storage not in STORAGES:
+        raise ValueError(f"storage={storage!r}, expected one of {STORAGES}.")
+    if pool_dtype not in POOL_DTYPES:
+        raise ValueError(f"pool_dtype={pool_dtype!r}, expected one of {POOL_DTYPES}.")
+    cpu = jax.default_backend() == "cpu"
+    if storage == "auto":
+        storage = "words" if cpu else "stacked"
+    if pool_dtype == "auto":
+        pool_dtype = "bits" if cpu else "native"
+    return storage, pool_dtype
+
+
+def _stores_bits(dtype: np.dtype, pool_dtype: str) -> bool:
+    if pool_dtype == "native":
+        return False
+    if jax.default_backend() != "cpu":
+        return True
+    # On CPU only narrow floats pay for native scatters.
+    return bool(jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4)
+
+
+def _typed_dtype(views: Sequence[LayerView], size: int) -> np.dtype | None:
+    """The element dtype if every view of the pool is a dense attention view
+    over all of it with one dtype (so the pool can be a typed array), else None.
+    """  # noqa: D205
+    dtypes = set()
+    for view in views:
+        if not isinstance(view, KVCacheView) or view.owned is not None:
+            return None
+        if view.offset or view.nbytes != size:
+            return None
+        if not is_dense(view.shape, view.strides):
+            return None
+        dtypes.add(view.dtype)
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _signature(view: KVCacheView) -> tuple[Any, ...]:
+    return (view.shape, view.strides, view.dtype, view.axes, view.head_size)
+
+
 def plan_pools(
     kv_cache_config: KVCacheConfig,
     views: Mapping[str, LayerView],
     extra_views: Iterable[LayerView] = (),
     *,
     max_word: int = 4,
+    storage: str = "words",
+    pool_dtype: str = "auto",
 ) -> PoolLayout:
-    """Chooses each pool's carrier word and stamps it on the views.
+    """Chooses each pool's storage and stamps it on the views.
 
-    The word is the widest of 4, 2, 1 bytes dividing the pool size and every
-    window start and length of every view's block and token accesses: wide
-    words make XLA:CPU scatters several times faster than byte scatters.
+    A word pool's word is the widest of 4, 2, 1 bytes dividing the pool size
+    and every window start and length of every view's block and token
+    accesses: wide words make XLA:CPU scatters several times faster than byte
+    scatters. With `storage` ``"typed"`` or ``"stacked"``, a pool whose views
+    are all dense attention views over the whole pool with one dtype (no
+    Mamba state, no padded or packed pages) becomes a typed array; with
+    ``"stacked"``, pools whose views agree (shape, strides, dtype) share one
+    array, a layer slot each. Everything else stays carrier words.
 
     Returns:
-      ``(pool specs, views with their word set)``; aliased layers keep sharing
-      one view object.
+      ``(pool specs, views with their pool, word and layer slot set)``;
+      aliased layers keep sharing one view object.
+
+    Raises:
+      ValueError: If a word pool has 2**31 words or more (past int32 indexing).
     """
-    sizes, _ = pool_index(kv_cache_config)
-    g = [s for s in sizes]
+    storage, pool_dtype = resolve_storage(storage, pool_dtype)
+    sizes, of_tensor = pool_index(kv_cache_config)
+    packed = {
+        of_tensor[t]
+        for t, x in enumerate(kv_cache_config.kv_cache_tensors)
+        if x.is_packed
+    }
+    g = list(sizes)
+    on_pool: dict[int, dict[int, LayerView]] = {i: {} for i in range(len(sizes))}
     for view in (*views.values(), *extra_views):
         pool = view.pool
         g[pool] = math.gcd(g[pool], *_view_granules(view))
+        on_pool[pool][id(view)] = view
     words = [next(w for w in (4, 2, 1) if w <= max_word and gv % w == 0) for gv in g]
-    for size, word in zip(sizes, words, strict=True):
-        if size // word >= 2**31:
-            raise ValueError(
-                f"A pool of {size} bytes has {size // word} {word}-byte words, past "
-                "int32 indexing; split it into several KVCacheTensors."
+    # old pool -> (new pool, layer slot or None)
+    where: dict[int, tuple[int, int | None]] = {}
+    specs: list[dict[str, Any]] = []
+    stacks: dict[Any, int] = {}
+    for old, size in enumerate(sizes):
+        dtype = None
+        if storage != "words" and old not in packed and on_pool[old]:
+            dtype = _typed_dtype(list(on_pool[old].values()), size)
+        if dtype is None:
+            if size // words[old] >= 2**31:
+                raise ValueError(
+                    f"A pool of {size} bytes has {size // words[old]} "
+                    f"{words[old]}-byte words, past int32 indexing; plan it with "
+                    "storage='typed' or 'stacked' (typed pools index blocks, not "
+                    "words), or split it into several KVCacheTensors."
+                )
+            where[old] = (len(specs), None)
+            specs.append(dict(size_bytes=size, word=words[old]))
+            continue
+        first = next(iter(on_pool[old].values()))
+        if not isinstance(first, KVCacheView):  # unreachable: _typed_dtype checked
+            raise TypeError(f"Pool {old} has a non-attention view.")
+        key: Any = (
+            (size, dtype, frozenset(_signature(v) for v in on_pool[old].values()))  # pyright: ignore[reportArgumentType]
+            if storage == "stacked"
+            else ("own", old)
+        )
+        if key not in stacks:
+            stacks[key] = len(specs)
+            stored = storage_dtype(dtype, _stores_bits(dtype, pool_dtype))
+            specs.append(
+                dict(
+                    size_bytes=0,
+                    word=dtype.itemsize,
+                    typed_shape=physical_shape(first.shape, first.strides),
+                    typed_dtype=stored,
+                    layers=0,
+                    slot=size,
+                )
             )
+        new = stacks[key]
+        where[old] = (new, specs[new]["layers"])
+        specs[new]["layers"] += 1
+        specs[new]["size_bytes"] += size
+    pools = []
+    for spec in specs:
+        if "layers" in spec:
+            spec = dict(spec)
+            spec["typed_shape"] = (spec.pop("layers"), *spec["typed_shape"])
+            spec.pop("slot")
+        pools.append(PoolSpec(**spec))
     stamped: dict[int, LayerView] = {}
     out: dict[str, LayerView] = {}
     for name, view in views.items():
         if id(view) not in stamped:
-            stamped[id(view)] = with_word(view, words[view.pool])
+            new, layer = where[view.pool]
+            stamped[id(view)] = _stamp(
+                view, new, words[view.pool], layer, sizes[view.pool]
+            )
         out[name] = stamped[id(view)]
-    pools = tuple(
-        PoolSpec(size_bytes=s, word=w) for s, w in zip(sizes, words, strict=True)
+    return PoolLayout(pools=tuple(pools), views=out)
+
+
+def _stamp(
+    view: LayerView, pool: int, word: int, layer: int | None, slot_bytes: int
+) -> LayerView:
+    if layer is None:
+        if isinstance(view, MambaView):
+            return MambaView(
+                states=tuple(
+                    dataclasses.replace(s, word=word, pool=pool) for s in view.states
+                )
+            )
+        return dataclasses.replace(view, word=word, pool=pool)
+    if not isinstance(view, KVCacheView):  # unreachable: typed pools hold attention
+        raise TypeError(f"A {type(view).__name__} cannot view a typed pool.")
+    return dataclasses.replace(
+        view, pool=pool, word=view.itemsize, layer=layer, offset=layer * slot_bytes
     )
-    return PoolLayout(pools=pools, views=out)
-
-
-def with_word(view: LayerView, word: int) -> LayerView:
-    """`view` with its pool's carrier word set."""
-    if isinstance(view, MambaView):
-        return MambaView(
-            states=tuple(dataclasses.replace(s, word=word) for s in view.states)
-        )
-    return dataclasses.replace(view, word=word)
 
 
 def allocate_pools(
@@ -187,6 +361,8 @@ def init_kv_cache(
     attn_groups: Sequence[Sequence[AttentionGroup]],
     *,
     sharding: jax.sharding.Sharding | None = None,
+    storage: str = "words",
+    pool_dtype: str = "auto",
 ) -> KVCacheInit:
     """Allocates one zeroed array per pool and builds every layer's view of it.
 
@@ -199,6 +375,10 @@ def init_kv_cache(
       kernel_block_sizes: From :func:`init_attn_backend`.
       attn_groups: From :func:`init_attn_backend`.
       sharding: Optional sharding of every pool.
+      storage: ``"words"`` (the seeds' flat carrier-word pools, the default
+        here), ``"typed"``, ``"stacked"`` or ``"auto"`` (see :func:`plan_pools`
+        and :func:`resolve_storage`).
+      pool_dtype: For typed pools: ``"native"``, ``"bits"`` or ``"auto"``.
 
     Returns:
       ``(pools, kv_caches)`` (a :class:`KVCacheInit`): the pool arrays and
@@ -214,7 +394,12 @@ def init_kv_cache(
       ([65536, 65536], 0)
     """
     pools, views = plan_kv_cache(
-        kv_cache_config, vllm_config, kernel_block_sizes, attn_groups
+        kv_cache_config,
+        vllm_config,
+        kernel_block_sizes,
+        attn_groups,
+        storage=storage,
+        pool_dtype=pool_dtype,
     )
     return KVCacheInit(pools=allocate_pools(pools, sharding), kv_caches=views)
 
@@ -224,6 +409,9 @@ def plan_kv_cache(
     vllm_config: RunnerConfig,
     kernel_block_sizes: Sequence[int],
     attn_groups: Sequence[Sequence[AttentionGroup]],
+    *,
+    storage: str = "words",
+    pool_dtype: str = "auto",
 ) -> PoolLayout:
     """The pools and views :func:`init_kv_cache` would create, allocating nothing.
 
@@ -239,4 +427,6 @@ def plan_kv_cache(
     extra = kernel_views(
         views, attn_groups, kv_cache_config, vllm_config, skip_unmapped=True
     ).values()
-    return plan_pools(kv_cache_config, views, extra)
+    return plan_pools(
+        kv_cache_config, views, extra, storage=storage, pool_dtype=pool_dtype
+    )

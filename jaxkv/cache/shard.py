@@ -195,8 +195,8 @@ class ShardedPlan:
         """The pools' sharding on the mesh."""
         return NamedSharding(self.mesh, self.pool_spec)
 
-    def pool_shapes(self) -> list[tuple[int, int, int]]:
-        """Global shapes ``(D, T, words)`` of the pools."""
+    def pool_shapes(self) -> list[tuple[int, ...]]:
+        """Global shapes ``(D, T, *local shape)`` of the pools."""
         return [
             (self.data_parallel, self.tensor_parallel, *p.shape)
             for p in self.local.pools
@@ -215,13 +215,13 @@ class ShardedPlan:
 
     @staticmethod
     def local_pools(pools: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Inside ``shard_map``: this device's flat pools (the local plan's)."""
-        return tuple(p.reshape(p.shape[-1]) for p in pools)
+        """Inside ``shard_map``: this device's pools (the local plan's)."""
+        return tuple(p.reshape(p.shape[2:]) for p in pools)
 
     @staticmethod
     def global_pools(pools: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Inside ``shard_map``: flat local pools back to ``(1, 1, words)`` blocks."""
-        return tuple(p.reshape(1, 1, p.shape[-1]) for p in pools)
+        """Inside ``shard_map``: local pools back to ``(1, 1, *local shape)`` blocks."""
+        return tuple(p.reshape(1, 1, *p.shape) for p in pools)
 
     def rank_pool(self, pool: jax.Array, *, data: int, tensor: int) -> np.ndarray:
         """Host copy of one rank's local pool (for tests and inspection)."""
@@ -247,6 +247,8 @@ def shard_plan(
     packed: bool = False,
     maps_slot_mapping: bool = False,
     align_hybrid: bool = False,
+    storage: str = "auto",
+    pool_dtype: str = "auto",
 ) -> ShardedPlan:
     """Plans a model's KV cache over a mesh (see the module docstring).
 
@@ -260,6 +262,9 @@ def shard_plan(
       packed: As in :func:`make_plan`.
       maps_slot_mapping: As in :func:`make_plan`.
       align_hybrid: As in :func:`make_plan`, on the global model first.
+      storage: As in :func:`make_plan` (typed pools shard the same way: device
+        ``(d, t)`` holds its rank-local typed pool).
+      pool_dtype: As in :func:`make_plan`.
 
     Returns:
       The sharded plan.
@@ -290,6 +295,8 @@ def shard_plan(
         memory_bytes=memory_bytes,
         packed=packed,
         maps_slot_mapping=maps_slot_mapping,
+        storage=storage,
+        pool_dtype=pool_dtype,
     )
     return ShardedPlan(
         local=local, mesh=mesh, data_axis=data_axis, tensor_axis=tensor_axis

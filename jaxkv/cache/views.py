@@ -44,6 +44,9 @@ class KVCacheView:
       owned: ``(s, r)`` for a kernel view of a packed pool (spec §1.8): of every
         ``s`` consecutive block ids only the first ``r`` are this layer's pages
         (the others address other layers' bytes); ``None``: every id is owned.
+      layer: The layer slot of a typed pool (``None``: a flat word pool). A
+        typed pool is ``(L, *slot)``; this view is dense over slot `layer`,
+        and `offset` is that slot's first byte (``layer * slot bytes``).
 
     Example:
       >>> import jaxkv
@@ -63,6 +66,7 @@ class KVCacheView:
     head_size: int = 0
     word: int = 1
     owned: tuple[int, int] | None = None
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))
@@ -80,6 +84,16 @@ class KVCacheView:
     def itemsize(self) -> int:
         """Bytes per element."""
         return self.dtype.itemsize
+
+    @property
+    def typed(self) -> bool:
+        """Whether the view reads a typed pool (an element array, not words)."""
+        return self.layer is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every element the view addresses."""
+        return math.prod(self.shape) * self.itemsize
 
     def dim(self, role: str) -> int:
         """Index of the logical dim playing `role`."""

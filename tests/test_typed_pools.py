@@ -1,0 +1,354 @@
+"""Typed, layer-stacked pools: the same bytes as word pools, read and written in
+place, scanned over layers, handed to real kernels without a copy."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+
+L0, L1, L2 = (f"layers.{i}.self_attn" for i in range(3))
+
+
+def _view(plan, name) -> jaxkv.KVCacheView:
+    view = plan.views[name]
+    assert isinstance(view, jaxkv.KVCacheView)
+    return view
+
+
+def _ops(plan, dtype, seed=0):
+    """Writes, reads, zeroes every layer of a 3-layer plan; everything read."""
+    rng = np.random.default_rng(seed)
+    pools = plan.allocate()
+    out = []
+    for name in (L0, L1, L2):
+        view = _view(plan, name)
+        heads = view.shape[view.dim("head")]
+        k, v = (
+            jnp.asarray(rng.normal(size=(5, heads, view.head_size)), dtype)
+            for _ in "kv"
+        )
+        slots = np.array([17, -1, 40, 10**6, view.num_blocks * view.block_size - 1])
+        pools = jaxkv.write_kv(pools, view, k, v, slots)
+        out.append(jaxkv.gather_kv_pages(pools, view, np.array([[1, 2], [5, -3]])))
+        out.append(jaxkv.read_view(pools, view))
+    pools = jaxkv.zero_blocks(pools, [plan.views[L1]], np.array([2, -1]))
+    out.append(jaxkv.read_view(pools, plan.views[L1]))
+    return [np.asarray(x, np.float32) for x in jax.tree.leaves(out)], pools
+
+
+@pytest.mark.parametrize(
+    "backend", ["JAX_PAGED_FUSED", "JAX_PAGED", "FLASHINFER", "JAX_PAGED_KV_FIRST"]
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_typed_and_stacked_pools_hold_what_word_pools_hold(backend, dtype):
+    cfg = jaxkv.llama_like_config(
+        num_layers=3, dtype=dtype, attention_backend=backend, block_size=32
+    )
+    want, _ = _ops(jaxkv.make_plan(cfg, num_blocks=6, storage="words"), dtype)
+    for storage, pool_dtype in [("typed", "native"), ("stacked", "bits")]:
+        plan = jaxkv.make_plan(
+            cfg, num_blocks=6, storage=storage, pool_dtype=pool_dtype
+        )
+        assert all(p.typed for p in plan.pools)
+        got, pools = _ops(plan, dtype)
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(a, b)
+        if storage == "stacked":
+            assert len(pools) == 1
+            assert pools[0].shape[0] == 3
+        if pool_dtype == "bits" and dtype == "bfloat16":
+            assert pools[0].dtype == jnp.uint16
+
+
+def test_a_kernel_split_view_of_a_typed_pool_equals_the_word_pool():
+    # FlashInfer takes kernel blocks of 64 at most: manager blocks of 128 split.
+    cfg = jaxkv.llama_like_config(
+        num_layers=3, attention_backend="FLASHINFER", block_size=128
+    )
+    words = jaxkv.make_plan(cfg, num_blocks=3, storage="words")
+    stacked = jaxkv.make_plan(cfg, num_blocks=3, storage="stacked")
+    assert _view(stacked, L0).block_size == 64
+    assert _view(stacked, L0).num_blocks == 6
+    want, _ = _ops(words, "float32")
+    got, _ = _ops(stacked, "float32")
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pools_that_typed_storage_cannot_hold_stay_words():
+    # Attention sharing pages with Mamba state (padded), and packed pools.
+    hybrid = jaxkv.make_plan(
+        jaxkv.tiny_hybrid_config(), num_blocks=4, storage="stacked"
+    )
+    assert not any(p.typed for p in hybrid.pools)
+    packed = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=2),
+        num_blocks=4,
+        storage="stacked",
+        packed=True,
+    )
+    assert not any(p.typed for p in packed.pools)
+    assert jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4).storage == "words"
+
+
+def test_lbnhc_places_k_and_v_side_by_side_per_token_and_head():
+    # vLLM 0.32+'s default FlashAttention layout LBNHC: in layer l's tensor,
+    # element (block b, token t, head h, K|V c, dim d) is at byte
+    # (((b * B + t) * H + h) * 2 + c) * D + d, times the itemsize, after the
+    # layer's own bytes start; layers stacked at l * (N * B * H * 2D).
+    n, b, h, d = 4, 16, 2, 32
+    cfg = jaxkv.llama_like_config(
+        num_layers=2, block_size=b, num_kv_heads=h, head_size=d
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=n, storage="stacked")
+    (spec,) = plan.pools
+    assert spec.shape == (2, n, b, h, 2 * d)
+    view = _view(plan, L1)
+    k = jnp.zeros((1, h, d)).at[0, 1, 5].set(7.0)
+    v = jnp.zeros((1, h, d)).at[0, 1, 5].set(9.0)
+    pools = jaxkv.write_kv(plan.allocate(), view, k, v, jnp.array([2 * b + 3]))
+    raw = np.asarray(pools[0]).reshape(-1)
+    layer = n * b * h * 2 * d
+    at_k = layer + (((2 * b + 3) * h + 1) * 2 + 0) * d + 5
+    at_v = layer + (((2 * b + 3) * h + 1) * 2 + 1) * d + 5
+    assert raw[at_k] == 7.0
+    assert raw[at_v] == 9.0
+    assert np.count_nonzero(raw) == 2
+    assert view.byte_address((2, 3, 1, 5)) == 4 * at_k
+    assert view.byte_address((2, 3, 1, d + 5)) == 4 * at_v
+
+
+def test_layer_index_is_checked_on_the_host_and_dropped_inside_jit():
+    plan = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="stacked"
+    )
+    view = plan.views[L0]
+    k = jnp.ones((1, 2, 32))
+    with pytest.raises(
+        ValueError, match=r"layer=3, expected an integer scalar in \[0, 3\)"
+    ):
+        jaxkv.write_kv(plan.allocate(), view, k, k, jnp.array([20]), layer=3)
+    with pytest.raises(TypeError, match="layer must hold integer"):
+        jaxkv.write_kv(plan.allocate(), view, k, k, jnp.array([20]), layer=1.0)
+    words = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=3), num_blocks=4)
+    with pytest.raises(TypeError, match="flat word pool"):
+        jaxkv.write_kv(
+            words.allocate(), words.views[L0], k, k, jnp.array([20]), layer=0
+        )
+
+    @jax.jit
+    def write_at(pools, layer):
+        return jaxkv.write_kv(pools, view, k, k, jnp.array([20]), layer=layer)
+
+    for bad in (-1, 3, 2**31 - 1):
+        pools = write_at(plan.allocate(), jnp.int32(bad))
+        assert not np.asarray(pools[0]).any(), bad
+    pools = write_at(plan.allocate(), jnp.int32(2))
+    assert np.asarray(pools[0])[2].any()
+    assert not np.asarray(pools[0])[:2].any()
+
+
+def test_a_word_view_on_a_typed_pool_is_refused():
+    words = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=3), num_blocks=4)
+    stacked = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="stacked"
+    )
+    with pytest.raises(ValueError, match="another plan"):
+        jaxkv.gather_kv_pages(stacked.allocate(), words.views[L0], jnp.array([[1]]))
+    with pytest.raises(ValueError, match="another plan"):
+        jaxkv.gather_kv_pages(words.allocate(), stacked.views[L0], jnp.array([[1]]))
+
+
+def _pool_sized_ops(hlo: str, elements: int) -> list[str]:
+    """Compiled-HLO copies, converts, transposes and bitcast-converts with an
+    output of at least `elements` elements."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(
+            r"= \w+\[([\d,]*)\]\S* (copy|convert|transpose|bitcast-convert)\(", line
+        )
+        if m and int(np.prod([int(x) for x in m.group(1).split(",") if x])) >= elements:
+            out.append(line.strip())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_writes_and_reads_of_a_stacked_pool_copy_nothing(dtype):
+    cfg = jaxkv.llama_like_config(num_layers=4, dtype=dtype)
+    plan = jaxkv.make_plan(cfg, num_blocks=64, storage="stacked")
+    pools = plan.allocate()
+    view = plan.views[L1]
+    k = jnp.ones((8, 2, 32), dtype)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(pools, layer, slots, table):
+        pools = jaxkv.write_kv(pools, view, k, k, slots, layer=layer)
+        kp, _ = jaxkv.gather_kv_pages(pools, view, table, layer=layer)
+        return pools, kp.sum()
+
+    compiled = step.lower(
+        pools, jnp.int32(2), jnp.arange(8), jnp.ones((2, 4), jnp.int32)
+    ).compile()
+    elements = int(np.prod(pools[0].shape[1:]))  # one layer's cache
+    hlo = compiled.as_text()
+    assert hlo is not None
+    assert _pool_sized_ops(hlo, elements) == []
+    mem = compiled.memory_analysis()
+    assert mem is not None
+    assert mem.temp_size_in_bytes < pools[0].nbytes // 8
+    assert mem.alias_size_in_bytes == pools[0].nbytes  # donated, updated in place
+
+
+def _forward(plan, params, pools, meta, tokens, *, scan):
+    """A 4-layer attention model: scanned over the stack, or unrolled."""
+    names = [f"layers.{i}.self_attn" for i in range(4)]
+    x = params["embed"][tokens]
+
+    def layer_step(x, pools, w, layer, slot):
+        q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in "qkv")
+        pools = jaxkv.write_kv(pools, layer.view, k, v, meta.slot_mapping, layer=slot)
+        out = jaxkv.paged_attention(q, pools, layer, meta, scale=32**-0.5, layer=slot)
+        return x + out.reshape(x.shape), pools
+
+    if scan:
+        stack = plan.layer_stack(names)
+
+        def body(carry, xs):
+            x, pools = carry
+            w, slot = xs
+            return layer_step(x, pools, w, stack.layer, slot), None
+
+        (x, pools), _ = jax.lax.scan(
+            body, (x, pools), (params["layers"], jnp.asarray(stack.slots))
+        )
+    else:
+        for i, name in enumerate(names):
+            w = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+            x, pools = layer_step(x, pools, w, plan.attention_layer(name), None)
+    return pools, x @ params["unembed"]
+
+
+def test_a_scan_over_layers_gives_the_unrolled_model_s_logits():
+    cfg = jaxkv.llama_like_config(
+        num_layers=4,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+    )
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    params = {
+        "embed": jax.random.normal(next(keys), (50, 128)),
+        "layers": {
+            n: jax.random.normal(next(keys), (4, 128, h, 32)) / 11
+            for n, h in zip("qkv", (4, 2, 2), strict=True)
+        },
+        "unembed": jax.random.normal(next(keys), (128, 50)),
+    }
+    logits = {}
+    for storage, scan in (("words", False), ("stacked", True), ("stacked", False)):
+        plan = jaxkv.make_plan(cfg, num_blocks=16, storage=storage)
+        builder = jaxkv.StepMetadataBuilder(plan, model_inputs=True)
+        sched = jaxkv.Scheduler(plan)
+        for i in range(3):
+            sched.add_request(
+                jaxkv.Request(
+                    f"r{i}", prompt=list(range(i, 20 + 5 * i)), max_new_tokens=3
+                )
+            )
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(pools, inputs, plan=plan, builder=builder, scan=scan):
+            (meta,) = {id(m): m for m in builder.metadata(inputs).values()}.values()
+            tokens, sample = builder.model_inputs_of(inputs)
+            pools, out = _forward(plan, params, pools, meta, tokens, scan=scan)
+            return pools, out[sample]
+
+        pools, seen = plan.allocate(), []
+        while sched.has_unfinished:
+            scheduled = sched.schedule()
+            prepared = builder.prepare(**scheduled.arrays._asdict())
+            pools, out = step(pools, prepared.inputs)
+            out = np.asarray(out)[: len(scheduled.batch)]
+            seen.append(out)
+            sched.update(scheduled, out.argmax(-1))
+        logits[(storage, scan)] = np.concatenate(seen)
+    want = logits[("words", False)]
+    for key in (("stacked", True), ("stacked", False)):
+        np.testing.assert_allclose(logits[key], want, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_stack_refuses_layers_that_cannot_scan_together():
+    cfg = jaxkv.llama_like_config(num_layers=3, sliding_window=16, window_every=3)
+    plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
+    assert plan.layer_stack([L0, L1]).slots.tolist() == [
+        _view(plan, L0).layer,
+        _view(plan, L1).layer,
+    ]
+    with pytest.raises(ValueError, match="cannot be scanned together"):
+        plan.layer_stack([L0, L2])  # sliding window beside full attention
+    words = jaxkv.make_plan(cfg, num_blocks=4)
+    with pytest.raises(ValueError, match="word pool"):
+        words.layer_stack([L0])
+
+
+def test_plans_of_32_and_120_gib_are_addressed_by_block():
+    cfg = jaxkv.llama_like_config(
+        num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16
+    )
+    for gib in (32, 120):
+        plan = jaxkv.make_plan(cfg, memory_bytes=gib << 30, storage="stacked")
+        (spec,) = plan.pools
+        assert spec.size_bytes <= gib << 30
+        assert spec.size_bytes > (gib - 1) << 30
+        assert int(np.prod(spec.shape)) > 2**31
+        pools = jax.eval_shape(plan.allocate)
+        view = plan.views["layers.31.self_attn"]
+        last = (plan.num_blocks - 1) * 16 + 15
+        k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+        hlo = (
+            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
+            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
+            .as_text()
+        )
+        # One scatter into (32, N, 16, 8, 256) indexed by (layer, block, token)
+        # in int32: no flat element index to overflow.
+        assert f"tensor<32x{plan.num_blocks}x16x8x256xui16>" in hlo
+        assert hlo.count('"stablehlo.scatter"(') == 1
+        assert "tensor<1x3xi32>" in hlo
+        assert last < 2**31
+    with pytest.raises(ValueError, match="past int32 indexing; plan it with storage"):
+        jaxkv.make_plan(
+            jaxkv.llama_like_config(
+                num_layers=2, num_kv_heads=8, head_size=128, dtype="bfloat16"
+            ),
+            memory_bytes=32 << 30,
+            storage="words",
+        )
+
+
+def test_a_write_past_two_to_the_31_elements_lands_at_its_block():
+    # A uint8 (fp8) stacked pool of 2**31 + elements: the last token of the
+    # last block of the last layer is written and read back where it belongs.
+    cfg = jaxkv.llama_like_config(
+        num_layers=2, num_kv_heads=1, head_size=64, dtype="float8_e4m3fn", block_size=16
+    )
+    per_block = 2 * 16 * 128  # layers x tokens x (K|V) bytes
+    plan = jaxkv.make_plan(cfg, num_blocks=2**31 // per_block + 2, storage="stacked")
+    (spec,) = plan.pools
+    assert int(np.prod(spec.shape)) > 2**31
+    view = plan.views[L1]
+    last = plan.num_blocks * 16 - 1
+    k = jnp.full((1, 1, 64), 2.0, jnp.float8_e4m3fn)
+    pools = jaxkv.write_kv(plan.allocate(), view, k, k * 2, jnp.array([last]))
+    kp, vp = jaxkv.gather_kv_pages(pools, view, jnp.array([[plan.num_blocks - 1]]))
+    assert float(kp[0, 0, 15].astype(jnp.float32).sum()) == 128.0
+    assert float(vp[0, 0, 15].astype(jnp.float32).sum()) == 256.0
+    raw = pools[0]
+    assert int(raw[1, -1, -1, 0, -1]) != 0
+    assert int(raw[0].max()) == 0
