@@ -99,6 +99,12 @@ class AttentionBackend:
         block table (Mamba groups reuse metadata this way).
       prefix: Prefix added by a wrapper such as the fast-prefill variant; part of
         the backend's identity.
+      packs_kv_heads: A fused (``BLOCKS_FIRST_FUSED``) cache as the kernel takes
+        it, ``(num_blocks, block_size, 2 * H // p, p, D)`` with ``p = 4 //
+        itemsize`` and K and V heads interleaved (ragged paged attention v3,
+        tpu-inference): the same bytes as LBNHC, shaped so that a typed pool
+        *is* the kernel's array (XLA:CPU copies a reshaped cache fed to such a
+        kernel's loop).
 
     Example:
       >>> import jaxkv
@@ -117,6 +123,7 @@ class AttentionBackend:
     supports_batch_invariance: bool = False
     supports_update_block_table: bool = False
     prefix: str = ""
+    packs_kv_heads: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -334,6 +341,13 @@ _REGISTRY: dict[str, AttentionBackend] = {
         layout=KVCacheLayout.BLOCKS_FIRST_FUSED,
         supports_batch_invariance=True,
         supports_update_block_table=True,
+    ),
+    "RPA_V3": AttentionBackend(
+        name="RaggedPagedAttentionV3Backend",
+        layout=KVCacheLayout.BLOCKS_FIRST_FUSED,
+        supports_batch_invariance=True,
+        supports_update_block_table=True,
+        packs_kv_heads=True,
     ),
     "JAX_PAGED_KV_FIRST": AttentionBackend(
         name="JaxPagedKVFirstAttentionBackend",

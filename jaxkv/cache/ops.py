@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,12 +129,17 @@ def check_layer(layer: object, view: object, pools: Pools, name: str) -> None:
                 ) from None
             return
     value = host_int_array(layer, "layer")
-    slots = pools[view.pool].shape[0]
+    slots = _num_slots(pools[view.pool], view)
     if value.shape != () or not 0 <= int(value) < slots:
         raise ValueError(
             f"{name}: layer={layer!r}, expected an integer scalar in [0, {slots}) "
             f"(the layer slots of pool {view.pool})."
         )
+
+
+def _num_slots(pool: jax.Array, view: KVCacheView) -> int:
+    """Layer slots of a typed pool holding `view`'s layers."""
+    return int(np.prod(pool.shape)) // math.prod(view.shape)
 
 
 def _layer_index(layer: object, view: KVCacheView) -> jax.Array:
@@ -158,13 +164,13 @@ def _check_fits(pools: Pools, view: LayerView) -> None:
         pool = pools[v.pool]
         if v.typed:
             shape = tuple(pool.shape)
-            slot = int(np.prod(shape[1:])) * np.dtype(pool.dtype).itemsize
+            size = int(np.prod(shape))
             if (
                 len(shape) < 2
-                or slot != v.nbytes
                 or np.dtype(pool.dtype).itemsize != v.itemsize
+                or size % math.prod(v.shape)
                 or v.layer is None
-                or shape[0] <= v.layer
+                or _num_slots(pool, v) <= v.layer
             ):
                 raise ValueError(
                     f"The view reads layer slot {v.layer} of a typed pool {v.pool} "
@@ -747,12 +753,15 @@ def kernel_cache(
 ) -> jax.Array:
     """A layer's cache as the array a kernel takes: its typed pool's slot.
 
-    The slot in the view's physical order (``(num_blocks, block_size, H,
-    D + Dv)`` for a fused LBNHC layer), reshaped to `shape` if given (e.g.
-    ``(num_blocks, block_size, 2 * H, 1, D)`` for ragged paged attention v3):
-    a reshape of the pool for a one-slot pool (``storage="typed"``), an index
-    into it for a stacked one; never a conversion. Call it inside the jitted
-    step; a bits pool (``pool_dtype="bits"``) gives the bits.
+    The slot as the pool holds it (``(num_blocks, block_size, H, D + Dv)`` for
+    a fused LBNHC layer; ``(num_blocks, block_size, 2H/p, p, D)`` for a
+    backend that packs K/V heads, such as ``RPA_V3``), reshaped to `shape` if
+    given: the pool itself for a one-slot pool (``storage="typed"``) whose
+    shape is `shape`, a reshape of it otherwise, an index into it for a
+    stacked one; never a conversion. Call it inside the jitted step; a bits
+    pool (``pool_dtype="bits"``) gives the bits. XLA:CPU copies a *reshaped*
+    cache that a kernel carries through a loop, so plan with the kernel's
+    backend (its shape) rather than reshaping.
 
     Raises:
       TypeError: If the view reads a word pool.
@@ -770,11 +779,13 @@ def kernel_cache(
     _check_fits(pools, view)
     check_layer(layer, view, pools, "kernel_cache")
     pool = pools[view.pool]
-    phys = typed.physical_shape(view.shape, view.strides)
-    if pool.shape[0] == 1 and layer is None:
+    phys = typed.slot_shape(view)
+    if _num_slots(pool, view) == 1 and layer is None:
+        if shape is not None and tuple(shape) == tuple(pool.shape):
+            return pool  # the pool is the kernel's array
         slot = pool.reshape(phys)
     else:
-        slots = pool.reshape((pool.shape[0], *phys))
+        slots = pool.reshape((-1, *phys))
         slot = lax.dynamic_index_in_dim(
             slots, _layer_index(layer, view), 0, keepdims=False
         )
@@ -821,7 +832,7 @@ def put_kernel_cache(
     _check_fits(pools, view)
     check_layer(layer, view, pools, "put_kernel_cache")
     pool = pools[view.pool]
-    phys = typed.physical_shape(view.shape, view.strides)
+    phys = typed.slot_shape(view)
     cache = jnp.asarray(cache)
     if int(np.prod(cache.shape)) != int(np.prod(phys)) or cache.dtype != pool.dtype:
         raise ValueError(
@@ -829,9 +840,9 @@ def put_kernel_cache(
             f"{int(np.prod(phys))} elements of {pool.dtype} (the layer's cache "
             f"{phys})."
         )
-    if pool.shape[0] == 1 and layer is None:
+    if _num_slots(pool, view) == 1 and layer is None:
         return _replace(pools, view.pool, cache.reshape(pool.shape))
-    slots = pool.reshape((pool.shape[0], *phys))
+    slots = pool.reshape((-1, *phys))
     new = lax.dynamic_update_index_in_dim(
         slots, cache.reshape(phys), _layer_index(layer, view), 0
     )

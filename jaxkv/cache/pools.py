@@ -15,7 +15,7 @@ import numpy as np
 from jaxkv.cache.kernel_views import kernel_views
 from jaxkv.cache.layout import build_kv_cache_views, pool_index
 from jaxkv.cache.strided import carrier_dtype, granule
-from jaxkv.cache.typed import is_dense, physical_shape, storage_dtype
+from jaxkv.cache.typed import is_dense, slot_shape, storage_dtype
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
@@ -32,17 +32,18 @@ class PoolSpec:
     """One physical pool: a flat array of carrier words, or a typed array.
 
     A word pool (``typed_shape is None``) is ``(size_bytes // word,)`` words
-    of ``word`` bytes, read through strided byte views. A typed pool is
-    ``typed_shape = (L, *slot)`` elements of ``typed_dtype``: ``L`` layer
-    slots, each a dense layer cache (see :mod:`jaxkv.cache.typed`).
+    of ``word`` bytes, read through strided byte views. A typed pool is an
+    array of ``typed_dtype`` holding ``layers`` dense layer caches:
+    ``(layers, *slot)`` when stacked, the slot itself when it holds one (see
+    :mod:`jaxkv.cache.typed`).
 
     Example:
       >>> import jaxkv
       >>> jaxkv.PoolSpec(size_bytes=1024, word=4).shape
       (256,)
       >>> spec = jaxkv.PoolSpec(size_bytes=2048, word=2,
-      ...     typed_shape=(2, 4, 16, 8), typed_dtype="bfloat16")
-      >>> spec.shape, spec.dtype.name, spec.num_layers
+      ...     typed_shape=(2, 4, 16, 8), typed_dtype="bfloat16", layers=2)
+      >>> spec.shape, spec.dtype.name, spec.layers
       ((2, 4, 16, 8), 'bfloat16', 2)
     """
 
@@ -50,6 +51,7 @@ class PoolSpec:
     word: int
     typed_shape: tuple[int, ...] | None = None
     typed_dtype: Any = None
+    layers: int = 1
 
     def __post_init__(self) -> None:
         if self.typed_shape is not None:
@@ -81,11 +83,6 @@ class PoolSpec:
         if self.typed_shape is not None:
             return self.typed_shape
         return (self.size_bytes // self.word,)
-
-    @property
-    def num_layers(self) -> int:
-        """Layer slots of a typed pool (1 for a word pool)."""
-        return self.typed_shape[0] if self.typed_shape is not None else 1
 
 
 def _view_granules(view: LayerView) -> list[int]:
@@ -241,10 +238,9 @@ def plan_pools(
                 dict(
                     size_bytes=0,
                     word=dtype.itemsize,
-                    typed_shape=physical_shape(first.shape, first.strides),
+                    typed_shape=slot_shape(first),
                     typed_dtype=stored,
                     layers=0,
-                    slot=size,
                 )
             )
         new = stacks[key]
@@ -253,10 +249,8 @@ def plan_pools(
         specs[new]["size_bytes"] += size
     pools = []
     for spec in specs:
-        if "layers" in spec:
-            spec = dict(spec)
-            spec["typed_shape"] = (spec.pop("layers"), *spec["typed_shape"])
-            spec.pop("slot")
+        if "layers" in spec and storage == "stacked":
+            spec = dict(spec, typed_shape=(spec["layers"], *spec["typed_shape"]))
         pools.append(PoolSpec(**spec))
     stamped: dict[int, LayerView] = {}
     out: dict[str, LayerView] = {}

@@ -1,7 +1,9 @@
 """Typed pools: an element-typed array per pool, layers stacked on its first axis.
 
-A typed pool has shape ``(L, *slot)``: ``L`` layer slots, each one dense
-layer cache of ``prod(slot)`` elements. A view of it (``view.layer`` set) is
+A typed pool holds ``L`` layer slots, each one dense layer cache of
+``prod(slot)`` elements: ``(L, *slot)`` when layers are stacked, the slot
+itself (the array a kernel takes) when it holds one layer. A view of it
+(``view.layer`` set) is
 dense over one slot in some axis order (its *physical order*, the dims by
 decreasing stride), so every access is a reshape of the pool to
 ``(L, *physical shape)`` followed by one gather or scatter indexed by
@@ -56,10 +58,22 @@ def storage_dtype(dtype: np.dtype, bits: bool) -> np.dtype:
     return bits_dtype(dtype) if bits else np.dtype(dtype)
 
 
+def slot_shape(view: KVCacheView) -> tuple[int, ...]:
+    """The array shape of one layer slot holding `view` in a typed pool: its
+    physical shape, or ``(N, B, 2H/p, p, D)`` for a packing backend.
+    """  # noqa: D205
+    phys = physical_shape(view.shape, view.strides)
+    if view.kv_packing and len(phys) == 4 and phys == view.shape:
+        n, b, h, c = phys
+        p = view.kv_packing
+        return (n, b, 2 * h // p, p, c // 2)
+    return phys
+
+
 def _as_slots(
     pool: jax.Array, shape: Sequence[int], strides: Sequence[int]
 ) -> jax.Array:
-    return pool.reshape((pool.shape[0], *physical_shape(shape, strides)))
+    return pool.reshape((-1, *physical_shape(shape, strides)))
 
 
 def _index_columns(

@@ -45,8 +45,12 @@ class KVCacheView:
         ``s`` consecutive block ids only the first ``r`` are this layer's pages
         (the others address other layers' bytes); ``None``: every id is owned.
       layer: The layer slot of a typed pool (``None``: a flat word pool). A
-        typed pool is ``(L, *slot)``; this view is dense over slot `layer`,
-        and `offset` is that slot's first byte (``layer * slot bytes``).
+        typed pool holds ``L`` slots of ``prod(shape)`` elements; this view is
+        dense over slot `layer`, and `offset` is that slot's first byte
+        (``layer * slot bytes``).
+      kv_packing: ``p`` for a backend that packs K/V heads
+        (:attr:`AttentionBackend.packs_kv_heads`): a typed pool's slot is
+        then ``(N, B, 2H/p, p, D)``; ``None`` otherwise.
 
     Example:
       >>> import jaxkv
@@ -67,6 +71,7 @@ class KVCacheView:
     word: int = 1
     owned: tuple[int, int] | None = None
     layer: int | None = None
+    kv_packing: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))
@@ -266,6 +271,11 @@ def attention_view(
         strides[bd] = block_stride // itemsize
     if offset % np.dtype(dtype).itemsize:
         raise ValueError(f"Byte offset {offset} is not a multiple of the itemsize.")
+    packing = None
+    if backend.packs_kv_heads and backend.layout == KVCacheLayout.BLOCKS_FIRST_FUSED:
+        p = max(1, 4 // np.dtype(dtype).itemsize)
+        if head_size_v == head_size and (2 * num_kv_heads) % p == 0:
+            packing = p
     return KVCacheView(
         pool=pool,
         offset=offset,
@@ -274,6 +284,7 @@ def attention_view(
         dtype=dtype,
         axes=axes,
         head_size=head_size,
+        kv_packing=packing,
     )
 
 
