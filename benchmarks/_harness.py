@@ -17,9 +17,16 @@ import jaxkv
 
 
 def paged_layers(
-    dtype: str, block: int, heads: int, head: int, num_blocks: int, count: int = 1
+    dtype: str,
+    block: int,
+    heads: int,
+    head: int,
+    num_blocks: int,
+    count: int = 1,
+    storage: str = "words",
 ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-    """`count` full-attention JAX_PAGED layers, one pool of `num_blocks` each.
+    """`count` full-attention JAX_PAGED layers, one pool of `num_blocks` each
+    (`storage`: ``"words"``, ``"typed"`` or ``"stacked"``, as in ``make_plan``).
 
     Returns:
       ``(kv_cache_config, attention groups, pools, views in layer order)``.
@@ -34,7 +41,7 @@ def paged_layers(
     )
     kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
     groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups, storage=storage)
     return kv, groups, pools, tuple(views[n] for n in names)
 
 

@@ -47,16 +47,31 @@ _ROWS = lax.ScatterDimensionNumbers(
 )
 
 
-def _layers(dtype: str, block: int, heads: int, head: int, pool_mib: int, count: int):
-    """`count` full-attention layers, one pool each, `pool_mib` MiB in all."""
+def _layers(
+    dtype: str,
+    block: int,
+    heads: int,
+    head: int,
+    pool_mib: int,
+    count: int,
+    storage: str = "words",
+):
+    """`count` full-attention layers, one pool each (or one stacked pool),
+    `pool_mib` MiB in all."""
     page = 2 * block * heads * head * np.dtype(jnp.dtype(dtype)).itemsize
     num_blocks = -(-pool_mib * 2**20 // (page * count))
-    _, _, pools, views = paged_layers(dtype, block, heads, head, num_blocks, count)
+    _, _, pools, views = paged_layers(
+        dtype, block, heads, head, num_blocks, count, storage=storage
+    )
     return views[0].dtype, num_blocks, pools, views
 
 
-def _layer(dtype: str, block: int, heads: int, head: int, pool_mib: int):
-    dt, num_blocks, pools, views = _layers(dtype, block, heads, head, pool_mib, 1)
+def _layer(
+    dtype: str, block: int, heads: int, head: int, pool_mib: int, storage="words"
+):
+    dt, num_blocks, pools, views = _layers(
+        dtype, block, heads, head, pool_mib, 1, storage
+    )
     return dt, num_blocks, pools, views[0]
 
 
@@ -68,7 +83,7 @@ def _write_step(pools, views, keys, values, slots):
     return pools
 
 
-def _step_writes(args, dtype: str, rng) -> dict:
+def _step_writes(args, dtype: str, rng, storage: str = "words") -> dict:
     """A step's K/V writes of `--layers` layers, one program, vs NumPy's loop."""
     n, h, d, b, count = (
         args.tokens,
@@ -77,7 +92,9 @@ def _step_writes(args, dtype: str, rng) -> dict:
         args.block_size,
         args.layers,
     )
-    dt, num_blocks, pools, views = _layers(dtype, b, h, d, args.pool_mib, count)
+    dt, num_blocks, pools, views = _layers(
+        dtype, b, h, d, args.pool_mib, count, storage
+    )
     slots = rng.choice(num_blocks * b, n, replace=False).astype(np.int32)
     keys = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
     values = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
@@ -162,6 +179,21 @@ def run(args) -> dict:
         pools = (*pools[:index], pool, *pools[index + 1 :])
         pool_bytes = sum(p.nbytes for p in pools)
         del pools
+        # The same write into a typed pool (make_plan(storage="typed"); on CPU
+        # a bf16/fp8 pool holds its bits as uint16/uint8, pool_dtype="auto").
+        _, _, typed_pools, typed_view = _layer(
+            dtype, b, h, d, args.pool_mib, storage="typed"
+        )
+        _, t_typed, typed_pools = measure_donated(
+            jaxkv.write_kv,
+            typed_pools,
+            typed_view,
+            key,
+            value,
+            slots_j,
+            iters=args.iters,
+        )
+        del typed_pools
         # NumPy: the same bytes, assigned in place into a blocks-first array.
         t_np = _numpy_time(
             np.asarray(key), np.asarray(value), slots, num_blocks, b, args.iters
@@ -177,7 +209,8 @@ def run(args) -> dict:
             }
         )
         for impl, t in (
-            ("jaxkv.write_kv", t_jax),
+            ("jaxkv.write_kv, word pool", t_jax),
+            ("jaxkv.write_kv, typed pool", t_typed),
             ("jaxkv.write_kv pipelined", t_pipe),
             ("one-kernel floor", t_floor),
         ):
@@ -191,6 +224,7 @@ def run(args) -> dict:
                 }
             )
         step = _step_writes(args, dtype, rng)
+        stacked = _step_writes(args, dtype, rng, storage="stacked")
         rows.append(
             {
                 "dtype": dtype,
@@ -200,17 +234,21 @@ def run(args) -> dict:
                 "ratio": 1.0,
             }
         )
-        rows.append(
-            {
-                "dtype": dtype,
-                "impl": f"jaxkv, {args.layers} layers, 1 program",
-                "ms": step["jaxkv_ms"],
-                "GB/s": args.layers * written / step["jaxkv_ms"] / 1e6,
-                "ratio": step["ratio"],
-            }
-        )
+        for impl, st in (("word pools", step), ("one stacked pool", stacked)):
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "impl": f"jaxkv, {args.layers} layers, 1 program, {impl}",
+                    "ms": st["jaxkv_ms"],
+                    "GB/s": args.layers * written / st["jaxkv_ms"] / 1e6,
+                    "ratio": st["jaxkv_ms"] / step["numpy_ms"],
+                }
+            )
         results[dtype] = {
             "step": step,
+            "stacked_step": stacked,
+            "typed_ms": t_typed * 1e3,
+            "typed_ratio": t_typed / t_np,
             "jaxkv_ms": t_jax * 1e3,
             "numpy_ms": t_np * 1e3,
             "ratio": t_jax / t_np,
@@ -251,15 +289,19 @@ def run(args) -> dict:
     print_table(
         f"KV write: {n} tokens x {h} heads x {d}, pool {args.pool_mib} MiB", rows
     )
-    print(
-        f"\njaxkv / numpy (bf16): {results['bfloat16']['ratio']:.2f}x  (target <= 2.0x)"
-    )
-    print(f"jaxkv / numpy (fp8):  {results['float8_e4m3fn']['ratio']:.2f}x")
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        r = results[dtype]
+        print(
+            f"\njaxkv / numpy ({dtype}): word pool {r['ratio']:.2f}x, typed pool "
+            f"{r['typed_ratio']:.2f}x  (target <= 2.0x)"
+        )
     for dtype in ("bfloat16", "float8_e4m3fn"):
         r = results[dtype]
         print(
             f"{dtype}: one step's writes of {args.layers} layers in one program "
-            f"{r['step']['ratio']:.2f}x numpy's  (target <= 2.0x)"
+            f"{r['step']['ratio']:.2f}x numpy's (word pools), "
+            f"{r['stacked_step']['jaxkv_ms'] / r['step']['numpy_ms']:.2f}x (one "
+            "stacked pool)  (target <= 2.0x)"
         )
         print(
             f"{dtype}: pipelined {r['pipelined_ratio']:.2f}x, one-kernel floor "

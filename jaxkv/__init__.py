@@ -48,7 +48,13 @@ from jaxkv.cache.ops import (
     write_mamba_state,
     zero_blocks,
 )
-from jaxkv.cache.plan import KVCacheBudget, KVCachePlan, kv_cache_budget, make_plan
+from jaxkv.cache.plan import (
+    KVCacheBudget,
+    KVCachePlan,
+    LayerStack,
+    kv_cache_budget,
+    make_plan,
+)
 from jaxkv.cache.planner import (
     HybridBlockAlignment,
     align_hybrid_block_size,
@@ -71,6 +77,16 @@ from jaxkv.cache.shard import (
     shard_plan,
 )
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
+from jaxkv.cache.vllm_layout import (
+    LayerTensor,
+    TensorLayout,
+    hnc_shape,
+    layout_of_view,
+    layout_strides,
+    plan_tensors,
+    resolve_layout,
+    tensor_views,
+)
 from jaxkv.config import LayerConfig, RunnerConfig
 from jaxkv.examples import llama_like_config, tiny_hybrid_config
 from jaxkv.groups.attn_group import AttentionGroup
@@ -186,6 +202,8 @@ __all__ = [
     "KVCacheTensor",
     "KVCacheView",
     "LayerConfig",
+    "LayerStack",
+    "LayerTensor",
     "LayerView",
     "MLAAttentionSpec",
     "MambaSpec",
@@ -211,6 +229,7 @@ __all__ = [
     "StepInputs",
     "StepLayout",
     "StepMetadataBuilder",
+    "TensorLayout",
     "UniformTypeKVCacheSpecs",
     "_align_mixed_attention_kv_cache_views",
     "_kv_first_layers_sharing_pool_with_mamba",
@@ -236,10 +255,13 @@ __all__ = [
     "get_shared_kv_cache_layers",
     "get_varlen_cudagraph_unsupported_backend",
     "hash_token_blocks",
+    "hnc_shape",
     "init_attn_backend",
     "init_kv_cache",
     "kernel_cache",
     "kv_cache_budget",
+    "layout_of_view",
+    "layout_strides",
     "llama_like_config",
     "local_kv_heads",
     "local_runner_config",
@@ -251,6 +273,7 @@ __all__ = [
     "pack_step",
     "paged_attention",
     "plan_kv_cache",
+    "plan_tensors",
     "prefix_caching_unsupported",
     "prepare_kernel_block_sizes",
     "put_kernel_cache",
@@ -258,6 +281,7 @@ __all__ = [
     "read_view",
     "register_backend",
     "registered_backends",
+    "resolve_layout",
     "resolve_storage",
     "sampled_token_indices",
     "select_common_block_size",
@@ -265,6 +289,7 @@ __all__ = [
     "shard_plan",
     "smallest_bucket",
     "stage_logits_indices",
+    "tensor_views",
     "tiny_hybrid_config",
     "token_requests_and_positions",
     "unify_page_sizes",

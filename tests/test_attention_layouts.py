@@ -191,9 +191,9 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
     read: list[np.ndarray] = []
     real_gather = jaxkv.attention.gather_kv_pages
 
-    def counting_gather(pools, view, block_table):
+    def counting_gather(pools, view, block_table, **kwargs):
         read.append(np.asarray(block_table))
-        return real_gather(pools, view, block_table)
+        return real_gather(pools, view, block_table, **kwargs)
 
     monkeypatch.setattr(jaxkv.attention, "gather_kv_pages", counting_gather)
     q = jnp.ones((1, 4, 8), jnp.float32)

@@ -39,6 +39,7 @@ def _load(name):
             "--num-requests 2 --max-new-tokens 2 --max-prompt 12 "
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
+        ("bench_layer_scan", "--layers 3 --tokens 32".split()),
         (
             "bench_sched",
             "--running 4 --prompt 24 --prefix 8 --steps 3".split(),

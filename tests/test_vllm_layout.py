@@ -1,0 +1,137 @@
+"""vLLM 0.33's layout model: [L, B, H, N, C] permutations, tensors, resolution,
+and jaxkv's typed pools placing every byte where vLLM 0.33's views do."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+
+L = jaxkv.TensorLayout
+SPEC = jaxkv.FullAttentionSpec(
+    block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16"
+)
+
+
+@pytest.mark.parametrize(
+    ("layout", "strides"),
+    [
+        # Worked by hand: C = (128 + 128) * 2 = 512 bytes, H = 8, N = 16 tokens,
+        # B = 4 blocks, L = 2 layers; innermost first.
+        (L.LBNHC, (262144, 65536, 512, 4096, 1)),  # C, H 512, N 4096, B, L
+        (L.LBHNC, (262144, 65536, 8192, 512, 1)),  # C, N 512, H 8192
+        (L.BLNHC, (65536, 131072, 512, 4096, 1)),  # a block holds both layers
+        (L.LHBNC, (262144, 8192, 32768, 512, 1)),  # per head, all blocks
+    ],
+)
+def test_layout_strides_follow_the_permutation(layout, strides):
+    shape, got = jaxkv.layout_strides(SPEC, num_blocks=4, num_layers=2, layout=layout)
+    assert shape == (2, 4, 8, 16, 512)
+    assert got == strides
+
+
+def test_padded_pages_round_the_page_grid_and_refuse_kernel_splits():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=8,
+        dtype="float32",
+        page_size_padded=2048,
+    )  # a 1024-byte page padded to 2048
+    _, strides = jaxkv.layout_strides(spec, num_blocks=3, num_layers=2, layout=L.LBNHC)
+    assert strides[:2] == (6144, 2048)
+    with pytest.raises(ValueError, match="dense, unpadded pages"):
+        jaxkv.layout_strides(
+            spec, num_blocks=3, num_layers=2, layout=L.LBNHC, kernel_block_size=8
+        )
+    dense = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    shape, strides = jaxkv.layout_strides(
+        dense,
+        num_blocks=3,
+        num_layers=1,
+        layout=L.LBNHC,
+        kernel_block_size=8,
+        block_stride=1024,
+    )
+    assert shape[1] == 6
+    assert strides[1] == 512  # a kernel block is half a page
+
+
+def test_resolve_layout_as_vllm_does():
+    small = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16"
+    )
+    assert jaxkv.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC]) == L.LHBNC
+    # Mixed (H, N, page) shapes alias pages only in a block-compact layout.
+    assert jaxkv.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC, small]) == L.LBNHC
+    with pytest.raises(ValueError, match="block-compact"):
+        jaxkv.resolve_layout([[L.LHBNC, L.BHLNC]], [SPEC, small])
+    with pytest.raises(ValueError, match="disagree"):
+        jaxkv.resolve_layout([[L.LBNHC], [L.LBHNC]])
+    with pytest.raises(ValueError, match="not a valid layout"):
+        jaxkv.resolve_layout([[L.LBNHC]], requested=L.BLNHC)
+    assert jaxkv.resolve_layout([[L.LBNHC, L.BLNHC]], requested=L.BLNHC) == L.BLNHC
+
+
+def _kv(rng, n, h, d):
+    return (jnp.asarray(rng.normal(size=(n, h, d)), jnp.float32) for _ in "kv")
+
+
+def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
+    # The same K/V written through jaxkv's stacked typed pool and through vLLM
+    # 0.33's LBNHC views of one flat backing give identical bytes.
+    cfg = jaxkv.llama_like_config(num_layers=3, num_kv_heads=2, head_size=16)
+    plan = jaxkv.make_plan(cfg, num_blocks=5, storage="stacked")
+    (tensor,) = jaxkv.plan_tensors(plan)
+    assert tensor.layers == tuple(f"layers.{i}.self_attn" for i in range(3))
+    spec = cfg.layers[0].spec
+    assert isinstance(spec, jaxkv.AttentionSpec)
+    views = jaxkv.tensor_views(tensor, spec, num_blocks=5, layout=L.LBNHC)
+    backing = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=tensor.size, word=4)])
+    pools = plan.allocate()
+    rng = np.random.default_rng(0)
+    slots = np.array([3, 17, 40, 79, -1])
+    for name in tensor.layers:
+        k, v = _kv(rng, 5, 2, 16)
+        pools = jaxkv.write_kv(pools, plan.views[name], k, v, slots)
+        backing = jaxkv.write_kv(backing, views[name], k, v, slots)
+        assert jaxkv.layout_of_view(plan.views[name]) == L.LBNHC
+    np.testing.assert_array_equal(
+        np.asarray(pools[0]).reshape(-1).view(np.uint32), np.asarray(backing[0])
+    )
+    # Element (layer l, block b, token n, head h, K|V c) at vLLM's byte.
+    view = views["layers.2.self_attn"]
+    for b, n, h, c in [(0, 0, 0, 0), (4, 15, 1, 31), (2, 7, 0, 16)]:
+        want = tensor.page_start(layer=2, block=b) + (n * 2 + h) * 128 + c * 4
+        assert view.byte_address((b, n, h, c)) == want
+        assert plan.views["layers.2.self_attn"].byte_address((b, n, h, c)) == want
+
+
+def test_block_outermost_tensor_views_address_vllm_s_bytes():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=4, num_kv_heads=2, head_size=2, dtype="float32"
+    )
+    page = 4 * 2 * 4 * 4
+    tensor = jaxkv.LayerTensor(
+        size=3 * 2 * page, layers=("a", "b"), layer_stride=page, block_stride=2 * page
+    )
+    views = jaxkv.tensor_views(tensor, spec, num_blocks=3, layout=L.BLNHC)
+    pools = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=tensor.size, word=4)])
+    k = jnp.full((1, 2, 2), 7.0)
+    pools = jaxkv.write_kv(pools, views["b"], k, k + 1, jnp.array([2 * 4 + 1]))
+    raw = np.asarray(pools[0]).view(np.float32)
+    start = tensor.page_start(layer=1, block=2) + 1 * 2 * 16  # token 1
+    np.testing.assert_array_equal(
+        raw[start // 4 : start // 4 + 8], [7, 7, 8, 8, 7, 7, 8, 8]
+    )
+    assert np.count_nonzero(raw) == 8
+
+
+def test_the_seeds_layouts_are_not_described_as_vllm_0_33_tensors():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    assert jaxkv.layout_of_view(plan.views["layers.0.self_attn"]) is None
+    assert jaxkv.plan_tensors(plan) == ()
+    with pytest.raises(TypeError, match="KVCachePlan"):
+        jaxkv.plan_tensors(plan.views)
