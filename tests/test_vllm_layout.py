@@ -8,6 +8,14 @@ import pytest
 import jaxkv
 
 L = jaxkv.TensorLayout
+
+
+def _view(plan, name) -> jaxkv.KVCacheView:
+    view = plan.views[name]
+    assert isinstance(view, jaxkv.KVCacheView)
+    return view
+
+
 SPEC = jaxkv.FullAttentionSpec(
     block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16"
 )
@@ -97,7 +105,7 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
         k, v = _kv(rng, 5, 2, 16)
         pools = jaxkv.write_kv(pools, plan.views[name], k, v, slots)
         backing = jaxkv.write_kv(backing, views[name], k, v, slots)
-        assert jaxkv.layout_of_view(plan.views[name]) == L.LBNHC
+        assert jaxkv.layout_of_view(_view(plan, name)) == L.LBNHC
     np.testing.assert_array_equal(
         np.asarray(pools[0]).reshape(-1).view(np.uint32), np.asarray(backing[0])
     )
@@ -106,7 +114,7 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
     for b, n, h, c in [(0, 0, 0, 0), (4, 15, 1, 31), (2, 7, 0, 16)]:
         want = tensor.page_start(layer=2, block=b) + (n * 2 + h) * 128 + c * 4
         assert view.byte_address((b, n, h, c)) == want
-        assert plan.views["layers.2.self_attn"].byte_address((b, n, h, c)) == want
+        assert _view(plan, "layers.2.self_attn").byte_address((b, n, h, c)) == want
 
 
 def test_block_outermost_tensor_views_address_vllm_s_bytes():
@@ -131,7 +139,7 @@ def test_block_outermost_tensor_views_address_vllm_s_bytes():
 
 def test_the_seeds_layouts_are_not_described_as_vllm_0_33_tensors():
     plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
-    assert jaxkv.layout_of_view(plan.views["layers.0.self_attn"]) is None
+    assert jaxkv.layout_of_view(_view(plan, "layers.0.self_attn")) is None
     assert jaxkv.plan_tensors(plan) == ()
     with pytest.raises(TypeError, match="KVCachePlan"):
         jaxkv.plan_tensors(plan.views)

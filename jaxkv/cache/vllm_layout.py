@@ -276,7 +276,7 @@ def tensor_views(
       ...                        layout=jaxkv.TensorLayout.LBNHC)["l1"]
       >>> v.shape, v.strides, v.byte_address((1, 2, 1, 4))  # V[0] of head 1
       ((4, 16, 2, 8), (256, 16, 8, 1), 5296)
-    """
+    """  # noqa: D205
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"tensor_views: {type(spec).__name__} is not attention.")
     shape, strides = layout_strides(
