@@ -275,7 +275,9 @@ def _paged_attention(
         mask = visible(j)  # (rows, tile, span)
         # Zero invisible keys/values first: a NaN padding page times 0 is NaN.
         seen = jnp.any(mask, axis=1)[:, :, None, None]
-        k = jnp.where(seen, k, 0).astype(jnp.float32)
+        # Scores of unseen keys are masked below (a NaN padding key drops out);
+        # unseen values are zeroed, as their weight 0 times NaN is NaN.
+        k = k.astype(jnp.float32)
         v = jnp.where(seen, v, 0).astype(jnp.float32)
         scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
         if logits_soft_cap is not None:

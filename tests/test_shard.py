@@ -14,6 +14,7 @@ import pytest
 import jaxkv
 
 CHECK = Path(__file__).with_name("sharded_check.py")
+TYPED_CHECK = Path(__file__).with_name("typed_sharded_check.py")
 
 
 def _run_check(script: Path, *args: object) -> None:
@@ -46,6 +47,13 @@ def test_sharded_pools_match_single_device_runs():
         "2x4:auto:pools",
         "2x4:explicit:packed",
     )
+
+
+def test_stacked_typed_pools_on_meshes_scan_over_layers_in_place():
+    """A layer scan over one stacked typed pool per rank, on four meshes and
+    both axis types: each rank's bytes equal the rank-local single-device run,
+    attention equals the global model's, no collective, no pool-sized temp."""
+    _run_check(TYPED_CHECK, "1x8:explicit", "2x4:explicit", "8x1:explicit", "2x4:auto")
 
 
 def test_local_config_splits_heads_and_mamba_states():
