@@ -53,7 +53,8 @@ def main(d: int, t: int, axis_type: str) -> None:
         storage="stacked",
     )
     (spec,) = sp.local.pools
-    assert spec.typed and spec.shape[0] == 4, spec
+    assert spec.typed, spec
+    assert spec.shape[0] == 4, spec
     pools = sp.allocate()
     assert pools[0].shape == (d, t, *spec.shape)
     for s in pools[0].addressable_shards:

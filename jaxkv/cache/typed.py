@@ -60,14 +60,18 @@ def storage_dtype(dtype: np.dtype, bits: bool) -> np.dtype:
 
 def slot_shape(view: KVCacheView) -> tuple[int, ...]:
     """The array shape of one layer slot holding `view` in a typed pool: its
-    physical shape, or ``(N, B, 2H/p, p, D)`` for a packing backend.
+    physical shape without unit dims, or ``(N, B, 2H/p, p, D)`` for a packing
+    backend (the kernel's own shape, unit dims kept).
     """  # noqa: D205
     phys = physical_shape(view.shape, view.strides)
     if view.kv_packing and len(phys) == 4 and phys == view.shape:
         n, b, h, c = phys
         p = view.kv_packing
         return (n, b, 2 * h // p, p, c // 2)
-    return phys
+    # Unit dims (one local KV head, say) are left out: XLA:CPU gives a unit
+    # dim of a loop-carried pool a layout of its own choosing and copies the
+    # pool into it (measured under shard_map with one KV head per rank).
+    return tuple(d for d in phys if d != 1) or (1,)
 
 
 def _as_slots(
