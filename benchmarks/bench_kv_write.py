@@ -140,7 +140,7 @@ def _precompute(pools, view, key, value, slots):
     block, token = jnp.tile(slots // k, 2), jnp.tile(slots % k, 2)
     halves = jnp.repeat(jnp.arange(2, dtype=jnp.int32), n)
     limits = (view.shape[view.block_dim], k, 2)
-    starts = _starts(plan, (block, token, halves), limits, pool.shape[0])
+    starts = _starts(plan, (block, token, halves), limits, pool.shape)
     data = jnp.concatenate([key, value]).astype(view.dtype)
     bits = to_bits(data)
     rows = jnp.transpose(bits, plan.data_perm).reshape(starts.shape[0], -1)

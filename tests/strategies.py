@@ -132,12 +132,13 @@ def hybrid_cases(draw) -> Case:
     return Case(cfg=cfg, kv=kv, description=desc)
 
 
-def plan(case: Case):
-    """(groups, sizes, pools, views, bound) with every split group slot-mapped."""
+def plan(case: Case, **plan_kw):
+    """(groups, sizes, pools, views, bound) with every split group slot-mapped;
+    `plan_kw` go to ``plan_kv_cache``."""
     groups, _, sizes = jaxkv.init_attn_backend(
         case.kv, case.cfg, maps_slot_mapping=True
     )
-    pool_specs, views = jaxkv.plan_kv_cache(case.kv, case.cfg, sizes, groups)
+    pool_specs, views = jaxkv.plan_kv_cache(case.kv, case.cfg, sizes, groups, **plan_kw)
     names = [layer.name for layer in case.cfg.layers]
     bound = jaxkv.bind_kv_caches(views, names, case.kv, case.cfg, groups)
     return groups, sizes, pool_specs, views, bound

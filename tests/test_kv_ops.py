@@ -20,7 +20,7 @@ from tests.strategies import EXPECTED_ERRORS, hybrid_cases, plan
 
 
 def _pool_bytes(pools):
-    return [np.asarray(p).view(np.uint8).copy() for p in pools]
+    return [np.asarray(p).view(np.uint8).reshape(-1).copy() for p in pools]
 
 
 def _read_bits(values):
@@ -69,8 +69,34 @@ def _kv_inputs(view, n, rng):
 )
 @given(case=hybrid_cases(), seed=st.integers(0, 2**31 - 1))
 def test_writes_match_the_oracle_byte_for_byte(case, seed):
+    _check_against_oracle(case, seed)
+
+
+@settings(
+    max_examples=examples(25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+@given(case=hybrid_cases(), seed=st.integers(0, 2**31 - 1))
+def test_row_pools_match_the_oracle_byte_for_byte(case, seed):
+    # Every word pool stored as one row per block where its views allow (as
+    # pools of 2**31 words or more are): the same bytes, every read the same.
+    _check_against_oracle(case, seed, max_flat_words=0)
+
+
+def test_row_pools_hold_packed_and_hybrid_pools():
+    for packed in (False, True):
+        cfg = jaxkv.tiny_hybrid_config()
+        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
+        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+        specs, _ = jaxkv.plan_kv_cache(kv, cfg, sizes, groups, max_flat_words=0)
+        assert all(p.rows == 6 for p in specs), specs
+        assert all(p.shape == (6, p.size_bytes // p.word // 6) for p in specs)
+
+
+def _check_against_oracle(case, seed, **plan_kw):
     try:
-        groups, sizes, pool_specs, _, bound = plan(case)
+        groups, sizes, pool_specs, _, bound = plan(case, **plan_kw)
     except ValueError as err:
         assume(not any(m in str(err) for m in EXPECTED_ERRORS))
         raise

@@ -322,14 +322,54 @@ def test_plans_of_32_and_120_gib_are_addressed_by_block():
         assert hlo.count('"stablehlo.scatter"(') == 1
         assert "tensor<1x3xi32>" in hlo
         assert last < 2**31
-    with pytest.raises(ValueError, match="past int32 indexing; plan it with storage"):
-        jaxkv.make_plan(
-            jaxkv.llama_like_config(
-                num_layers=2, num_kv_heads=8, head_size=128, dtype="bfloat16"
-            ),
-            memory_bytes=32 << 30,
-            storage="words",
+    # A dense K/V-first layer cannot be stored in rows (its K and V halves are
+    # half a pool apart): refused, pointing to typed storage.
+    kv_first = jaxkv.llama_like_config(
+        num_layers=2,
+        num_kv_heads=8,
+        head_size=128,
+        dtype="bfloat16",
+        attention_backend="JAX_PAGED_KV_FIRST",
+    )
+    with pytest.raises(ValueError, match="past int32 indexing.*storage='typed'"):
+        jaxkv.make_plan(kv_first, memory_bytes=32 << 30, storage="words")
+    assert jaxkv.make_plan(kv_first, memory_bytes=32 << 30, storage="typed").pools
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_word_pools_past_two_to_the_31_words_are_stored_in_rows(packed):
+    # 2 layers from 32 GiB: 16 GiB per layer pool, or one packed pool of 32 GiB
+    # (refused before as past int32 indexing); 120 GiB for 32 layers packed.
+    for layers, gib in ((2, 32), (32, 120)):
+        cfg = jaxkv.llama_like_config(
+            num_layers=layers,
+            num_kv_heads=8,
+            head_size=128,
+            dtype="bfloat16",
+            attention_backend="JAX_PAGED",
         )
+        plan = jaxkv.make_plan(
+            cfg, memory_bytes=gib << 30, storage="words", packed=packed
+        )
+        assert plan.pool_bytes <= gib << 30
+        for spec in plan.pools:  # 32 unpacked layers: 3.75 GiB each, flat
+            big = spec.size_bytes // spec.word >= 2**31
+            assert spec.rows == (plan.num_blocks if big else 0)
+        assert any(spec.rows for spec in plan.pools) or (layers, packed) == (32, False)
+        view = _view(plan, f"layers.{layers - 1}.self_attn")
+        if not plan.pools[view.pool].rows:
+            continue
+        pools = jax.eval_shape(plan.allocate)
+        k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+        hlo = (
+            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
+            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
+            .as_text()
+        )
+        rows, width = plan.pools[view.pool].shape
+        assert f"tensor<{rows}x{width}xui32>" in hlo
+        # (row, word) pairs, one per window: the token's K and its V.
+        assert "tensor<2x2xi32>" in hlo
 
 
 def test_a_write_past_two_to_the_31_elements_lands_at_its_block():

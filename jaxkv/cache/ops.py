@@ -179,9 +179,9 @@ def _check_fits(pools: Pools, view: LayerView) -> None:
                     "views and pools from one plan)."
                 )
             continue
-        if pool.ndim != 1:
+        if pool.ndim > 2:
             raise ValueError(
-                f"The view reads pool {v.pool} as flat words, but that pool is "
+                f"The view reads pool {v.pool} as words, but that pool is "
                 f"{pool.dtype}{list(pool.shape)} (a typed pool): it belongs to another "
                 "plan (make views and pools from one plan)."
             )

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxkv.cache.kernel_views import kernel_views
 from jaxkv.cache.layout import build_kv_cache_views, pool_index
-from jaxkv.cache.strided import carrier_dtype, granule
+from jaxkv.cache.strided import carrier_dtype, granule, row_fits
 from jaxkv.cache.typed import is_dense, slot_shape, storage_dtype
 from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.config import RunnerConfig
@@ -32,7 +32,10 @@ class PoolSpec:
     """One physical pool: a flat array of carrier words, or a typed array.
 
     A word pool (``typed_shape is None``) is ``(size_bytes // word,)`` words
-    of ``word`` bytes, read through strided byte views. A typed pool is an
+    of ``word`` bytes, read through strided byte views; with ``rows`` set it is
+    ``(rows, size_bytes // word // rows)``, one row per block, addressed by
+    (row, word) so that no index past int32 is formed (pools of 2**31 words
+    or more). A typed pool is an
     array of ``typed_dtype`` holding ``layers`` dense layer caches:
     ``(layers, *slot)`` when stacked, the slot itself when it holds one (see
     :mod:`jaxkv.cache.typed`).
@@ -52,6 +55,7 @@ class PoolSpec:
     typed_shape: tuple[int, ...] | None = None
     typed_dtype: Any = None
     layers: int = 1
+    rows: int = 0
 
     def __post_init__(self) -> None:
         if self.typed_shape is not None:
@@ -82,6 +86,8 @@ class PoolSpec:
         """Shape of the pool array."""
         if self.typed_shape is not None:
             return self.typed_shape
+        if self.rows:
+            return (self.rows, self.size_bytes // self.word // self.rows)
         return (self.size_bytes // self.word,)
 
 
@@ -159,6 +165,18 @@ def _typed_dtype(views: Sequence[LayerView], size: int) -> np.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def _rows(views: Sequence[LayerView], size: int, word: int, num_blocks: int) -> int:
+    """Rows of one block each for a word pool, or 0 if a view's blocks cross rows."""
+    if num_blocks < 1 or size % num_blocks or (size // num_blocks) % word:
+        return 0
+    row = size // num_blocks
+    for view in views:
+        for v in view.states if isinstance(view, MambaView) else (view,):
+            if not row_fits(v.offset, v.shape, v.strides, v.itemsize, v.block_dim, row):
+                return 0
+    return num_blocks
+
+
 def _signature(view: KVCacheView) -> tuple[Any, ...]:
     return (view.shape, view.strides, view.dtype, view.axes, view.head_size)
 
@@ -171,6 +189,7 @@ def plan_pools(
     max_word: int = 4,
     storage: str = "words",
     pool_dtype: str = "auto",
+    max_flat_words: int = 2**31,
 ) -> PoolLayout:
     """Chooses each pool's storage and stamps it on the views.
 
@@ -181,14 +200,17 @@ def plan_pools(
     are all dense attention views over the whole pool with one dtype (no
     Mamba state, no padded or packed pages) becomes a typed array; with
     ``"stacked"``, pools whose views agree (shape, strides, dtype) share one
-    array, a layer slot each. Everything else stays carrier words.
+    array, a layer slot each. Everything else stays carrier words; a word pool
+    of `max_flat_words` words or more is stored as one row per block (see
+    :class:`PoolSpec`) when each view's blocks lie inside rows.
 
     Returns:
       ``(pool specs, views with their pool, word and layer slot set)``;
       aliased layers keep sharing one view object.
 
     Raises:
-      ValueError: If a word pool has 2**31 words or more (past int32 indexing).
+      ValueError: If a word pool of 2**31 words or more cannot be stored in
+        rows (a dense K/V-first layer: its K and V halves are a pool apart).
     """
     storage, pool_dtype = resolve_storage(storage, pool_dtype)
     sizes, of_tensor = pool_index(kv_cache_config)
@@ -213,15 +235,24 @@ def plan_pools(
         if storage != "words" and old not in packed and on_pool[old]:
             dtype = _typed_dtype(list(on_pool[old].values()), size)
         if dtype is None:
-            if size // words[old] >= 2**31:
+            rows = 0
+            if size // words[old] >= max_flat_words:
+                rows = _rows(
+                    list(on_pool[old].values()),
+                    size,
+                    words[old],
+                    kv_cache_config.num_blocks,
+                )
+            if not rows and size // words[old] >= 2**31:
                 raise ValueError(
                     f"A pool of {size} bytes has {size // words[old]} "
-                    f"{words[old]}-byte words, past int32 indexing; plan it with "
+                    f"{words[old]}-byte words, past int32 indexing, and its views "
+                    "cannot be stored one block per row; plan it with "
                     "storage='typed' or 'stacked' (typed pools index blocks, not "
                     "words), or split it into several KVCacheTensors."
                 )
             where[old] = (len(specs), None)
-            specs.append(dict(size_bytes=size, word=words[old]))
+            specs.append(dict(size_bytes=size, word=words[old], rows=rows))
             continue
         first = next(iter(on_pool[old].values()))
         if not isinstance(first, KVCacheView):  # unreachable: _typed_dtype checked
@@ -406,8 +437,11 @@ def plan_kv_cache(
     *,
     storage: str = "words",
     pool_dtype: str = "auto",
+    max_flat_words: int = 2**31,
 ) -> PoolLayout:
     """The pools and views :func:`init_kv_cache` would create, allocating nothing.
+
+    `storage`, `pool_dtype` and `max_flat_words` are as in :func:`plan_pools`.
 
     Raises:
       ValueError: If `kernel_block_sizes` disagree with the groups (see
@@ -422,5 +456,10 @@ def plan_kv_cache(
         views, attn_groups, kv_cache_config, vllm_config, skip_unmapped=True
     ).values()
     return plan_pools(
-        kv_cache_config, views, extra, storage=storage, pool_dtype=pool_dtype
+        kv_cache_config,
+        views,
+        extra,
+        storage=storage,
+        pool_dtype=pool_dtype,
+        max_flat_words=max_flat_words,
     )

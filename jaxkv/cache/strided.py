@@ -137,29 +137,89 @@ def make_plan(
     )
 
 
+def row_fits(
+    offset: int,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    block_dim: int,
+    row_bytes: int,
+) -> bool:
+    """Whether a view's blocks each lie inside one row of `row_bytes` (a row
+    pool, see :func:`_starts`): the block stride a multiple or a divisor of the
+    row, and one block's bytes never crossing a row's end.
+    """  # noqa: D205
+    step = strides[block_dim] * itemsize
+    span = itemsize + itemsize * sum(
+        (n - 1) * st
+        for d, (n, st) in enumerate(zip(shape, strides, strict=True))
+        if d != block_dim
+    )
+    start = offset % row_bytes
+    if step % row_bytes == 0:
+        return start + span <= row_bytes
+    if row_bytes % step == 0:
+        per = row_bytes // step
+        return start + (min(per, shape[block_dim]) - 1) * step + span <= row_bytes
+    return False
+
+
 def _starts(
     plan: AccessPlan,
     indices: Sequence[jax.Array],
     limits: Sequence[int],
-    pool_words: int,
+    pool_shape: Sequence[int],
 ) -> jax.Array:
-    """Word offset of every window, ``(n * L, 1)``; invalid items get ``pool_words``.
+    """Start of every window, ``(n * L, 1)`` word offsets (a flat pool) or
+    ``(n * L, 2)`` ``(row, word)`` pairs (a row pool ``(rows, R)``, where each
+    block lies in one row: no offset past int32 is ever formed).
 
     An item is invalid if any index is negative (padding) or past its dim; its
     windows start past the pool's end, so a FILL_OR_DROP scatter drops them and
-    a gather fills them.
-    """
-    base = jnp.full(indices[0].shape, plan.offset_words, jnp.int32)
+    a gather fills them. The first index is the block id.
+    """  # noqa: D205
     valid = jnp.ones(indices[0].shape, jnp.bool_)
-    for idx, stride, limit in zip(indices, plan.index_strides, limits, strict=True):
+    idx32 = []
+    for idx, limit in zip(indices, limits, strict=True):
         idx = idx.astype(jnp.int32)
         valid = valid & (idx >= 0) & (idx < limit)
-        base = base + idx * jnp.int32(stride)
-    base = jnp.where(valid, base, jnp.int32(pool_words))
+        idx32.append(jnp.where(valid, idx, 0))
     loops = jnp.asarray(np.asarray(plan.loop_offsets, np.int32))
-    starts = base[:, None] + loops[None, :]
-    starts = jnp.where(valid[:, None], starts, jnp.int32(pool_words))
-    return starts.reshape(-1, 1)
+    if len(pool_shape) == 1:
+        base = jnp.full(indices[0].shape, plan.offset_words, jnp.int32)
+        for idx, stride in zip(idx32, plan.index_strides, strict=True):
+            base = base + idx * jnp.int32(stride)
+        starts = base[:, None] + loops[None, :]
+        starts = jnp.where(valid[:, None], starts, jnp.int32(pool_shape[0]))
+        return starts.reshape(-1, 1)
+    rows, width = pool_shape
+    row0, col0 = divmod(plan.offset_words, width)
+    step = plan.index_strides[0]
+    block = idx32[0]
+    if step % width == 0:
+        row = row0 + block * jnp.int32(step // width)
+        col = jnp.full(block.shape, col0, jnp.int32)
+    else:  # a row holds `per` blocks (row_fits checked it at planning)
+        per = width // step
+        row = row0 + block // jnp.int32(per)
+        col = col0 + (block % jnp.int32(per)) * jnp.int32(step)
+    for idx, stride in zip(idx32[1:], plan.index_strides[1:], strict=True):
+        col = col + idx * jnp.int32(stride)
+    row = jnp.where(valid, row, jnp.int32(rows))
+    n, num_loops = block.shape[0], loops.shape[0]
+    cols = col[:, None] + loops[None, :]
+    rows_of = jnp.broadcast_to(row[:, None], (n, num_loops))
+    return jnp.stack([rows_of.reshape(-1), cols.reshape(-1)], axis=1)
+
+
+_ROW_SCATTER = lax.ScatterDimensionNumbers(
+    update_window_dims=(1,),
+    inserted_window_dims=(0,),
+    scatter_dims_to_operand_dims=(0, 1),
+)
+_ROW_GATHER = lax.GatherDimensionNumbers(
+    offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+)
 
 
 def bits_dtype(dtype: np.dtype) -> np.dtype:
@@ -223,7 +283,7 @@ def scatter_items(
     Invalid items (negative or out-of-range indices) write nothing.
     """
     n = data.shape[0]
-    starts = _starts(plan, indices, limits, pool.shape[0])
+    starts = _starts(plan, indices, limits, pool.shape)
     updates = jnp.transpose(to_bits(data), plan.data_perm).reshape(
         n * plan.num_loops, -1
     )
@@ -232,7 +292,7 @@ def scatter_items(
         pool,
         starts,
         words,
-        _SCATTER_DIMS,
+        _SCATTER_DIMS if pool.ndim == 1 else _ROW_SCATTER,
         mode=lax.GatherScatterMode.FILL_OR_DROP,
     )
 
@@ -252,12 +312,12 @@ def gather_items(
     (NaN for floats).
     """
     n = indices[0].shape[0]
-    starts = _starts(plan, indices, limits, pool.shape[0])
+    starts = _starts(plan, indices, limits, pool.shape)
     words = lax.gather(
         pool,
         starts,
-        _GATHER_DIMS,
-        slice_sizes=(plan.window_words,),
+        _GATHER_DIMS if pool.ndim == 1 else _ROW_GATHER,
+        slice_sizes=(plan.window_words,) if pool.ndim == 1 else (1, plan.window_words),
         mode=lax.GatherScatterMode.FILL_OR_DROP,
         fill_value=np.iinfo(pool.dtype).max,
     )
