@@ -80,6 +80,7 @@ from jaxkv.cache.views import KVCacheView, LayerView, MambaView
 from jaxkv.cache.vllm_layout import (
     LayerTensor,
     TensorLayout,
+    allocate_layer_tensors,
     hnc_shape,
     layout_of_view,
     layout_strides,
@@ -235,6 +236,7 @@ __all__ = [
     "_kv_first_layers_sharing_pool_with_mamba",
     "add_kv_sharing_layers_to_kv_cache_groups",
     "align_hybrid_block_size",
+    "allocate_layer_tensors",
     "allocate_pools",
     "bind_kv_caches",
     "build_attn_metadata",

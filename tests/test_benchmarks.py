@@ -92,6 +92,7 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
             "scaling": "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
             "--context 32 "
             "--head-dim 16 --iters 1".split(),
+            "layer_scan": "--layers 3 --tokens 32".split(),
         },
     )
     assert run_all.main(["--quick", "--out", str(tmp_path / "RESULTS.md")]) == 0

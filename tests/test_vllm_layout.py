@@ -143,3 +143,40 @@ def test_the_seeds_layouts_are_not_described_as_vllm_0_33_tensors():
     assert jaxkv.plan_tensors(plan) == ()
     with pytest.raises(TypeError, match="KVCachePlan"):
         jaxkv.plan_tensors(plan.views)
+
+
+def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype="float32"
+    )
+    page = spec.page_size_bytes
+    tensors = [
+        jaxkv.LayerTensor(
+            size=2 * 4 * page, layers=names, layer_stride=4 * page, block_stride=page
+        )
+        for names in (("full.0", "full.1"), ("swa.0", "swa.1"))
+    ]
+    specs = dict.fromkeys(["full.0", "full.1", "swa.0", "swa.1"], spec)
+    pool_specs, views = jaxkv.allocate_layer_tensors(
+        tensors, specs, num_blocks=4, layout=L.LBNHC
+    )
+    pools = jaxkv.allocate_pools(pool_specs)
+    k = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
+    pools = jaxkv.write_kv(pools, views["full.1"], k, -k, jnp.array([2 * 16 + 5]))
+    kp, vp = jaxkv.gather_kv_pages(pools, views["swa.1"], jnp.array([[2]]))
+    np.testing.assert_array_equal(np.asarray(kp[0, 0, 5]), np.asarray(k[0]))
+    np.testing.assert_array_equal(np.asarray(vp[0, 0, 5]), -np.asarray(k[0]))
+    kp0, _ = jaxkv.gather_kv_pages(pools, views["swa.0"], jnp.array([[2]]))
+    assert not np.asarray(kp0).any()  # layer 0 is another layer's region
+    with pytest.raises(ValueError, match="one backing"):
+        jaxkv.allocate_layer_tensors(
+            [
+                tensors[0],
+                jaxkv.LayerTensor(
+                    size=1, layers=("x",), layer_stride=1, block_stride=1
+                ),
+            ],
+            specs | {"x": spec},
+            num_blocks=4,
+            layout=L.LBNHC,
+        )

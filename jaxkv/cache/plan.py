@@ -45,6 +45,14 @@ class LayerStack(NamedTuple):
         every read, write and :func:`paged_attention` addresses ``names[i]``.
       slots: ``(len(names),)`` int32 layer slots in the stacked pool.
       names: The layers, in scan order.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="stacked")
+      >>> stack = plan.layer_stack(["layers.1.self_attn", "layers.0.self_attn"])
+      >>> stack.slots.tolist(), stack.layer.name
+      ([1, 0], 'layers.1.self_attn')
     """
 
     layer: AttentionLayer

@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxkv.cache.pools import PoolSpec
 from jaxkv.cache.views import KVCacheView
 from jaxkv.specs import AttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec
 
@@ -404,3 +405,67 @@ def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
                     )
                 )
     return tuple(out)
+
+
+def allocate_layer_tensors(
+    tensors: Sequence[LayerTensor],
+    specs: Mapping[str, KVCacheSpec],
+    *,
+    num_blocks: int,
+    layout: TensorLayout,
+    kernel_block_sizes: Mapping[str, int] | None = None,
+    word: int = 4,
+) -> tuple[tuple[PoolSpec, ...], dict[str, KVCacheView]]:
+    """Plans vLLM 0.33's ``allocate_kv_cache``: one backing for every tensor
+    and every attention layer's view of it.
+
+    All tensors share one backing of their (common) ``size``; tensors whose
+    ranges overlap alias the same bytes, as vLLM's groups do. A layer's kernel
+    block size (default: its block size) splits its blocks as a stride.
+    Allocate with :func:`allocate_pools`.
+
+    Raises:
+      ValueError: If the tensors disagree on the backing size, or a layer has
+        no spec.
+
+    Example (two groups overlaying one LBNHC backing, 2 layers each):
+      >>> import jaxkv
+      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=2,
+      ...                                head_size=8, dtype="float32")
+      >>> size = 2 * 4 * spec.page_size_bytes
+      >>> tensors = [jaxkv.LayerTensor(size=size, layers=names,
+      ...     layer_stride=4 * spec.page_size_bytes,
+      ...     block_stride=spec.page_size_bytes)
+      ...     for names in (("full.0", "full.1"), ("swa.0", "swa.1"))]
+      >>> pools, views = jaxkv.allocate_layer_tensors(
+      ...     tensors, dict.fromkeys(["full.0", "full.1", "swa.0", "swa.1"], spec),
+      ...     num_blocks=4, layout=jaxkv.TensorLayout.LBNHC)
+      >>> pools[0].size_bytes, views["swa.1"].offset == views["full.1"].offset
+      (16384, True)
+    """  # noqa: D205
+    sizes = {t.size for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"allocate_layer_tensors: tensors must share one backing, got sizes "
+            f"{sorted(sizes)}."
+        )
+    views: dict[str, KVCacheView] = {}
+    for tensor in tensors:
+        missing = [n for n in tensor.layers if n not in specs]
+        if missing:
+            raise ValueError(f"allocate_layer_tensors: no spec for layers {missing}.")
+        spec = specs[tensor.layers[0]]
+        if not isinstance(spec, AttentionSpec):
+            continue  # raw state pages: the layer lays them out itself
+        k = (kernel_block_sizes or {}).get(tensor.layers[0])
+        views.update(
+            tensor_views(
+                tensor,
+                spec,
+                num_blocks=num_blocks,
+                layout=layout,
+                kernel_block_size=k,
+                word=word,
+            )
+        )
+    return (PoolSpec(size_bytes=sizes.pop(), word=word),), views
