@@ -90,6 +90,11 @@ def _pool_sized_ops(hlo, elements):
     return found
 
 
+@pytest.mark.skipif(
+    jax.config.jax_enable_x64,
+    reason="ejkernel 0.0.80.3's XLA path itself fails with x64 on (its "
+    "dynamic_slice mixes int32 and int64 indices)",
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ejkernel_rpa_v3_writes_and_reads_a_typed_pool_in_place(dtype):
     plan, view = _plan(dtype)
