@@ -1,7 +1,12 @@
-"""Every benchmark script runs at tiny sizes, so none rots."""
+"""Every benchmark script runs at tiny sizes, so none rots.
+
+Once per CI run: the quick 64-bit pass (JAXKV_QUICK=1) checks index dtypes,
+which the scripts' smoke runs do not add to.
+"""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +14,10 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.skipif(
+    os.environ.get("JAXKV_QUICK") == "1",
+    reason="benchmark smoke runs: once per CI run, in the full pass",
+)
 
 
 def _load(name):

@@ -91,7 +91,7 @@ def _pool_sized_ops(hlo, elements):
 
 
 @pytest.mark.skipif(
-    jax.config.jax_enable_x64,
+    jax.config.read("jax_enable_x64"),
     reason="ejkernel 0.0.80.3's XLA path itself fails with x64 on (its "
     "dynamic_slice mixes int32 and int64 indices)",
 )

@@ -73,7 +73,7 @@ def test_writes_match_the_oracle_byte_for_byte(case, seed):
 
 
 @settings(
-    max_examples=examples(25),
+    max_examples=examples(12),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )

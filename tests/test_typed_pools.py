@@ -42,9 +42,15 @@ def _ops(plan, dtype, seed=0):
 
 
 @pytest.mark.parametrize(
-    "backend", ["JAX_PAGED_FUSED", "JAX_PAGED", "FLASHINFER", "JAX_PAGED_KV_FIRST"]
+    ("backend", "dtype"),
+    [
+        ("JAX_PAGED_FUSED", "float32"),
+        ("JAX_PAGED_FUSED", "bfloat16"),
+        ("JAX_PAGED", "bfloat16"),
+        ("FLASHINFER", "float32"),
+        ("JAX_PAGED_KV_FIRST", "bfloat16"),
+    ],
 )
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_typed_and_stacked_pools_hold_what_word_pools_hold(backend, dtype):
     cfg = jaxkv.llama_like_config(
         num_layers=3, dtype=dtype, attention_backend=backend, block_size=32
