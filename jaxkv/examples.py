@@ -10,6 +10,10 @@ from jaxkv.config import LayerConfig, RunnerConfig
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 
+def _backend(backend: str | AttentionBackend) -> AttentionBackend:
+    return backend if isinstance(backend, AttentionBackend) else get_backend(backend)
+
+
 def tiny_hybrid_config(
     *,
     num_kv_heads: int = 2,
@@ -37,11 +41,7 @@ def tiny_hybrid_config(
       >>> cfg.layer("layers.2.mixer").spec.page_size_bytes
       16384
     """
-    attn = (
-        attention_backend
-        if isinstance(attention_backend, AttentionBackend)
-        else get_backend(attention_backend)
-    )
+    attn = _backend(attention_backend)
     full = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
@@ -124,11 +124,7 @@ def llama_like_config(
       >>> [type(layer.spec).__name__[:7] for layer in cfg.layers][:3]
       ['Sliding', 'Sliding', 'FullAtt']
     """
-    attn = (
-        attention_backend
-        if isinstance(attention_backend, AttentionBackend)
-        else get_backend(attention_backend)
-    )
+    attn = _backend(attention_backend)
     kw = dict(
         block_size=block_size,
         num_kv_heads=num_kv_heads,

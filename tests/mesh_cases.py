@@ -36,3 +36,28 @@ def demo_requests(
         )
         for i in range(count)
     ]
+
+
+def rank_steps(
+    builder: jaxkv.StepMetadataBuilder,
+    *,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    positions: np.ndarray,
+    tables: list,
+    slots: list,
+) -> tuple[jaxkv.StepLayout, np.ndarray]:
+    """Each data-parallel rank's step packed by `builder`: (layout, (D, words))."""
+    steps = [
+        builder.prepare(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            positions=positions,
+            block_tables=tb,
+            slot_mappings=sl,
+        )
+        for tb, sl in zip(tables, slots, strict=True)
+    ]
+    return steps[0].inputs.layout, np.stack(
+        [np.asarray(s.inputs.packed) for s in steps]
+    )

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxkv  # noqa: E402
+from tests.mesh_cases import rank_steps  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -130,18 +131,14 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     m_shapes = [s.shape[1:] for s in glob.views[mamba].states]  # type: ignore[union-attr]
     states = [rng.standard_normal((d, 2, *s)).astype(np.float32) for s in m_shapes]
     builder = jaxkv.StepMetadataBuilder(sp.local)
-    steps = [
-        builder.prepare(
-            query_start_loc=qsl,
-            seq_lens=np.array(seqs),
-            positions=pos,
-            block_tables=tb,
-            slot_mappings=sl,
-        )
-        for tb, sl in zip(tables, slots, strict=True)
-    ]
-    layout = steps[0].inputs.layout
-    packed_steps = np.stack([np.asarray(s.inputs.packed) for s in steps])
+    layout, packed_steps = rank_steps(
+        builder,
+        query_start_loc=qsl,
+        seq_lens=np.array(seqs),
+        positions=pos,
+        tables=tables,
+        slots=slots,
+    )
     mstate_axes = glob.runner_config.layer(mamba).spec.shard_axes  # type: ignore[union-attr]
 
     def put(x, *spec):

@@ -29,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxkv  # noqa: E402
+from tests.mesh_cases import rank_steps  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 LAYERS = [f"layers.{i}.self_attn" for i in range(4)]
@@ -76,18 +77,14 @@ def main(d: int, t: int, axis_type: str) -> None:
     v = rng.standard_normal((d, 4, 4, kv_heads, head)).astype(np.float32)
     q = rng.standard_normal((d, 4, 4, heads, head)).astype(np.float32)
     builder = jaxkv.StepMetadataBuilder(sp.local)
-    steps = [
-        builder.prepare(
-            query_start_loc=qsl,
-            seq_lens=np.array(seqs),
-            positions=pos,
-            block_tables=tb,
-            slot_mappings=sl,
-        )
-        for tb, sl in zip(tables, slots, strict=True)
-    ]
-    layout = steps[0].inputs.layout
-    packed = np.stack([np.asarray(s.inputs.packed) for s in steps])
+    layout, packed = rank_steps(
+        builder,
+        query_start_loc=qsl,
+        seq_lens=np.array(seqs),
+        positions=pos,
+        tables=tables,
+        slots=slots,
+    )
     stack = sp.local.layer_stack(LAYERS)
 
     def step(pools, packed, k, v, q):
