@@ -55,6 +55,8 @@ timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256
 echo "== 2. KV write, $big_tokens tokens"
 timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 30 --layers 4 \
   --json "$OUT/kv_write_big.json"
+echo "== 2b. layer scan over a stacked typed pool (compile time)"
+timeout 150 $PY benchmarks/bench_layer_scan.py --json "$OUT/layer_scan.json"
 echo "== 3. step loop"
 timeout 150 $PY benchmarks/bench_step_loop.py --json "$OUT/step_loop.json"
 echo "== 4. host overhead per step ($meta_reqs requests)"
@@ -69,13 +71,16 @@ copy = float((out / "copy_bandwidth.txt").read_text().split()[1])
 att = out / "attention.json"
 if att.exists():
     r = json.loads(att.read_text())["results"]
-    gbps = r["kv_bytes"] / (r["jaxkv_ms"] / 1e3) / 1e9
-    print(f"attention: reads {r['kv_bytes'] / 2**20:.0f} MiB of K/V at {gbps:.1f} GB/s = "
-          f"{gbps / copy:.1%} of copy bandwidth ({copy:.0f} GB/s)")
+    for pool, key in (("word", "jaxkv_ms"), ("typed", "typed_ms")):
+        gbps = r["kv_bytes"] / (r[key] / 1e3) / 1e9
+        print(f"attention, {pool} pool: reads {r['kv_bytes'] / 2**20:.0f} MiB of K/V at "
+              f"{gbps:.1f} GB/s = {gbps / copy:.1%} of copy bandwidth ({copy:.0f} GB/s)")
 for name in ("kv_write_256", "kv_write_big"):
     path = out / f"{name}.json"
     if path.exists():
         r = json.loads(path.read_text())["results"]["bfloat16"]
-        gbps = 2 * r["bytes_written"] / (r["jaxkv_ms"] / 1e3) / 1e9
-        print(f"{name}: {gbps:.1f} GB/s moved = {gbps / copy:.1%} of copy bandwidth")
+        for pool, key in (("word", "jaxkv_ms"), ("typed", "typed_ms")):
+            gbps = 2 * r["bytes_written"] / (r[key] / 1e3) / 1e9
+            print(f"{name}, {pool} pool: {gbps:.1f} GB/s moved = "
+                  f"{gbps / copy:.1%} of copy bandwidth")
 PY

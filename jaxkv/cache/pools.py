@@ -122,9 +122,11 @@ def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
       ValueError: For an unknown name.
 
     Example:
-      >>> import jaxkv
-      >>> jaxkv.resolve_storage("auto", "auto")  # on CPU
-      ('words', 'bits')
+      >>> import jax, jaxkv
+      >>> want = {"cpu": ("words", "bits")}.get(jax.default_backend(),
+      ...                                       ("stacked", "native"))
+      >>> jaxkv.resolve_storage("auto", "auto") == want
+      True
       >>> jaxkv.resolve_storage("typed", "native")
       ('typed', 'native')
     """
