@@ -143,7 +143,9 @@ def test_layer_index_is_checked_on_the_host_and_dropped_inside_jit():
         jaxkv.write_kv(plan.allocate(), view, k, k, jnp.array([20]), layer=3)
     with pytest.raises(TypeError, match="layer must hold integer"):
         jaxkv.write_kv(plan.allocate(), view, k, k, jnp.array([20]), layer=1.0)
-    words = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=3), num_blocks=4)
+    words = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="words"
+    )
     with pytest.raises(TypeError, match="flat word pool"):
         jaxkv.write_kv(
             words.allocate(), words.views[L0], k, k, jnp.array([20]), layer=0
@@ -162,7 +164,9 @@ def test_layer_index_is_checked_on_the_host_and_dropped_inside_jit():
 
 
 def test_a_word_view_on_a_typed_pool_is_refused():
-    words = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=3), num_blocks=4)
+    words = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="words"
+    )
     stacked = jaxkv.make_plan(
         jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="stacked"
     )
@@ -300,7 +304,7 @@ def test_layer_stack_refuses_layers_that_cannot_scan_together():
     ]
     with pytest.raises(ValueError, match="cannot be scanned together"):
         plan.layer_stack([L0, L2])  # sliding window beside full attention
-    words = jaxkv.make_plan(cfg, num_blocks=4)
+    words = jaxkv.make_plan(cfg, num_blocks=4, storage="words")
     with pytest.raises(ValueError, match="word pool"):
         words.layer_stack([L0])
 
