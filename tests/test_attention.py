@@ -82,11 +82,19 @@ def batches(draw):
         q_len = draw(st.integers(1, 6))
         ctx = draw(st.integers(0, 30))
         reqs.append((q_len, ctx + q_len))
-    mask = draw(st.sampled_from(["causal", "window", "chunk", "cap", "cross", "mm"]))
+    # Masks combine (a window or a local chunk, a soft cap, PrefixLM ranges);
+    # cross-attention stands alone. 2 KV heads serve 2, 4 or 6 query heads.
+    if draw(st.integers(0, 5)) == 0:
+        mask = frozenset({"cross"})
+    else:
+        local = draw(st.sampled_from([(), ("window",), ("chunk",)]))
+        extra = draw(st.sets(st.sampled_from(["cap", "mm"])))
+        mask = frozenset(local) | extra
     layout = draw(st.sampled_from(["nhd", "kv_first", "split"]))
     chunk = draw(st.sampled_from([1, 3, 4, 64]))
     tile = draw(st.sampled_from([1, 2, 4]))
-    return reqs, mask, layout, (chunk, tile), draw(st.integers(0, 2**31 - 1))
+    q_heads = draw(st.sampled_from([2, 4, 6]))
+    return reqs, mask, layout, (chunk, tile, q_heads), draw(st.integers(0, 2**31 - 1))
 
 
 @settings(
@@ -96,7 +104,7 @@ def batches(draw):
 )
 @given(batch=batches())
 def test_paged_attention_matches_dense_reference(batch):
-    reqs, mask, layout, (chunk, tile), seed = batch
+    reqs, mask, layout, (chunk, tile, q_heads), seed = batch
     rng = np.random.default_rng(seed)
     kernel = 4 if layout == "split" else None
     groups, kv, pools, view = _setup(
@@ -116,7 +124,7 @@ def test_paged_attention_matches_dense_reference(batch):
     all_k, all_v, ranges = [], [], []
     for r, (_, seq_len) in enumerate(reqs):
         tables[r] = [free.pop() for _ in range(width)]
-        kv_len = enc_lens[r] if mask == "cross" else seq_len
+        kv_len = enc_lens[r] if "cross" in mask else seq_len
         k = rng.standard_normal((kv_len, heads, head)).astype(np.float32)
         v = rng.standard_normal((kv_len, heads, head)).astype(np.float32)
         pos = np.arange(kv_len)
@@ -127,12 +135,15 @@ def test_paged_attention_matches_dense_reference(batch):
         pools = jaxkv.write_kv(pools, view, k, v, slots)
         all_k.append(k)
         all_v.append(v)
-        start = int(rng.integers(0, seq_len))
+        # A range that starts before or among the query's tokens, so queries
+        # see keys ahead of them inside it.
+        q_len = reqs[r][0]
+        start = int(rng.integers(max(0, seq_len - q_len - 3), seq_len))
         ranges.append([(start, min(seq_len - 1, start + int(rng.integers(0, 6))))])
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_tokens = int(qsl[-1])
     t_pad = num_tokens + 3
-    q = rng.standard_normal((t_pad, 4, head)).astype(np.float32)
+    q = rng.standard_normal((t_pad, q_heads, head)).astype(np.float32)
     ranges_arr = np.zeros((4, 1, 2), np.int32)
     for r, rs in enumerate(ranges):
         ranges_arr[r, 0] = rs[0]
@@ -154,22 +165,22 @@ def test_paged_attention_matches_dense_reference(batch):
     )["l"]
     kw: dict[str, Any] = dict(scale=0.5, pages_per_chunk=chunk, query_tile=tile)
     ref_kw = {}
-    if mask == "window":
+    if "window" in mask:
         kw["sliding_window"] = ref_kw["window"] = 5
-    if mask == "chunk":
+    if "chunk" in mask:
         kw["attention_chunk_size"] = ref_kw["chunk"] = 8
-    if mask == "cap":
+    if "cap" in mask:
         kw["logits_soft_cap"] = ref_kw["cap"] = 2.0
-    if mask == "cross":
+    if "cross" in mask:
         kw["cross_attention"] = True
         ref_kw["causal"] = False
-    if mask == "mm":
+    if "mm" in mask:
         kw["use_mm_prefix"] = True
     out = np.asarray(jaxkv.paged_attention(jnp.asarray(q), pools, view, meta, **kw))
     assert np.isfinite(out).all()
     for r, (q_len, seq_len) in enumerate(reqs):
         q_pos = np.arange(seq_len - q_len, seq_len)
-        kv_len = enc_lens[r] if mask == "cross" else seq_len
+        kv_len = enc_lens[r] if "cross" in mask else seq_len
         want = _reference(
             q[qsl[r] : qsl[r + 1]],
             all_k[r],
@@ -177,8 +188,62 @@ def test_paged_attention_matches_dense_reference(batch):
             q_pos,
             kv_len,
             0.5,
-            ranges=ranges[r] if mask == "mm" else (),
+            ranges=ranges[r] if "mm" in mask else (),
             **ref_kw,
         )
         np.testing.assert_allclose(out[qsl[r] : qsl[r + 1]], want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(out[num_tokens:], 0.0)  # padded tokens
+
+
+def test_the_layer_s_own_cap_and_local_chunk_reach_the_kernel():
+    # An AttentionLayer carries its config's soft cap and its full-attention
+    # spec's local chunk; 6 query heads over 2 KV heads.
+    spec = jaxkv.FullAttentionSpec(
+        block_size=8,
+        num_kv_heads=2,
+        head_size=4,
+        dtype="float32",
+        attention_chunk_size=8,
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(
+                name="l",
+                spec=spec,
+                backend=jaxkv.get_backend("JAX_PAGED"),
+                num_heads=6,
+                logits_soft_cap=2.0,
+            )
+        ]
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    layer = plan.attention_layer("l")
+    assert (layer.logits_soft_cap, layer.attention_chunk_size) == (2.0, 8)
+    rng = np.random.default_rng(0)
+    seq_len, q_len = 20, 4
+    k = rng.standard_normal((seq_len, 2, 4)).astype(np.float32) * 3
+    v = rng.standard_normal((seq_len, 2, 4)).astype(np.float32)
+    table = np.array([[3, 1, 2]], np.int32)
+    pos = np.arange(seq_len)
+    pools = jaxkv.write_kv(
+        plan.allocate(), layer.view, k, v, (table[0][pos // 8] * 8 + pos % 8)
+    )
+    q = rng.standard_normal((q_len, 6, 4)).astype(np.float32) * 3
+    meta = jaxkv.build_attn_metadata(
+        plan.attn_groups,
+        1,
+        q_len,
+        np.array([0, q_len]),
+        None,
+        q_len,
+        np.array([seq_len]),
+        seq_len,
+        [table],
+        [np.full(q_len, -1, np.int32)],
+        plan.kv_cache_config,
+    )["l"]
+    out = jaxkv.paged_attention(jnp.asarray(q), pools, layer, meta, scale=0.5)
+    want = _reference(
+        q, k, v, np.arange(seq_len - q_len, seq_len), seq_len, 0.5, chunk=8, cap=2.0
+    )
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)

@@ -760,6 +760,44 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"slot_mappings\[0\]",
     ),
     (
+        "prepare id == num_blocks",
+        lambda: _prepare(block_tables=[np.array([[4]])] * 3),
+        ValueError,
+        r"block_tables\[0\]\[0, 0\] is 4, outside \[0, 4\)",
+    ),
+    (
+        "prepare uint32 slot past int32",
+        lambda: _prepare(slot_mappings=[np.array([2**31 + 33, 33], np.uint32)] * 3),
+        ValueError,
+        r"slot_mappings\[0\] holds values past the int32 range",
+    ),
+    (
+        "prepare slot in another request's block",
+        lambda: _prepare(slot_mappings=[np.array([32, 65])] + [np.array([-1, -1])] * 2),
+        ValueError,
+        r"slot_mappings\[0\]\[1\] is 65 \(block 2\); request 0's token at "
+        r"position 1 belongs in block 1 \(slot 33\)",
+    ),
+    (
+        "prepare slot at the wrong offset",
+        lambda: _prepare(slot_mappings=[np.array([33, 32])] + [np.array([-1, -1])] * 2),
+        ValueError,
+        r"slot_mappings\[0\]\[0\] is 33 \(block 1\); request 0's token at "
+        r"position 0 belongs in block 1 \(slot 32\)",
+    ),
+    (
+        "prepare context on the null block",
+        lambda: _prepare(
+            seq_lens=np.array([34]),
+            positions=np.array([32, 33]),
+            block_tables=[np.array([[0, 2]])] * 3,
+            slot_mappings=[np.array([64, 65])] + [np.array([-1, -1])] * 2,
+        ),
+        ValueError,
+        r"block_tables\[0\]\[0, 0\] is the null block in request 0's context "
+        r"\(group 0 keeps every block\)",
+    ),
+    (
         "prepare group count",
         lambda: _prepare(block_tables=[np.array([[1]])] * 2),
         ValueError,
@@ -778,6 +816,14 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         ),
         ValueError,
         "logits_indices",
+    ),
+    (
+        "prepare logits repeated",
+        lambda: _prepare(
+            logits_indices=np.array([1, 1]), cu_num_logits=np.array([0, 2])
+        ),
+        ValueError,
+        "strictly ascending",
     ),
     # --- block manager and scheduler -------------------------------------------
     ("allocator 0 blocks", lambda: jaxkv.BlockAllocator(0), ValueError, "num_blocks"),

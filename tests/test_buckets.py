@@ -81,3 +81,22 @@ def test_programs_compile_every_bucket_from_shapes_without_allocating():
         out = progs((4, 4), x, x)
     assert int(out) == 8
     assert compiles == []
+
+
+def test_sampled_tokens_are_padded_only_up_to_the_request_capacity():
+    # 4 requests sample at most 4 tokens: one sample padding (4) per token
+    # bucket, 3 programs (6 if paddings went up to the token capacity).
+    cfg = jaxkv.tiny_hybrid_config(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        token_buckets=(4, 16, 64),
+        request_buckets=(4,),
+        kv_sharing_fast_prefill=False,
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=16)
+    inputs = jaxkv.StepMetadataBuilder(plan, model_inputs=True).abstract_inputs()
+    assert sorted((x.layout.max_tokens, x.layout.num_samples) for x in inputs) == [
+        (4, 4),
+        (16, 4),
+        (64, 4),
+    ]

@@ -75,6 +75,14 @@ def test_max_logits_counts_zero_logit_requests():
     assert m.max_logits_per_req_cpu == 2
 
 
+def test_an_exactly_full_staging_buffer_is_accepted():
+    # 16 logits indices in a buffer of 16: the largest batch fits.
+    m = _helper().prepare(np.arange(16), 16, np.arange(17), True, PIECEWISE)
+    assert m is not None
+    assert m.logits_indices_padded.tolist() == list(range(16))
+    assert m.num_logits_indices_cpu == 16
+
+
 def test_bad_input():
     helper = _helper()
     with pytest.raises(ValueError, match="empty"):

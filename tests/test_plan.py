@@ -249,3 +249,10 @@ def test_unified_pages_pad_a_smaller_mamba_state():
     out = jaxkv.unify_page_sizes(cfg).layer("mixer").spec
     assert out is not None
     assert (state.page_size_bytes, out.page_size_bytes) == (1024, 2048)
+
+
+def test_block_tables_are_wide_enough_for_a_max_model_len_off_the_block_grid():
+    # 100 tokens in blocks of 32: 4 columns (3.125 rounded up).
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(max_model_len=100), num_blocks=4)
+    assert plan.block_sizes == (32, 32, 32)
+    assert plan.block_table_widths == (4, 4, 4)

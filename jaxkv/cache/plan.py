@@ -35,6 +35,14 @@ from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.cg_support import AttentionCGSupportInfo
 from jaxkv.groups.init_backend import init_attn_backend, with_kv_sharing_layers
 from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 
 class LayerStack(NamedTuple):
@@ -127,6 +135,41 @@ class KVCachePlan:
             cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
             for g in self.kv_cache_config.kv_cache_groups
         )
+
+    @functools.cached_property
+    def group_kinds(self) -> tuple[str, ...]:
+        """What each KV-cache group keeps of a sequence (for the block manager
+        and the step checks).
+
+        - ``"full"``: every block of the context (full attention, or a group
+          that a layer without the group's window also reads);
+        - ``"window"``: the blocks a sliding window or local chunk still shows;
+        - ``"mamba"``: the block of the last computed token's state;
+        - ``"encoder"``: cross-attention and encoder-only K/V, addressed by
+          encoder positions.
+
+        Example:
+          >>> import jaxkv
+          >>> jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4).group_kinds
+          ('full', 'window', 'mamba')
+        """  # noqa: D205
+        cfg = self.runner_config
+        kinds = []
+        for g in self.kv_cache_config.kv_cache_groups:
+            spec = g.kv_cache_spec
+            own = all(cfg.layer(n).spec == spec for n in g.layer_names)
+            if isinstance(spec, MambaSpec):
+                kinds.append("mamba")
+            elif isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+                kinds.append("encoder")
+            elif own and isinstance(
+                spec,
+                SlidingWindowSpec | SlidingWindowMLASpec | ChunkedLocalAttentionSpec,
+            ):
+                kinds.append("window")
+            else:
+                kinds.append("full")
+        return tuple(kinds)
 
     def attention_layer(self, name: str) -> AttentionLayer:
         """`name`'s bound view with its spec's attention parameters

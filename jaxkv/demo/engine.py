@@ -115,7 +115,7 @@ class Engine:
         self.sharded: ShardedPlan | None = None
         if mesh is None:
             self.plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
-            self.pools = self.plan.allocate()
+            self._allocate_pools = self.plan.allocate
             self.num_ranks, tensor_parallel = 1, 1
             self.graphdef, self.state = nnx.split(model)
             self._state_sharded: Any = None
@@ -129,7 +129,7 @@ class Engine:
                 maps_slot_mapping=True,
             )
             self.plan = self.sharded.local
-            self.pools = self.sharded.allocate()
+            self._allocate_pools = self.sharded.allocate
             self.num_ranks = self.sharded.data_parallel
             tensor_parallel = self.sharded.tensor_parallel
             self.graphdef, state, self._state_sharded = tensor_parallel_state(
@@ -145,6 +145,7 @@ class Engine:
                 state,
                 self._state_sharded,
             )
+        self.pools = self._allocate_pools()
         self.data_axis, self.tensor_axis = data_axis, tensor_axis
         self.views = self.plan.views
         # What the model's layers read: attention layers with their spec's
@@ -188,10 +189,12 @@ class Engine:
         )
         self.stage_buffer: jax.Array | None = None
         if self._yoco and mesh is not None:
-            self.stage_buffer = jax.jit(
-                lambda: jnp.zeros((self.num_ranks, self.max_num_tokens), jnp.int32),
-                out_shardings=NamedSharding(mesh, P(data_axis, None)),
-            )()
+            self.stage_buffer = self._new_stage_buffer()
+        # A step in flight: the scheduled steps, then the device's results
+        # once its program returned (see resume()).
+        self._inflight: list[ScheduledStep] | None = None
+        self._results: tuple[jax.Array, jax.Array] | None = None
+        self._run: dict[str, Any] | None = None
         # What the loop did: steps, steps with fast prefill armed, steps with a
         # prefill chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
@@ -218,6 +221,14 @@ class Engine:
             )
             for _ in range(self.num_ranks)
         ]
+
+    def _new_stage_buffer(self) -> jax.Array:
+        if self.mesh is None:
+            raise RuntimeError("Engine: the staging buffer is for a mesh.")
+        return jax.jit(
+            lambda: jnp.zeros((self.num_ranks, self.max_num_tokens), jnp.int32),
+            out_shardings=NamedSharding(self.mesh, P(self.data_axis, None)),
+        )()
 
     @property
     def allocator(self) -> BlockAllocator:
@@ -384,8 +395,11 @@ class Engine:
         )
 
     def step(self, steps: list[ScheduledStep]) -> None:
-        """Runs one scheduled step (one per data-parallel rank)."""
-        self.counters["steps"] += 1
+        """Runs one scheduled step (one per data-parallel rank).
+
+        If it raises, :meth:`resume` finishes or redoes it (see there).
+        """
+        self._inflight, self._results = steps, None
         batches = [s.batch for s in steps]
         desc = num_samples = None
         if self.sharded is not None:
@@ -427,27 +441,79 @@ class Engine:
                 host[rank, 2 : 2 + len(idx)] = idx
             rows = NamedSharding(self.sharded.mesh, P(self.data_axis, None))
             stage = (self.stage_buffer, jax.device_put(host, rows))
-        self.counters["fast_prefill_armed"] += (
-            inputs.fast_prefill is not None or stage is not None
-        )
+        armed = inputs.fast_prefill is not None or stage is not None
         result = self.programs(
             self._program(inputs, stage), self.pools, self.state, inputs, *(stage or ())
         )
         if stage is not None:
             *result, self.stage_buffer = result
         self.pools, next_tokens, logits = result
+        # From here the step has run: the pools hold its K/V and states, so
+        # it is finished (never run again) on resume().
+        self._results = (next_tokens, logits)
+        self.counters["steps"] += 1
+        self.counters["fast_prefill_armed"] += armed
+        self._apply_results()
+
+    def _apply_results(self) -> None:
+        """Gives the ran step's sampled tokens to the schedulers (each once)."""
+        if self._inflight is None or self._results is None:
+            raise RuntimeError("Engine: no step result to apply.")
+        next_tokens, logits = self._results
         next_host = _to_host(next_tokens)  # the loop needs the tokens on the host
         logits_host = _to_host(logits) if self.record_logits else None
         if self.sharded is None:
             next_host = next_host[None]
             logits_host = None if logits_host is None else logits_host[None]
-        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
+        for rank, (sched, step) in enumerate(
+            zip(self.schedulers, self._inflight, strict=True)
+        ):
+            if sched.last_applied is step:  # applied before a fault on another rank
+                continue
             sampled = step.sampled
+            sched.update(step, next_host[rank, : len(sampled)].tolist())
             if logits_host is not None:
                 for k, req in enumerate(sampled):
                     if isinstance(req, Request):
                         req.logits.append(logits_host[rank, k])
-            sched.update(step, next_host[rank, : len(sampled)].tolist())
+        self._inflight = self._results = None
+
+    def _pools_lost(self) -> bool:
+        leaves = jax.tree.leaves((self.pools, self.stage_buffer))
+        return any(x.is_deleted() for x in leaves)
+
+    def resume(self) -> str | None:
+        """Brings the Engine back to a consistent state after an exception
+        inside a step; returns what it did (``None``: nothing was in flight).
+
+        - ``"applied"``: the device step had run (its pools came back): its
+          sampled tokens are given to the schedulers, never recomputed (a
+          Mamba state, updated in place, has already advanced);
+        - ``"rerun"``: it failed before its program ran (pools untouched):
+          the same scheduled step runs again, bit for bit as it would have;
+        - ``"recomputed"``: the program failed after consuming its donated
+          pools (the cache is gone): new pools, and every running request is
+          recomputed from its prompt and outputs
+          (:meth:`Scheduler.recompute_all`).
+
+        :meth:`run` calls it first, so ``engine.run([])`` after an exception
+        finishes every request (those not yet arrived included).
+        """  # noqa: D205
+        if self._inflight is None:
+            return None
+        if self._results is not None:
+            self._apply_results()
+            return "applied"
+        if self._pools_lost():
+            self.pools = self._allocate_pools()
+            if self.stage_buffer is not None:
+                self.stage_buffer = self._new_stage_buffer()
+            for sched in self.schedulers:
+                sched.recompute_all()
+            self._inflight = None
+            return "recomputed"
+        self.step(self._inflight)
+        return "rerun"
 
     def run(
         self,
@@ -461,16 +527,34 @@ class Engine:
         run out, the most recently admitted request of a rank is preempted and
         recomputed later. Steps with nothing to run are skipped to the next
         arrival.
+
+        After an exception (a fault in the model, the device, the host, an
+        interrupt), call ``run([])`` (or ``run(more_requests)``): it resumes
+        the step in flight (:meth:`resume`), then serves every request of the
+        interrupted run, the ones not arrived yet included, with the outputs
+        and logits a run without the fault gives.
         """
-        pending = sorted(requests, key=lambda r: r.arrival_step)
-        steps = generated = 0
-        total = sum(max(0, r.max_new_tokens) for r in requests)
+        if self._run is None:
+            self._run = {"pending": [], "requests": [], "steps": 0, "total": 0}
+        run = self._run
+        # Requests of the interrupted run passed again are not added twice.
+        seen = {id(r) for r in run["requests"]}
+        requests = [r for r in requests if id(r) not in seen]
+        run["requests"] += requests
+        run["pending"] = sorted(
+            [*run["pending"], *requests], key=lambda r: r.arrival_step
+        )
+        run["total"] += sum(max(0, r.max_new_tokens) for r in requests)
+        self.resume()
+        pending = run["pending"]
+        generated = sum(len(r.output) for r in run["requests"])
         while pending or any(s.has_unfinished for s in self.schedulers):
             if pending and not any(s.has_unfinished for s in self.schedulers):
-                steps = max(steps, pending[0].arrival_step)  # nothing to run: skip
-            while pending and pending[0].arrival_step <= steps:
+                # Nothing to run: skip to the next arrival.
+                run["steps"] = max(run["steps"], pending[0].arrival_step)
+            while pending and pending[0].arrival_step <= run["steps"]:
                 # A new request goes to the data-parallel rank with fewest.
-                req = pending.pop(0)
+                req = pending[0]
                 req.rank = min(
                     range(self.num_ranks),
                     key=lambda r: (
@@ -479,6 +563,7 @@ class Engine:
                     ),
                 )
                 self.schedulers[req.rank].add_request(req)
+                pending.pop(0)
             scheduled = [s.schedule() for s in self.schedulers]
             if any(s.batch for s in scheduled):
                 live = [r for s in scheduled for r, _ in s.batch]
@@ -490,10 +575,11 @@ class Engine:
                     "Engine.run: requests are waiting but none could be scheduled "
                     "(no free blocks and nothing running to preempt)."
                 )
-            steps += 1
+            run["steps"] += 1
             if progress:
-                progress(generated, total)
-        return steps, generated
+                progress(generated, run["total"])
+        self._run = None
+        return run["steps"], sum(len(r.output) for r in run["requests"])
 
     @property
     def stats(self) -> dict[str, int]:

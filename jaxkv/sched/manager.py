@@ -105,29 +105,21 @@ class KVCacheManager:
     ) -> None:
         """Reads the groups from `plan`; all blocks start free."""
         groups = plan.kv_cache_config.kv_cache_groups
-        cfg = plan.runner_config
         self.plan = plan
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self.widths = list(plan.block_table_widths)
         self.is_mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
         # The spec that decides what a group keeps: its own when every layer
         # reading it (KV-sharing layers included) has it; None (keep all) else.
+        kinds = plan.group_kinds
         self.specs: list[KVCacheSpec | None] = [
-            g.kv_cache_spec
-            if all(cfg.layer(n).spec == g.kv_cache_spec for n in g.layer_names)
-            else None
-            for g in groups
+            g.kv_cache_spec if kind in ("window", "mamba") else None
+            for g, kind in zip(groups, kinds, strict=True)
         ]
         # Groups that give blocks back before a request ends: windows and
         # Mamba states (full attention keeps every block).
         self._freeing_groups = [
-            g
-            for g, spec in enumerate(self.specs)
-            if self.is_mamba[g]
-            or isinstance(
-                spec,
-                SlidingWindowSpec | SlidingWindowMLASpec | ChunkedLocalAttentionSpec,
-            )
+            g for g, kind in enumerate(kinds) if kind in ("window", "mamba")
         ]
         if num_blocks is not None and not 2 <= num_blocks <= plan.num_blocks:
             raise ValueError(
@@ -446,7 +438,7 @@ class KVCacheManager:
         frees them as soon as the step ran, so they are free for the next
         step's admissions.
         """  # noqa: D205
-        tables = self._tables[req.req_id]
+        tables = self._tables_of(req, "commit")
         n = req.num_computed
         if self._uncommitted:
             for block in self._uncommitted.pop(req.req_id, ()):
@@ -487,6 +479,36 @@ class KVCacheManager:
                 m[row] = 0
             self._free_rows.append(row)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
+        the pools' contents are gone. Only possible with no block held;
+        returns whether it was reset.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+          >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+          >>> m.reset_prefix_cache(), m.allocator.num_cached
+          (True, 0)
+        """  # noqa: D205
+        if self._tables or self.allocator.num_free != self.num_usable_blocks:
+            return False
+        self.allocator = BlockAllocator(self.allocator.num_blocks)
+        self._hashes.clear()
+        self._registered.clear()
+        self._uncommitted.clear()
+        self._pending_states.clear()
+        return True
+
+    def _tables_of(self, req: Request, caller: str) -> list[list[int]]:
+        tables = self._tables.get(getattr(req, "req_id", ""))
+        if tables is None:
+            raise ValueError(
+                f"{caller}: request {getattr(req, 'req_id', req)!r} holds no blocks "
+                "(never allocated, or freed: finished, aborted or preempted)."
+            )
+        return tables
+
     def step_blocks(self, batch: Sequence[tuple[Request, int]]) -> StepBlocks:
         """Block tables and slot mappings of a scheduled batch.
 
@@ -494,7 +516,7 @@ class KVCacheManager:
         ``num_computed`` on (its blocks allocated with :meth:`allocate`).
         """
         num_tokens = sum(n for _, n in batch)
-        rows = [self._tables[req.req_id] for req, _ in batch]
+        rows = [self._tables_of(req, "step_blocks") for req, _ in batch]
         index = np.fromiter((self._row[req.req_id] for req, _ in batch), np.int64)
         tables, slots = [], []
         for g, width in enumerate(self.widths):

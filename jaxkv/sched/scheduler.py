@@ -71,13 +71,26 @@ class ScheduledStep:
     batch: list[tuple[Request, int]]
     arrays: StepArrays
     preempted: list[Request]
+    # Each request's (num_computed, len(output)) when the step was scheduled,
+    # and the batch entries update() has applied: a retried update() after an
+    # exception midway finishes the step without applying anything twice.
+    _before: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
+    _done: set[int] = dataclasses.field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self._before:
+            self._before = [(r.num_computed, len(r.output)) for r, _ in self.batch]
 
     @property
     def sampled(self) -> list[Request]:
         """Requests whose last token this step reaches: one sampled token each,
         in batch order.
         """  # noqa: D205
-        return [r for r, n in self.batch if r.num_computed + n == r.num_tokens]
+        return [
+            r
+            for (r, n), (c, o) in zip(self.batch, self._before, strict=True)
+            if c + n == len(r.prompt) + o
+        ]
 
 
 def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
@@ -187,6 +200,7 @@ class Scheduler:
         self.rejected: deque[Request] = deque(maxlen=MAX_REJECTED_KEPT)
         self._applied: ScheduledStep | None = None
         self._latest: ScheduledStep | None = None
+        self._applying: ScheduledStep | None = None
         self._ids: set[str] = set()
         # With prefix caching and Mamba groups, prefill chunks end where every
         # group's blocks end (the lcm of the block sizes), so a hit there finds
@@ -205,12 +219,18 @@ class Scheduler:
             "prefill_tokens": 0,
             "cached_tokens": 0,
             "rejected": 0,
+            "recomputed": 0,
         }
 
     @property
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
+
+    @property
+    def last_applied(self) -> ScheduledStep | None:
+        """The latest step :meth:`update` finished applying."""
+        return self._applied
 
     def rejection_reason(self, req: Request) -> str | None:
         """Why `req` can never be served, or ``None``.
@@ -357,7 +377,21 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def schedule(self) -> ScheduledStep:
-        """Picks this step's requests and tokens and holds their blocks."""
+        """Picks this step's requests and tokens and holds their blocks.
+
+        A step scheduled but never applied (its device step failed before it
+        ran) is superseded: its blocks stay held and the new step recomputes
+        its tokens.
+
+        Raises:
+          RuntimeError: If :meth:`update` of the latest step raised midway
+            (finish it with ``update(step, tokens)`` first).
+        """
+        if self._applying is not None:
+            raise RuntimeError(
+                "schedule: update() of the latest step raised midway; call "
+                "update(step, tokens) again with the same step to finish it."
+            )
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -467,12 +501,17 @@ class Scheduler:
           sampled_token_ids: One token per request of ``step.sampled``, in
             order.
 
-        Everything is checked before anything changes, so after an exception
-        the requests and blocks are exactly as before the call (and the step
-        can be applied again with good tokens).
+        Everything is checked before anything changes, so after a refused
+        call (the errors below) the requests and blocks are exactly as before
+        and the step can be applied again with good tokens. If applying fails
+        midway (a fault inside the block manager, an interrupt), call
+        ``update(step, tokens)`` again with the same step: it finishes the
+        step, applying no entry twice; :meth:`schedule` refuses until then.
+        Requests aborted (:meth:`finish`) since the step was scheduled are
+        skipped, their tokens dropped.
 
         Raises:
-          ValueError: If fewer tokens than sampling requests come, a token is
+          ValueError: If not one token per sampling request comes, a token is
             outside ``[0, vocab_size)`` (int32 without a vocabulary), or the
             step was already applied or is not the latest scheduled one.
           TypeError: If the tokens are not integers (floats, NaN, bools) or
@@ -489,16 +528,17 @@ class Scheduler:
                 "each scheduled step once, in order."
             )
         sampled = step.sampled
-        if len(sampled_token_ids) < len(sampled):
+        if len(sampled_token_ids) != len(sampled):
             raise ValueError(
-                f"update: {len(sampled)} requests sample a token this step, got "
+                f"update: {len(sampled)} requests sample a token this step "
+                f"({[r.req_id for r in sampled][:8]}), got "
                 f"{len(sampled_token_ids)} tokens."
             )
         # Validated before anything changes: a bad token leaves every request
         # and block as it was.
         top = _INT32_LIMIT if self.vocab_size is None else self.vocab_size
         tokens_in = (
-            host_int_array(sampled_token_ids[: len(sampled)], "update: sampled tokens")
+            host_int_array(sampled_token_ids, "update: sampled tokens")
             if sampled
             else np.zeros(0, np.int64)
         )
@@ -509,20 +549,74 @@ class Scheduler:
                 f"update: request {sampled[i].req_id!r} sampled token "
                 f"{tokens_in[i]}, outside [0, {top})."
             )
-        self._applied = step
+        # Each entry is applied from the counts recorded when it was
+        # scheduled, and marked done: if something fails midway (a fault in
+        # the manager, an interrupt), update() again with the same step
+        # finishes it, applying nothing twice. Requests aborted since
+        # schedule() are skipped (their token dropped).
+        self._applying = step
         tokens = iter(int(t) for t in tokens_in)
-        finished = []
-        for req, n in step.batch:
-            sample = req.num_computed + n == req.num_tokens
-            req.num_computed += n
-            if sample:
-                req.output.append(next(tokens))
+        live = []
+        for i, ((req, n), (computed, outputs)) in enumerate(
+            zip(step.batch, step._before, strict=True)
+        ):
+            sample = computed + n == len(req.prompt) + outputs
+            token = next(tokens) if sample else None
+            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
+                step._done.add(i)
+                continue
+            live.append(req)
+            if i in step._done:
+                continue
+            req.num_computed = computed + n
+            if token is not None and len(req.output) == outputs:
+                req.output.append(token)
             self.manager.commit(req)
-            if req.finished:
-                finished.append(req)
+            step._done.add(i)
+        finished = [req for req in live if req.finished]
         for req in finished:
             self.finish(req)
+        self._applied = step
+        self._applying = None
         return finished
+
+    def recompute_all(self) -> list[Request]:
+        """Forgets what the KV cache held: every running request goes back to
+        the front of the waiting queue, to be recomputed from its prompt and
+        the tokens it generated; the prefix cache is emptied and the latest
+        scheduled step can no longer be applied.
+
+        For a device step that failed after its donated pools were consumed
+        (the cache's contents are gone): allocate new pools, call this, and
+        schedule again. Returns the requests requeued, in queue order.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+          >>> s = jaxkv.Scheduler(plan)
+          >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=2))
+          >>> s.update(s.schedule(), [5])
+          []
+          >>> [r.req_id for r in s.recompute_all()], s.waiting[0].num_computed
+          (['a'], 0)
+        """  # noqa: D205
+        if self._applying is not None:
+            raise RuntimeError(
+                "recompute_all: update() of the latest step raised midway; call "
+                "update(step, tokens) again first."
+            )
+        requeued = []
+        while self.running:
+            req = self.running.pop()
+            self.manager.free(req)
+            req.num_computed = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            requeued.append(req)
+        self.manager.reset_prefix_cache()
+        self.stats["recomputed"] += len(requeued)
+        self._latest = None
+        return requeued[::-1]
 
     def finish(self, req: Request) -> None:
         """Frees `req`'s blocks and forgets it (finished or aborted)."""

@@ -368,6 +368,7 @@ class StepMetadataBuilder:
                 block_tables=block_tables,
                 slot_mappings=slot_mappings,
                 logits_indices=logits_indices,
+                group_kinds=self.plan.group_kinds,
             )
         qsl = np.asarray(query_start_loc)
         num_reqs, num_tokens = qsl.size - 1, int(qsl[-1])

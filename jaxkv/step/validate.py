@@ -41,6 +41,7 @@ def validate_step(
     block_tables: Sequence[object],
     slot_mappings: Sequence[object],
     logits_indices: object | None = None,
+    group_kinds: Sequence[str] | None = None,
 ) -> None:
     """Checks a step's host arrays against each other and the pools.
 
@@ -51,7 +52,11 @@ def validate_step(
     - every block table has a row per request and enough columns for its
       sequence, with ids in ``[0, num_blocks)`` in those columns (0, the null
       block, is allowed: a window may have given a block back);
-    - logits indices are ascending token indices.
+    - logits indices are ascending token indices;
+    - with `group_kinds` (:attr:`KVCachePlan.group_kinds`), each token's slot
+      in an attention group is ``-1`` (not written) or its own: in its own
+      request's block for its position (``seq_len - query_len + i``), never
+      the null block; a ``"full"`` group's context holds no null block.
 
     Raises:
       TypeError: If an array is not integer-typed.
@@ -96,6 +101,22 @@ def validate_step(
     pos = _ints(positions, "positions", 1)
     if pos.shape != (num_tokens,):
         raise ValueError(f"positions.shape={pos.shape}, expected ({num_tokens},).")
+    kinds: tuple[str, ...] | None = None
+    if group_kinds is not None:
+        kinds = tuple(group_kinds)
+        if len(kinds) != len(block_sizes) or any(
+            (k == "mamba") != bool(m) for k, m in zip(kinds, is_mamba, strict=False)
+        ):
+            raise ValueError(
+                f"group_kinds={kinds!r} does not match is_mamba={tuple(is_mamba)!r}."
+            )
+    # Each token's request and position in its sequence.
+    tok_req = np.repeat(np.arange(num_reqs), q_lens)
+    tok_pos = (
+        np.arange(num_tokens)
+        - np.repeat(qsl[:-1], q_lens)
+        + np.repeat(seq.astype(np.int64) - q_lens, q_lens)
+    )
     if len(block_tables) != len(block_sizes) or len(slot_mappings) != len(block_sizes):
         raise ValueError(
             f"Expected {len(block_sizes)} block tables and slot mappings (one per "
@@ -121,16 +142,43 @@ def validate_step(
                 f"{int(need[r])} for seq_len {int(seq[r])} (block size {bs})."
             )
         cols = np.arange(table.shape[1])[None, :]
+        context = cols < need[:, None]
         bad_ids = (table < 0) | (table >= num_blocks)
-        if not bad_ids.any():
-            continue
-        bad = np.argwhere(bad_ids & (cols < need[:, None]))
-        if bad.size:
-            r, c = (int(i) for i in bad[0])
-            raise ValueError(
-                f"block_tables[{g}][{r}, {c}] is {int(table[r, c])}, outside "
-                f"[0, {num_blocks}) in request {r}'s context."
-            )
+        if bad_ids.any():
+            bad = np.argwhere(bad_ids & context)
+            if bad.size:
+                r, c = (int(i) for i in bad[0])
+                raise ValueError(
+                    f"block_tables[{g}][{r}, {c}] is {int(table[r, c])}, outside "
+                    f"[0, {num_blocks}) in request {r}'s context."
+                )
+        kind = None if kinds is None else kinds[g]
+        if kind == "full":
+            null = np.argwhere((table == 0) & context)
+            if null.size:
+                r, c = (int(i) for i in null[0])
+                raise ValueError(
+                    f"block_tables[{g}][{r}, {c}] is the null block in request "
+                    f"{r}'s context (group {g} keeps every block): the request's "
+                    "blocks were freed or never allocated."
+                )
+        if kind in ("full", "window") and num_tokens:
+            block = table[tok_req, tok_pos // bs].astype(np.int64)
+            want = block * bs + tok_pos % bs
+            wrong = (slots != -1) & ((slots != want) | (block == 0))
+            if wrong.any():
+                t = int(np.argmax(wrong))
+                r, p = int(tok_req[t]), int(tok_pos[t])
+                raise ValueError(
+                    f"slot_mappings[{g}][{t}] is {int(slots[t])} (block "
+                    f"{int(slots[t]) // bs}); request {r}'s token at position {p} "
+                    f"belongs in block {int(block[t])} (slot {int(want[t])})"
+                    + (
+                        ", the null block: its block was never allocated."
+                        if block[t] == 0
+                        else "."
+                    )
+                )
     if logits_indices is not None:
         idx = _ints(logits_indices, "logits_indices", 1)
         if idx.size and (idx.min() < 0 or idx.max() >= num_tokens):
