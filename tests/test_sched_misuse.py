@@ -133,6 +133,7 @@ def test_scheduler_limits_are_checked_not_defaulted(kwargs, error, match):
         ([1, 10**12], ValueError, "'b' sampled token 1000000000000"),
         ([1, 100], ValueError, "outside \\[0, 100\\)"),
         ([1], ValueError, "2 requests sample a token"),
+        ([1, 2, 3], ValueError, "2 requests sample a token .* got 3 tokens"),
     ],
 )
 def test_a_bad_sampled_token_changes_nothing(tokens, error, match):
@@ -179,3 +180,61 @@ def test_rejected_requests_are_bounded():
     assert len(s.rejected) == MAX_REJECTED_KEPT
     assert s.rejected[-1].req_id == f"x{n - 1}"
     assert s.stats["rejected"] == n
+
+
+def test_a_request_aborted_between_schedule_and_update_is_skipped():
+    s = jaxkv.Scheduler(_plan())
+    a = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=3)
+    b = jaxkv.Request("b", prompt=[4, 5], max_new_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    step = s.schedule()
+    s.finish(a)  # aborted while its step runs
+    assert s.update(step, [7, 8]) == []
+    assert (a.output, b.output) == ([], [8])
+    _serve(s, [b])
+
+
+def test_an_update_that_fails_midway_is_finished_by_applying_it_again():
+    s = jaxkv.Scheduler(_plan())
+    reqs = [jaxkv.Request(n, prompt=[1, 2, 3], max_new_tokens=2) for n in "abc"]
+    for r in reqs:
+        s.add_request(r)
+    step = s.schedule()
+    real, calls = s.manager.commit, []
+
+    def commit(req):
+        calls.append(req.req_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(req)
+
+    s.manager.commit = commit
+    with pytest.raises(KeyboardInterrupt):
+        s.update(step, [7, 8, 9])
+    with pytest.raises(RuntimeError, match="raised midway"):
+        s.schedule()
+    s.update(step, [7, 8, 9])  # finishes the step; nothing applied twice
+    assert [(r.num_computed, r.output) for r in reqs] == [
+        (3, [7]),
+        (3, [8]),
+        (3, [9]),
+    ]
+    s.manager.commit = real
+    _serve(s, reqs)
+
+
+def test_recompute_all_requeues_running_requests_and_empties_the_cache():
+    s = jaxkv.Scheduler(_plan(), enable_prefix_caching=True)
+    a = jaxkv.Request("a", prompt=list(range(20)), max_new_tokens=3)
+    s.add_request(a)
+    s.update(s.schedule(), [7])
+    step = s.schedule()
+    assert s.manager.allocator.num_cached > 0
+    assert s.recompute_all() == [a]
+    assert (a.num_computed, a.output, a.status) == (0, [7], jaxkv.RequestStatus.WAITING)
+    assert s.manager.allocator.num_cached == 0
+    with pytest.raises(ValueError, match="not the one schedule"):
+        s.update(step, [1])
+    _serve(s, [a])
+    assert a.output == [7, 1, 1]

@@ -503,17 +503,21 @@ class Engine:
             return None
         if self._results is not None:
             self._apply_results()
-            return "applied"
-        if self._pools_lost():
+            done = "applied"
+        elif self._pools_lost():
             self.pools = self._allocate_pools()
             if self.stage_buffer is not None:
                 self.stage_buffer = self._new_stage_buffer()
             for sched in self.schedulers:
                 sched.recompute_all()
             self._inflight = None
-            return "recomputed"
-        self.step(self._inflight)
-        return "rerun"
+            done = "recomputed"
+        else:
+            self.step(self._inflight)
+            done = "rerun"
+        if self._run is not None:  # the step counts, so arrivals keep their step
+            self._run["steps"] += 1
+        return done
 
     def run(
         self,

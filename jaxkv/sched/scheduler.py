@@ -71,11 +71,10 @@ class ScheduledStep:
     batch: list[tuple[Request, int]]
     arrays: StepArrays
     preempted: list[Request]
-    # Each request's (num_computed, len(output)) when the step was scheduled,
-    # and the batch entries update() has applied: a retried update() after an
-    # exception midway finishes the step without applying anything twice.
+    # Each request's (num_computed, len(output)) when the step was scheduled:
+    # update() applies the step from them, so applying it again after an
+    # exception midway changes nothing twice.
     _before: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
-    _done: set[int] = dataclasses.field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if not self._before:
@@ -549,30 +548,25 @@ class Scheduler:
                 f"update: request {sampled[i].req_id!r} sampled token "
                 f"{tokens_in[i]}, outside [0, {top})."
             )
-        # Each entry is applied from the counts recorded when it was
-        # scheduled, and marked done: if something fails midway (a fault in
-        # the manager, an interrupt), update() again with the same step
-        # finishes it, applying nothing twice. Requests aborted since
-        # schedule() are skipped (their token dropped).
+        # Each entry is applied from the counts recorded when it was scheduled
+        # (set, not added; a token appended once; commit() frees only what the
+        # count says): if something fails midway (a fault in the manager, an
+        # interrupt), update() again with the same step finishes it, applying
+        # nothing twice. Requests aborted since schedule() are skipped (their
+        # token dropped).
         self._applying = step
         tokens = iter(int(t) for t in tokens_in)
         live = []
-        for i, ((req, n), (computed, outputs)) in enumerate(
-            zip(step.batch, step._before, strict=True)
-        ):
+        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
             sample = computed + n == len(req.prompt) + outputs
             token = next(tokens) if sample else None
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                step._done.add(i)
                 continue
             live.append(req)
-            if i in step._done:
-                continue
             req.num_computed = computed + n
             if token is not None and len(req.output) == outputs:
                 req.output.append(token)
             self.manager.commit(req)
-            step._done.add(i)
         finished = [req for req in live if req.finished]
         for req in finished:
             self.finish(req)
