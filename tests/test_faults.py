@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
+import jaxkv.demo
 import jaxkv.demo.engine as engine_module
 
 
