@@ -29,6 +29,7 @@ from jaxkv.cache.bind import (
     BoundKVCaches,
     bind_kv_caches,
     build_slot_mappings_by_layer,
+    local_attention,
 )
 from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
 from jaxkv.cache.layout import (
@@ -265,6 +266,7 @@ __all__ = [
     "layout_of_view",
     "layout_strides",
     "llama_like_config",
+    "local_attention",
     "local_kv_heads",
     "local_runner_config",
     "longest_cache_hit",

@@ -136,6 +136,18 @@ def paged_attention(
         )
         logits_soft_cap, cross_attention = view.logits_soft_cap, view.cross_attention
         view = view.view
+    elif (
+        isinstance(view, KVCacheView)
+        and view.windowed
+        and sliding_window is None
+        and attention_chunk_size is None
+    ):
+        raise ValueError(
+            "paged_attention: this view belongs to a layer with a sliding window "
+            "or local chunk, and no window was given; pass the layer's "
+            "AttentionLayer (plan.attention_layer(name)) instead of its bare "
+            "view, or give sliding_window / attention_chunk_size."
+        )
     if not isinstance(view, KVCacheView):
         raise TypeError(
             "paged_attention: view must be an attention layer's KVCacheView or "

@@ -676,6 +676,24 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         ValueError,
         "sliding_window=8 contradicts",
     ),
+    (
+        "attention bare view of a windowed layer",
+        lambda: jaxkv.paged_attention(
+            jnp.ones((2, 4, 32)),
+            _pools(),
+            PLAN.views["layers.1.self_attn"],
+            META,
+            scale=1.0,
+        ),
+        ValueError,
+        "pass the layer's AttentionLayer",
+    ),
+    (
+        "mamba state blocks contradicting the group",
+        lambda: BUILDER.build(_prepare())["layers.2.mixer"].mamba_state_blocks(64),
+        ValueError,
+        "block_size=64 contradicts the group's block size 32",
+    ),
     # --- step arrays ------------------------------------------------------------
     (
         "prepare unsorted qsl",

@@ -288,3 +288,32 @@ def test_pack_unpack_round_trip_and_padding():
             block_tables=[np.zeros((1, 1))],
             slot_mappings=[np.arange(1)],
         )
+
+
+def test_mamba_state_blocks_come_from_the_group_not_the_caller():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+    mamba = next(
+        n for n, v in plan.views.items() if not isinstance(v, jaxkv.KVCacheView)
+    )
+    bs = plan.block_sizes[2]
+    meta = jaxkv.build_attn_metadata(
+        plan.attn_groups,
+        1,
+        1,
+        np.array([0, 1]),
+        None,
+        1,
+        np.array([bs + 1]),
+        bs + 1,
+        [np.array([[1, 2]], np.int32)] * 3,
+        [np.array([bs + 1], np.int32)] * 2 + [np.array([-1], np.int32)],
+        plan.kv_cache_config,
+    )[mamba]
+    assert meta.block_size == bs
+    src, dst = meta.mamba_state_blocks()
+    assert (src.tolist()[0], dst.tolist()[0]) == (1, 2)  # state after bs, bs + 1
+    with pytest.raises(ValueError, match=f"block_size={2 * bs} contradicts"):
+        meta.mamba_state_blocks(2 * bs)
+    bare = jaxkv.CommonAttentionMetadata.empty(max_reqs=1, max_tokens=1, max_blocks=1)
+    with pytest.raises(ValueError, match="pass block_size"):
+        bare.mamba_state_blocks()

@@ -131,6 +131,20 @@ def bind_kv_caches(
     context = list(forward_context)
     bound = {name: views[name] for name in context if name in views}
     uncached = tuple(name for name in context if name not in views)
+    # A view any of whose layers has a window or local chunk is marked, so a
+    # bare view is never read as full attention (aliases stay one object).
+    windowed = {
+        id(view)
+        for name, view in bound.items()
+        if isinstance(view, KVCacheView)
+        and local_attention(vllm_config.layer(name).spec) != (None, None)
+    }
+    marked: dict[int, KVCacheView] = {}
+    for name, view in bound.items():
+        if id(view) in windowed and isinstance(view, KVCacheView):
+            bound[name] = marked.setdefault(
+                id(view), dataclasses.replace(view, windowed=True)
+            )
     bound.update(kernel_views(bound, attn_groups, kv_cache_config, vllm_config))
     return BoundKVCaches(bound, uncached)
 
@@ -221,13 +235,7 @@ def attention_layer(
         )
     layer = vllm_config.layer(name)
     spec = layer.spec
-    window = chunk = None
-    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
-        window = spec.sliding_window
-    elif isinstance(spec, ChunkedLocalAttentionSpec):
-        chunk = spec.attention_chunk_size
-    elif isinstance(spec, FullAttentionSpec):
-        window, chunk = spec.sliding_window, spec.attention_chunk_size
+    window, chunk = local_attention(spec)
     return AttentionLayer(
         name=name,
         view=view,
@@ -237,3 +245,22 @@ def attention_layer(
         cross_attention=isinstance(spec, CrossAttentionSpec)
         or layer.attn_type == "encoder_decoder",
     )
+
+
+def local_attention(spec: object) -> tuple[int | None, int | None]:
+    """``(sliding_window, attention_chunk_size)`` a layer's spec gives its
+    attention (``None`` where it has none).
+
+    Example:
+      >>> import jaxkv
+      >>> jaxkv.local_attention(jaxkv.SlidingWindowSpec(block_size=16,
+      ...     num_kv_heads=1, head_size=8, dtype="float32", sliding_window=32))
+      (32, None)
+    """  # noqa: D205
+    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+        return spec.sliding_window, None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return None, spec.attention_chunk_size
+    if isinstance(spec, FullAttentionSpec):
+        return spec.sliding_window, spec.attention_chunk_size
+    return None, None

@@ -51,6 +51,10 @@ class KVCacheView:
       kv_packing: ``p`` for a backend that packs K/V heads
         (:attr:`AttentionBackend.packs_kv_heads`): a typed pool's slot is
         then ``(N, B, 2H/p, p, D)``; ``None`` otherwise.
+      windowed: Set by :func:`bind_kv_caches` when a layer bound to the view
+        has a sliding window or local chunk: :func:`paged_attention` then
+        refuses the bare view unless given the window (pass the layer's
+        :class:`AttentionLayer`, ``plan.attention_layer(name)``).
 
     Example:
       >>> import jaxkv
@@ -72,6 +76,7 @@ class KVCacheView:
     owned: tuple[int, int] | None = None
     layer: int | None = None
     kv_packing: int | None = None
+    windowed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))

@@ -317,7 +317,7 @@ def _mamba_paged(
     x: jax.Array,
 ) -> tuple[Pools, jax.Array]:
     """Mamba states in, a token-ordered scan over the ragged batch, states out."""
-    src, dst = meta.mamba_state_blocks(block.block_size)
+    src, dst = meta.mamba_state_blocks()
     conv, ssm = read_mamba_state(pools, view, src)
     fresh = src < 0  # nothing computed before (or a padded row): zero state
     conv = jnp.where(fresh[:, None, None], 0, conv)

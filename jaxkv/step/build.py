@@ -253,6 +253,8 @@ def build_attn_metadata(
                     block_table_tensor=group_table,
                     slot_mapping=slots,
                     causal=group_causal,
+                    block_size=group.kernel_block_size
+                    or group.kv_cache_spec.block_size,
                     **base,
                 )
                 if isinstance(group.kv_cache_spec, MambaSpec):

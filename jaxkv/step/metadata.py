@@ -31,7 +31,9 @@ class CommonAttentionMetadata:
     context (vLLM's ``causal`` as a bool, or as a per-request array).
     ``query_start_loc_cpu`` is the host copy (NumPy), kept outside the traced
     leaves: it is ``None`` inside ``jit``; ``logits_indices_cpu`` likewise holds
-    the host copy of the real fast-prefill logits indices.
+    the host copy of the real fast-prefill logits indices. ``block_size``
+    (static) is the tokens per column of ``block_table_tensor`` (the group's
+    kernel block size) when built by :func:`build_attn_metadata`.
 
     Example:
       >>> import jax
@@ -62,6 +64,7 @@ class CommonAttentionMetadata:
     request_causal: Bool[Array, " max_reqs"]
     causal: bool = static_field(default=True)
     fast_prefill: bool = static_field(default=False)
+    block_size: int | None = static_field(default=None)
     query_start_loc_cpu: np.ndarray | None = host_field()
     logits_indices_cpu: np.ndarray | None = host_field()
 
@@ -103,7 +106,7 @@ class CommonAttentionMetadata:
         """Request capacity (static, from the shape)."""
         return self.seq_lens.shape[0]
 
-    def mamba_state_blocks(self, block_size: int) -> tuple[Array, Array]:
+    def mamba_state_blocks(self, block_size: int | None = None) -> tuple[Array, Array]:
         """Per request, the block holding its Mamba state before this step's
         tokens and the block that receives the state after them.
 
@@ -112,6 +115,15 @@ class CommonAttentionMetadata:
         :class:`KVCacheManager`). Requests with nothing computed before the
         step read ``-1`` (start from a zero state); padded rows read and write
         ``-1`` (nothing).
+
+        Args:
+          block_size: Tokens per block-table column. Metadata from
+            :func:`build_attn_metadata` (or a :class:`StepMetadataBuilder`)
+            knows its group's; give it only for a record built by hand.
+
+        Raises:
+          ValueError: If `block_size` contradicts the record's own, or neither
+            is known.
 
         Example:
           >>> import jax.numpy as jnp
@@ -127,6 +139,19 @@ class CommonAttentionMetadata:
           >>> [x.tolist() for x in m.mamba_state_blocks(16)]
           [[-1, 8, -1], [7, 9, -1]]
         """  # noqa: D205
+        own = self.block_size
+        if block_size is None:
+            if own is None:
+                raise ValueError(
+                    "mamba_state_blocks: this metadata does not know its block "
+                    "size (built by hand); pass block_size."
+                )
+            block_size = own
+        elif own is not None and block_size != own:
+            raise ValueError(
+                f"mamba_state_blocks: block_size={block_size!r} contradicts the "
+                f"group's block size {own} (leave it out)."
+            )
         rows = jnp.arange(self.max_reqs, dtype=jnp.int32)
         live = rows < self.num_reqs
         before = self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
