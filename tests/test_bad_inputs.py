@@ -816,6 +816,18 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"\(group 0 keeps every block\)",
     ),
     (
+        "prepare above max_num_batched_tokens",
+        lambda: _prepare(query_start_loc=np.array([0, 8193])),
+        ValueError,
+        "a step of 8193 tokens exceeds max_num_batched_tokens=8192",
+    ),
+    (
+        "prepare above max_num_seqs",
+        lambda: _prepare(query_start_loc=np.arange(258)),
+        ValueError,
+        "a step of 257 requests exceeds max_num_seqs=256",
+    ),
+    (
         "prepare group count",
         lambda: _prepare(block_tables=[np.array([[1]])] * 2),
         ValueError,

@@ -1,3 +1,5 @@
+import gc
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -66,6 +68,7 @@ def test_check_and_bad_buckets():
 def test_programs_compile_every_bucket_from_shapes_without_allocating():
     d = jaxkv.BucketDispatcher(token_buckets=(4, 8), max_num_tokens=8, max_num_reqs=4)
     progs = jaxkv.Programs(lambda x, y: x.sum() + y.sum())
+    gc.collect()  # earlier tests' garbage must not be freed mid-count
     live = len(jax.live_arrays())
     for desc in d.executables():
         progs.compile(
@@ -73,7 +76,7 @@ def test_programs_compile_every_bucket_from_shapes_without_allocating():
             jaxkv.shape_struct((desc.num_tokens,), jnp.int32),
             jaxkv.shape_struct((desc.num_reqs,), jnp.int32),
         )
-    assert len(jax.live_arrays()) == live
+    assert len(jax.live_arrays()) <= live
     # FULL and PIECEWISE buckets of equal sizes are one program.
     assert len(progs) == len({(e.num_tokens, e.num_reqs) for e in d.executables()})
     x = jax.device_put(jnp.ones(4, jnp.int32))

@@ -301,6 +301,25 @@ class StepMetadataBuilder:
 
     # --- host side ----------------------------------------------------------------
 
+    def _check_limits(self, query_start_loc: object) -> None:
+        """Refuses a step above the limits the programs are sized for (it would
+        compile a new program mid-serving).
+        """  # noqa: D205
+        qsl = np.asarray(query_start_loc)
+        if qsl.ndim != 1 or not qsl.size or not np.issubdtype(qsl.dtype, np.integer):
+            return  # validate_step names what is wrong
+        d = self.dispatcher
+        for what, n, limit, knob in (
+            ("tokens", int(qsl[-1]), d.max_num_tokens, "max_num_batched_tokens"),
+            ("requests", qsl.size - 1, d.max_num_reqs, "max_num_seqs"),
+        ):
+            if n > limit:
+                raise ValueError(
+                    f"prepare: a step of {n} {what} exceeds {knob}={limit}, the "
+                    "limit this builder's programs are sized for; schedule with "
+                    "the same limits (Scheduler(plan) takes them from the config)."
+                )
+
     def prepare(
         self,
         *,
@@ -355,8 +374,10 @@ class StepMetadataBuilder:
 
         Raises:
           ValueError: If `logits_indices` comes without `cu_num_logits` where
-            fast prefill needs it, or a field does not fit the bucket.
+            fast prefill needs it, a field does not fit the bucket, or the
+            step has more tokens or requests than the builder's limits.
         """
+        self._check_limits(query_start_loc)
         if validate:
             validate_step(
                 block_sizes=self.plan.block_sizes,
