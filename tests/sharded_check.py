@@ -149,6 +149,20 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
         for s, ax in zip(m_shapes, mstate_axes, strict=True)
     )
 
+    # A plain-jit step (no shard_map) over the data-sharded packed steps, one
+    # row per rank under vmap: the metadata equals each rank's own.
+    packed_dev = put(packed_steps, "data", None)
+
+    def rank_meta(row):
+        inputs = jaxkv.StepInputs(packed=row, fast_prefill=None, layout=layout)
+        m = builder.metadata(inputs)
+        return m[attn[1]].slot_mapping, m[mamba].block_table_tensor
+
+    got_slots, got_tables = jax.jit(jax.vmap(rank_meta))(packed_dev)
+    for di in range(d):
+        np.testing.assert_array_equal(np.asarray(got_slots)[di, :n_tok], slots[di][1])
+        np.testing.assert_array_equal(np.asarray(got_tables)[di, :2, :1], tables[di][2])
+
     def step(pools, packed, k, v, q, *mstates):
         local = sp.local_pools(pools)
         inputs = jaxkv.StepInputs(packed=packed[0], fast_prefill=None, layout=layout)

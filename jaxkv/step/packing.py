@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -203,8 +204,18 @@ def pack_step(
 
 
 def unpack_step(packed: jax.Array, layout: StepLayout) -> dict[str, jax.Array]:
-    """Slices a packed step buffer into its fields (jittable; static slices)."""
+    """Slices a packed step buffer into its fields (jittable; static slices).
+
+    Empty fields (no multimodal ranges, say) are fresh zero-size arrays, not
+    reshaped slices: under ``vmap`` over a buffer sharded on an Explicit mesh
+    axis, JAX refuses to reshape a zero-size sharded slice.
+    """
     out = {}
     for name, (off, shape) in layout.offsets().items():
-        out[name] = packed[off : off + math.prod(shape)].reshape(shape)
+        size = math.prod(shape)
+        out[name] = (
+            packed[off : off + size].reshape(shape)
+            if size
+            else jnp.zeros(shape, packed.dtype)
+        )
     return out
