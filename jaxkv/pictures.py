@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxkv._util import check_positive_int, is_int
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.cache.views import KVCacheView, MambaView
 from jaxkv.specs import MambaSpec
@@ -24,6 +25,15 @@ def _pyplot() -> Any:
         raise ImportError(
             "jaxkv.pictures needs matplotlib: pip install 'jaxkv[pictures]'."
         ) from err
+
+
+def _check_index(fn: str, name: str, value: object, n: int) -> int:
+    """`value` as an index in ``[0, n)``, or a clear error (never wrapped)."""
+    if not is_int(value):
+        raise TypeError(f"{fn}: {name} must be an int, got {value!r}.")
+    if not 0 <= int(value) < n:
+        raise ValueError(f"{fn}: {name}={value} is not in [0, {n}).")
+    return int(value)
 
 
 class ByteMap(NamedTuple):
@@ -86,6 +96,11 @@ def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> B
       >>> m.owners.shape, m.labels[:2]
       ((4, 16384), ['layers.0.self_attn K', 'layers.0.self_attn V'])
     """
+    _check_index("byte_map", "pool", pool, len(plan.pools))
+    if group is not None:
+        _check_index(
+            "byte_map", "group", group, len(plan.kv_cache_config.kv_cache_groups)
+        )
     spec = plan.pools[pool]
     num_blocks = plan.num_blocks
     per_block = spec.size_bytes // num_blocks
@@ -129,6 +144,8 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
       ['pool 0 as group 0 sees it', 'pool 0 as group 1 sees it',
        'pool 0 as group 2 sees it']
     """  # noqa: D205
+    _check_index("plot_byte_map", "pool", pool, len(plan.pools))
+    check_positive_int("plot_byte_map", "max_columns", max_columns)
     plt = _pyplot()
     colors = importlib.import_module("matplotlib.colors")
     maps = [
@@ -194,7 +211,13 @@ def device_map(sharded: Any, *, pool: int = 0, group: int = 0) -> list[DeviceSha
     Device ``(d, t)`` holds row ``[d, t]`` of the ``(D, T, words)`` pool: the
     rank-local layout (:func:`byte_map` of ``sharded.local``) for the requests
     of data rank ``d`` and the KV heads ``[t * h, (t + 1) * h)`` (``h`` the
-    local heads of `group`).
+    local heads of `group`); with fewer KV heads ``H`` than tensor ranks, head
+    ``t * H // T`` (replicated over ``T / H`` ranks). Every device is listed:
+    those along a mesh axis that is neither the data nor the tensor axis hold
+    copies.
+
+    Raises:
+      ValueError: If `pool` or `group` is not one of the plan's.
 
     Example:
       >>> import jax, jaxkv
@@ -204,32 +227,44 @@ def device_map(sharded: Any, *, pool: int = 0, group: int = 0) -> list[DeviceSha
       >>> device_map(sp)[0].heads, device_map(sp)[0].bytes
       (range(0, 2), 65536)
     """
-    local = sharded.local.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    _check_index("device_map", "pool", pool, len(sharded.local.pools))
+    groups = sharded.local.kv_cache_config.kv_cache_groups
+    _check_index("device_map", "group", group, len(groups))
+    local = groups[group].kv_cache_spec
+    tp = sharded.tensor_parallel
     if isinstance(local, MambaSpec):
         axis = next((a for a in local.shard_axes if a is not None), None)
         h = 1 if axis is None else local.shapes[local.shard_axes.index(axis)][axis]
+        total = h * tp
     else:
         h = getattr(local, "num_kv_heads", 1)
+        total = h * tp
+        if sharded.runner_config is not None:
+            spec = sharded.runner_config.layer(groups[group].layer_names[0]).spec
+            total = getattr(spec, "num_kv_heads", total)
+
+    def heads(t: int) -> range:
+        if total >= tp:
+            return range(t * h, (t + 1) * h)
+        first = t * total // tp  # one head, replicated over tp / total ranks
+        return range(first, first + 1)
+
     names = list(sharded.mesh.axis_names)
     devices = np.asarray(sharded.mesh.devices)
     out = []
-    for d in range(sharded.data_parallel):
-        for t in range(sharded.tensor_parallel):
-            index = [0] * devices.ndim
-            if sharded.data_axis:
-                index[names.index(sharded.data_axis)] = d
-            if sharded.tensor_axis:
-                index[names.index(sharded.tensor_axis)] = t
-            out.append(
-                DeviceShare(
-                    device=int(devices[tuple(index)].id),
-                    data=d,
-                    tensor=t,
-                    heads=range(t * h, (t + 1) * h),
-                    bytes=sharded.local.pools[pool].size_bytes,
-                )
+    for index in np.ndindex(devices.shape):
+        d = index[names.index(sharded.data_axis)] if sharded.data_axis else 0
+        t = index[names.index(sharded.tensor_axis)] if sharded.tensor_axis else 0
+        out.append(
+            DeviceShare(
+                device=int(devices[index].id),
+                data=d,
+                tensor=t,
+                heads=heads(t),
+                bytes=sharded.local.pools[pool].size_bytes,
             )
-    return out
+        )
+    return sorted(out, key=lambda s: (s.data, s.tensor, s.device))
 
 
 def plot_device_map(
@@ -246,6 +281,8 @@ def plot_device_map(
       >>> plot_device_map(sp).axes[0].get_title()
       'device 0 (data 0, tensor 0): KV heads 0-1'
     """  # noqa: D205
+    check_positive_int("plot_device_map", "max_columns", max_columns)
+    shares = device_map(sharded, pool=pool, group=group)
     plt = _pyplot()
     colors = importlib.import_module("matplotlib.colors")
     m = byte_map(sharded.local, pool=pool, group=group)
@@ -255,7 +292,11 @@ def plot_device_map(
     fig, axes = plt.subplots(
         rows, cols, figsize=(3.2 * cols + 2, 1.2 + 1.1 * rows), squeeze=False
     )
-    for share in device_map(sharded, pool=pool, group=group):
+    for share in shares:
+        if share.device != min(  # copies along a spare axis: drawn once
+            s.device for s in shares if (s.data, s.tensor) == (share.data, share.tensor)
+        ):
+            continue
         ax = axes[share.data, share.tensor]
         ax.imshow(
             m.owners[:, ::step] + 1,
@@ -314,6 +355,9 @@ def plot_step(
       >>> [round(p.get_width()) for p in fig.axes[0].patches]
       [40, 5]
     """
+    _check_index("plot_step", "group", group, len(arrays.block_tables))
+    if block_size is not None:
+        check_positive_int("plot_step", "block_size", block_size)
     plt = _pyplot()
     qsl = np.asarray(arrays.query_start_loc)
     seq = np.asarray(arrays.seq_lens)
@@ -411,6 +455,12 @@ def plot_scaling(results: dict[str, Any], *, title: str = "jaxkv scaling") -> An
       >>> len(fig.axes)
       3
     """
+    missing = [k for k in ("requests", "context", "pool") if k not in results]
+    if missing:
+        raise ValueError(
+            f"plot_scaling: results lack the {missing} sweeps (expected 'requests', "
+            "'context' and 'pool', as benchmarks/bench_scaling.py returns them)."
+        )
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, x, ys in (

@@ -69,6 +69,49 @@ def _check_device_map(sp: Any, pools: Any, d: int, t: int, kv_heads: int) -> Non
     assert png.getvalue()[:4] == b"\x89PNG"
 
 
+def check_device_map_edges() -> None:
+    """2 KV heads over 8 tensor ranks are replicated (heads 0,0,0,0,1,1,1,1);
+    a pool replicated over a spare mesh axis is on every device; bad ranks and
+    axes are named.
+    """  # noqa: D205
+    from jaxkv.pictures import device_map, plot_device_map
+
+    cfg = jaxkv.tiny_hybrid_config(num_heads=8, num_kv_heads=2, head_size=16)
+    mesh = jax.make_mesh((1, 8), ("data", "tensor"))
+    sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=4)
+    heads = [x.heads for x in device_map(sp, group=0)]
+    assert [(h.start, h.stop) for h in heads] == [
+        (i // 4, i // 4 + 1) for i in range(8)
+    ]
+    spare = jax.make_mesh((2, 2, 2), ("data", "tensor", "spare"))
+    sp = jaxkv.shard_plan(cfg, mesh=spare, num_blocks=4)
+    pools = sp.allocate()
+    shares = device_map(sp)
+    assert sorted(x.device for x in shares) == sorted(dev.id for dev in jax.devices())
+    where = {
+        s.device.id: (s.index[0].start or 0, s.index[1].start or 0)
+        for s in pools[0].addressable_shards
+    }
+    assert {x.device: (x.data, x.tensor) for x in shares} == where
+    assert len(plot_device_map(sp).axes) == 4  # one panel per (data, tensor) rank
+    for kwargs, match in (
+        ({"data": 5, "tensor": 0}, "data=5 is outside the mesh's 2"),
+        ({"data": 0, "tensor": -1}, "tensor=-1 is outside"),
+    ):
+        try:
+            sp.rank_pool(pools[0], **kwargs)
+        except ValueError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(kwargs)
+    try:
+        jaxkv.shard_plan(cfg, mesh=mesh, data_axis="tensor", num_blocks=4)
+    except ValueError as e:
+        assert "both 'tensor'" in str(e), e
+    else:
+        raise AssertionError("data_axis == tensor_axis accepted")
+
+
 def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
     mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
@@ -318,6 +361,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
 
 if __name__ == "__main__":
     # Cases as "DxT:axis_type:layout" (one process, one JAX start for all).
+    check_device_map_edges()
     for case in sys.argv[1:]:
         mesh_shape, axis_type, layout = case.split(":")
         d, t = (int(x) for x in mesh_shape.split("x"))

@@ -175,3 +175,30 @@ def test_step_picture_draws_the_staged_fast_prefill_buffer():
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
+
+
+def _step_arrays():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    s = jaxkv.Scheduler(plan)
+    s.add_request(jaxkv.Request("a", prompt=[1] * 40, max_new_tokens=1))
+    return s.schedule().arrays
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda p, a: byte_map(p, pool=-1), ValueError, r"pool=-1 is not in \[0, 2\)"),
+        (lambda p, a: byte_map(p, pool=2), ValueError, r"pool=2 is not in \[0, 2\)"),
+        (lambda p, a: byte_map(p, pool=0.0), TypeError, "pool must be an int"),
+        (lambda p, a: byte_map(p, group=3), ValueError, r"group=3 is not in \[0, 3\)"),
+        (lambda p, a: plot_byte_map(p, pool=-1), ValueError, "pool=-1"),
+        (lambda p, a: plot_byte_map(p, max_columns=0), ValueError, "max_columns"),
+        (lambda p, a: plot_step(a, block_size=-32), ValueError, "block_size"),
+        (lambda p, a: plot_step(a, group=5), ValueError, r"group=5 is not in"),
+        (lambda p, a: plot_scaling({"pool": []}), ValueError, "lack the"),
+    ],
+)
+def test_pictures_name_a_bad_argument(call, error, match):
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    with pytest.raises(error, match=match):
+        call(plan, _step_arrays())

@@ -209,3 +209,28 @@ def test_main_job_runs(capsys):
     assert "tokens/s" in out
     assert "compilations during serving: 0" in out
     assert "match the dense oracle: 3/3" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--seed", "-1"], "--seed: expected an int >= 0, got '-1'"),
+        (["--head-size", "3"], "--head-size: expected an even head size"),
+        (["--vocab-size", "1"], "--vocab-size: expected an int >= 2, got '1'"),
+        (["--num-requests", "0"], "--num-requests: expected a positive int"),
+        (["--mesh", "2by4"], "--mesh takes DATAxTENSOR"),
+    ],
+)
+def test_the_main_job_names_a_bad_option(capsys, argv, match):
+    from jaxkv.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2  # a usage error, before anything runs
+    assert match in capsys.readouterr().err
+
+
+def test_the_demo_model_refuses_an_odd_head_size():
+    cfg = jaxkv.tiny_hybrid_config(head_size=3)
+    with pytest.raises(ValueError, match="head_size=3 must be even"):
+        jaxkv.demo.TinyHybridModel(cfg, vocab_size=8, rngs=nnx.Rngs(0))

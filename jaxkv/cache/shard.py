@@ -161,6 +161,7 @@ class ShardedPlan:
       mesh: The device mesh.
       data_axis: Mesh axis of data parallelism (requests, pages), or ``None``.
       tensor_axis: Mesh axis of tensor parallelism (heads), or ``None``.
+      runner_config: The global model the plan was made from (all heads).
 
     Example:
       >>> import jax, jaxkv
@@ -174,6 +175,7 @@ class ShardedPlan:
     mesh: Mesh
     data_axis: str | None
     tensor_axis: str | None
+    runner_config: RunnerConfig | None = None
 
     @property
     def data_parallel(self) -> int:
@@ -224,7 +226,23 @@ class ShardedPlan:
         return tuple(p.reshape(1, 1, *p.shape) for p in pools)
 
     def rank_pool(self, pool: jax.Array, *, data: int, tensor: int) -> np.ndarray:
-        """Host copy of one rank's local pool (for tests and inspection)."""
+        """Host copy of one rank's local pool (for tests and inspection).
+
+        Raises:
+          ValueError: If a rank is outside the mesh, or not addressable from
+            this process.
+        """
+        for name, rank, size in (
+            ("data", data, self.data_parallel),
+            ("tensor", tensor, self.tensor_parallel),
+        ):
+            if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+                raise TypeError(f"rank_pool: {name} must be an int, got {rank!r}.")
+            if not 0 <= rank < size:
+                raise ValueError(
+                    f"rank_pool: {name}={rank} is outside the mesh's {size} "
+                    f"{name}-parallel ranks."
+                )
         for shard in pool.addressable_shards:
             idx = shard.index
             if idx[0].start in (data, None) and idx[1].start in (tensor, None):
@@ -286,6 +304,11 @@ def shard_plan(
                 f"shard_plan: {name}={axis!r} is not an axis of the mesh "
                 f"{dict(mesh.shape)}."
             )
+    if data_axis is not None and data_axis == tensor_axis:
+        raise ValueError(
+            f"shard_plan: data_axis and tensor_axis are both {data_axis!r}; use two "
+            "mesh axes (or None for one of them)."
+        )
     if align_hybrid:
         runner_config = align_hybrid_block_size(runner_config).runner_config
     t = mesh.shape[tensor_axis] if tensor_axis else 1
@@ -299,5 +322,9 @@ def shard_plan(
         pool_dtype=pool_dtype,
     )
     return ShardedPlan(
-        local=local, mesh=mesh, data_axis=data_axis, tensor_axis=tensor_axis
+        local=local,
+        mesh=mesh,
+        data_axis=data_axis,
+        tensor_axis=tensor_axis,
+        runner_config=runner_config,
     )

@@ -59,6 +59,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
+def _even(text: str) -> int:
+    """An argparse type: a positive even int (rotary embeddings rotate pairs)."""
+    value = _positive(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an even head size (rotary embeddings rotate pairs), got {text!r}"
+        )
+    return value
+
+
 def _mesh_shape(text: str) -> tuple[int, int]:
     try:
         data, tensor = (int(x) for x in text.lower().split("x"))
@@ -99,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=_positive, default=12)
     p.add_argument("--num-heads", type=_positive, default=4)
     p.add_argument("--num-kv-heads", type=_positive, default=2)
-    p.add_argument("--head-size", type=_positive, default=32)
+    p.add_argument("--head-size", type=_even, default=32)
     p.add_argument("--block-size", type=_positive, default=32)
     p.add_argument(
         "--kernel-block-size",
@@ -107,7 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="attention backend kernel block (0: same as block size)",
     )
-    p.add_argument("--vocab-size", type=_positive, default=128)
+    p.add_argument(
+        "--vocab-size",
+        type=_int_at_least(2),
+        default=128,
+        help="token ids (prompts draw from 1 .. vocab_size - 1)",
+    )
     p.add_argument("--token-buckets", type=_buckets, default=(8, 32, 64))
     p.add_argument("--max-num-seqs", type=_positive, default=8)
     p.add_argument("--num-blocks", type=_positive, default=96)
@@ -122,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tokens every prompt starts with (a shared system prompt)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the dense oracle")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument(
         "--mesh",
         type=_mesh_shape,

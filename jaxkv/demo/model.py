@@ -53,6 +53,11 @@ class AttentionBlock(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         """Creates the projections."""
+        if spec.head_size % 2:
+            raise ValueError(
+                f"AttentionBlock: head_size={spec.head_size} must be even (rotary "
+                "embeddings rotate pairs of dimensions)."
+            )
         self.num_heads, self.head_size = num_heads, spec.head_size
         self.num_kv_heads = spec.num_kv_heads
         self.sliding_window = (
