@@ -253,11 +253,12 @@ def device_map(sharded: Any, *, pool: int = 0, group: int = 0) -> list[DeviceSha
     devices = np.asarray(sharded.mesh.devices)
     out = []
     for index in np.ndindex(devices.shape):
+        device: Any = devices[index]
         d = index[names.index(sharded.data_axis)] if sharded.data_axis else 0
         t = index[names.index(sharded.tensor_axis)] if sharded.tensor_axis else 0
         out.append(
             DeviceShare(
-                device=int(devices[index].id),
+                device=int(device.id),
                 data=d,
                 tensor=t,
                 heads=heads(t),

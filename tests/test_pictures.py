@@ -189,7 +189,11 @@ def _step_arrays():
     [
         (lambda p, a: byte_map(p, pool=-1), ValueError, r"pool=-1 is not in \[0, 2\)"),
         (lambda p, a: byte_map(p, pool=2), ValueError, r"pool=2 is not in \[0, 2\)"),
-        (lambda p, a: byte_map(p, pool=0.0), TypeError, "pool must be an int"),
+        (
+            lambda p, a: byte_map(p, pool=0.0),  # pyright: ignore[reportArgumentType]
+            TypeError,
+            "pool must be an int",
+        ),
         (lambda p, a: byte_map(p, group=3), ValueError, r"group=3 is not in \[0, 3\)"),
         (lambda p, a: plot_byte_map(p, pool=-1), ValueError, "pool=-1"),
         (lambda p, a: plot_byte_map(p, max_columns=0), ValueError, "max_columns"),
