@@ -23,7 +23,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from jaxkv.cache.bind import AttentionLayer
-from jaxkv.cache.ops import Pools, check_layer, gather_kv_pages
+from jaxkv.cache.ops import Pools, check_layer, check_pools_alive, gather_kv_pages
 from jaxkv.cache.views import KVCacheView, LayerView
 from jaxkv.step.build import CommonAttentionMetadata
 
@@ -156,6 +156,7 @@ def paged_attention(
         )
     if query_tile is None:
         query_tile = 16 if q.shape[0] > meta.max_reqs else 1
+    check_pools_alive(pools, "paged_attention")
     check_layer(layer, view, pools, "paged_attention")
     return _paged_attention(
         q,

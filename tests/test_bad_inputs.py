@@ -102,6 +102,19 @@ def _pools() -> Any:
     return PLAN.allocate()
 
 
+def _donated() -> Any:
+    pools = _pools()
+    jax.jit(lambda p: p, donate_argnums=0)(pools)
+    return pools
+
+
+def _past_allocation() -> Any:
+    m = jaxkv.KVCacheManager(PLAN)
+    r = jaxkv.Request("a", prompt=[1] * 10, max_new_tokens=1)
+    m.allocate(r, 3)
+    return m.step_blocks([(r, 40)])
+
+
 def _prepare(**kw: Any) -> Any:
     d: dict[str, Any] = dict(
         query_start_loc=np.array([0, 2]),
@@ -854,6 +867,38 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         ),
         ValueError,
         "strictly ascending",
+    ),
+    (
+        "budget past int32 slots",
+        lambda: jaxkv.kv_cache_budget(jaxkv.tiny_hybrid_config(), memory_bytes=10**18),
+        ValueError,
+        "memory_bytes=1000000000000000000 holds 30517578125000 blocks .* int32 slot",
+    ),
+    (
+        "plan past int32 slots",
+        lambda: jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=2**31),
+        ValueError,
+        "num_blocks=2147483648 gives .* slot ids are int32",
+    ),
+    (
+        "write_kv on donated pools",
+        lambda: jaxkv.write_kv(_donated(), V, K, K, np.array([33, 34])),
+        ValueError,
+        r"write_kv: pools\[0\] was donated to an earlier step",
+    ),
+    (
+        "attention on donated pools",
+        lambda: jaxkv.paged_attention(
+            jnp.ones((2, 4, 32)), _donated(), V, META, scale=1.0
+        ),
+        ValueError,
+        r"paged_attention: pools\[0\] was donated",
+    ),
+    (
+        "step_blocks past the allocation",
+        lambda: _past_allocation(),
+        ValueError,
+        "request 'a' holds blocks for 32 tokens in group 0; the step computes up to 40",
     ),
     # --- block manager and scheduler -------------------------------------------
     ("allocator 0 blocks", lambda: jaxkv.BlockAllocator(0), ValueError, "num_blocks"),

@@ -88,6 +88,8 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
+            if "pools" in bound.arguments:
+                check_pools_alive(bound.arguments["pools"], fn.__name__)
             if view is not None:
                 _check_view(bound.arguments["view"], view, fn.__name__)
                 _check_fits(bound.arguments["pools"], bound.arguments["view"])
@@ -106,6 +108,23 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
         return call
 
     return wrap
+
+
+def _deleted(array: jax.Array) -> bool:
+    try:
+        return array.is_deleted()
+    except jax.errors.ConcretizationTypeError:  # traced: not a buffer
+        return False
+
+
+def check_pools_alive(pools: Pools, name: str) -> None:
+    """Refuses pools donated to an earlier step (JAX deleted them)."""
+    for i, pool in enumerate(pools):
+        if isinstance(pool, jax.Array) and _deleted(pool):
+            raise ValueError(
+                f"{name}: pools[{i}] was donated to an earlier step and is deleted; "
+                "use the pools that step returned."
+            )
 
 
 def check_layer(layer: object, view: object, pools: Pools, name: str) -> None:

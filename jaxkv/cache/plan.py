@@ -331,9 +331,27 @@ def make_plan(
             f"make_plan: num_blocks={num_blocks} holds no usable block; at least 2 "
             "are needed (block 0 is the null block)."
         )
-    return _build_plan(
+    plan = _build_plan(
         runner_config, num_blocks, packed, maps_slot_mapping, storage, pool_dtype
     )
+    _check_slot_range("make_plan", f"num_blocks={num_blocks}", plan)
+    return plan
+
+
+def _check_slot_range(owner: str, given: str, plan: KVCachePlan) -> None:
+    """Slot ids (``block * block_size + offset``) travel as int32: refuses a
+    block count whose slots would wrap.
+    """  # noqa: D205
+    tokens = plan.num_blocks * max(plan.block_sizes, default=1)
+    if tokens > _INT32_SLOTS:
+        raise ValueError(
+            f"{owner}: {given} gives {plan.num_blocks} blocks of up to "
+            f"{max(plan.block_sizes)} tokens, {tokens} slots; slot ids are int32 "
+            f"(at most {_INT32_SLOTS} slots): give fewer blocks or a smaller budget."
+        )
+
+
+_INT32_SLOTS = 2**31
 
 
 def _build_plan(
@@ -423,6 +441,12 @@ def kv_cache_budget(
             f"kv_cache_budget: memory_bytes={memory_bytes} holds {num_blocks} blocks "
             f"of {per_block} bytes (all pools); at least 2 are needed (block 0 is the "
             "null block)."
+        )
+    if num_blocks * max(probe.block_sizes, default=1) > _INT32_SLOTS:
+        raise ValueError(
+            f"kv_cache_budget: memory_bytes={memory_bytes} holds {num_blocks} blocks "
+            f"of up to {max(probe.block_sizes)} tokens, past the int32 slot ids "
+            f"(at most {_INT32_SLOTS} slots): give a smaller budget."
         )
     return KVCacheBudget(
         num_blocks=num_blocks,

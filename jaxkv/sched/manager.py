@@ -536,6 +536,14 @@ class KVCacheManager:
             slot = np.full(num_tokens, -1, np.int32)
             if not self.is_mamba[g]:
                 bs = self.block_sizes[g]
+                for (req, n), t in zip(batch, rows, strict=True):
+                    if len(t[g]) * bs < req.num_computed + n:
+                        raise ValueError(
+                            f"step_blocks: request {req.req_id!r} holds blocks for "
+                            f"{len(t[g]) * bs} tokens in group {g}; the step "
+                            f"computes up to {req.num_computed + n} (allocate() "
+                            "them first)."
+                        )
                 t0 = 0
                 for (req, n), t in zip(batch, rows, strict=True):
                     ids, start = t[g], req.num_computed
