@@ -20,6 +20,7 @@ sys.path.insert(0, str(HERE))
 import bench_attention  # noqa: E402
 import bench_kv_write  # noqa: E402
 import bench_layer_scan  # noqa: E402
+import bench_load  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_step_loop  # noqa: E402
@@ -38,6 +39,7 @@ QUICK = {
     ],
     "step_metadata": ["--num-reqs", "32", "--iters", "20"],
     "layer_scan": ["--layers", "8"],
+    "load": ["--num-requests", "2000"],
     "prefix": "--num-requests 8 --prefix 128 --max-new-tokens 4".split(),
     "scaling": [
         "--requests",
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     r_prefix = bench_prefix.main(extra["prefix"])
     r_scale = bench_scaling.main([*extra["scaling"], "--plot", str(plot_path)])
     r_scan = bench_layer_scan.main(extra["layer_scan"])
+    r_load = bench_load.main(extra["load"])
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     rows = [
         (
@@ -170,6 +173,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{_fmt(r_prefix['speedup'])}, {r_prefix['identical']}",
         ),
         ("Staging: Python loop / jitted kernel", "-", _fmt(r_meta["loop_over_kernel"])),
+        (
+            f"Load: {r_load['requests']} requests, {r_load['bad']} bad: served / "
+            "rejected with a reason",
+            "all",
+            f"{r_load['good_served']}/{r_load['good']}, "
+            f"{r_load['bad_rejected']}/{r_load['bad']}",
+        ),
+        (
+            "Load: time per step, memory: last / first tenth",
+            "<= 1.5x",
+            f"{_fmt(r_load['time_ratio'])}, {_fmt(r_load['memory_ratio'])}",
+        ),
         (
             "Write time spread over pool sizes",
             "flat (~1x)",
