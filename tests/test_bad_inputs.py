@@ -903,6 +903,18 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     # --- block manager and scheduler -------------------------------------------
     ("allocator 0 blocks", lambda: jaxkv.BlockAllocator(0), ValueError, "num_blocks"),
     (
+        "allocator negative count",
+        lambda: jaxkv.BlockAllocator(3).allocate(-1),
+        ValueError,
+        "n must be >= 0, got -1",
+    ),
+    (
+        "allocator float count",
+        lambda: jaxkv.BlockAllocator(3).allocate(1.0),  # pyright: ignore[reportArgumentType]
+        TypeError,
+        "n must be an int",
+    ),
+    (
         "allocator double free",
         lambda: jaxkv.BlockAllocator(3).free([1]),
         ValueError,

@@ -1,12 +1,11 @@
 """Every benchmark script runs at tiny sizes, so none rots.
 
-Once per CI run: the quick 64-bit pass (JAXKV_QUICK=1) checks index dtypes,
-which the scripts' smoke runs do not add to.
+Marked slow: CI runs them once, in its slow pass (``pytest -m slow``); the
+default test command and the 64-bit pass leave them out.
 """
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +13,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-pytestmark = pytest.mark.skipif(
-    os.environ.get("JAXKV_QUICK") == "1",
-    reason="benchmark smoke runs: once per CI run, in the full pass",
-)
+pytestmark = pytest.mark.slow  # CI's slow pass, once per run
 
 
 def _load(name):

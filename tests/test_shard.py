@@ -49,6 +49,7 @@ def test_sharded_pools_match_single_device_runs():
     )
 
 
+@pytest.mark.slow
 def test_stacked_typed_pools_on_meshes_scan_over_layers_in_place():
     """A layer scan over one stacked typed pool per rank, on four meshes and
     both axis types: each rank's bytes equal the rank-local single-device run,
@@ -95,6 +96,7 @@ def test_heads_that_do_not_split_are_refused():
 ENGINE = Path(__file__).with_name("engine_mesh_check.py")
 
 
+@pytest.mark.slow
 def test_engine_on_meshes_serves_what_one_device_serves():
     """1x8, 2x4, 4x2, 8x1 in one process: one single-device reference run."""
     _run_check(ENGINE, "1x8", "2x4", "4x2", "8x1")
@@ -109,6 +111,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_over_loopback_serve_what_one_process_serves():
     """jax.distributed with gloo: a 2 x 4 mesh over two processes of 4 devices."""
     port = _free_port()

@@ -245,6 +245,7 @@ def _forward(plan, params, pools, meta, tokens, *, scan):
     return pools, x @ params["unembed"]
 
 
+@pytest.mark.slow
 def test_a_scan_over_layers_gives_the_unrolled_model_s_logits():
     cfg = jaxkv.llama_like_config(
         num_layers=4,

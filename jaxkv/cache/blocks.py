@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from jaxkv._util import check_positive_int
+from jaxkv._util import check_positive_int, is_int
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
@@ -89,8 +89,14 @@ class BlockAllocator:
         ones handed out are evicted.
 
         Raises:
+          TypeError: If `n` is not an int.
+          ValueError: If `n` is negative.
           RuntimeError: If fewer than `n` are free.
         """  # noqa: D205
+        if not is_int(n):
+            raise TypeError(f"BlockAllocator.allocate: n must be an int, got {n!r}.")
+        if n < 0:
+            raise ValueError(f"BlockAllocator.allocate: n must be >= 0, got {n}.")
         if n > len(self._free):
             raise RuntimeError(
                 f"Out of KV-cache blocks: need {n}, {len(self._free)} free."
