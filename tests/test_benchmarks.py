@@ -98,11 +98,13 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
             "--context 32 "
             "--head-dim 16 --iters 1".split(),
             "layer_scan": "--layers 3 --tokens 32".split(),
+            "load": "--num-requests 200".split(),
         },
     )
     assert run_all.main(["--quick", "--out", str(tmp_path / "RESULTS.md")]) == 0
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| Compilations after warm-up | 0 | 0 |" in text
+    assert "Load: " in text
 
 
 def test_mesh_benchmark_runs_at_tiny_size(tmp_path):
