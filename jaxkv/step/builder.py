@@ -112,7 +112,9 @@ class StepMetadataBuilder:
     Args:
       plan: From :func:`make_plan`.
       dispatcher: The bucket dispatcher (default: the runner config's buckets
-        and limits, and the plan's compile support).
+        and limits, and the plan's compile support, padding from the first
+        step; one given here pads once it is ready, as vLLM's does after
+        capture: :meth:`warm_up` or :meth:`warm_up_host` marks it).
       max_mm_ranges: Multimodal prefix ranges per request.
       causal: Per-group causality (see :func:`build_attn_metadata`).
       model_inputs: Pack token ids and sampled-token indices too.
@@ -159,6 +161,10 @@ class StepMetadataBuilder:
                 request_buckets=cfg.request_buckets,
                 cg_support=plan.cg_support.min_cg_support,
             )
+            # Its own dispatcher pads to the config's buckets from the first
+            # step: a loop that never calls warm_up() still compiles one
+            # program per bucket, not one per step shape.
+            dispatcher.mark_ready()
         self.plan = plan
         self.dispatcher = dispatcher
         self.max_mm_ranges = max_mm_ranges
