@@ -13,7 +13,11 @@ live in :mod:`jaxkv.demo`, which ``import jaxkv`` does not load.
 
 import importlib.metadata
 
-from jaxkv.attention import paged_attention, token_requests_and_positions
+from jaxkv.attention import (
+    paged_attention,
+    request_token_rows,
+    token_requests_and_positions,
+)
 from jaxkv.backends import (
     AttentionBackend,
     AttentionCGSupport,
@@ -122,6 +126,7 @@ from jaxkv.layers import (
 )
 from jaxkv.mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
 from jaxkv.monitoring import count_compilations
+from jaxkv.pattern import parse_pattern, pattern_config
 from jaxkv.sched.manager import KVCacheManager, StepBlocks, prefix_caching_unsupported
 from jaxkv.sched.prefix import hash_token_blocks, longest_cache_hit
 from jaxkv.sched.request import Request, RequestStatus
@@ -276,6 +281,8 @@ __all__ = [
     "map_slot_mapping_to_kernel",
     "pack_step",
     "paged_attention",
+    "parse_pattern",
+    "pattern_config",
     "plan_kv_cache",
     "plan_tensors",
     "prefix_caching_unsupported",
@@ -285,6 +292,7 @@ __all__ = [
     "read_view",
     "register_backend",
     "registered_backends",
+    "request_token_rows",
     "resolve_layout",
     "resolve_storage",
     "sampled_token_indices",

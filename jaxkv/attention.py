@@ -47,6 +47,35 @@ def token_requests_and_positions(
     return req, pos, valid
 
 
+def request_token_rows(
+    meta: CommonAttentionMetadata, width: int
+) -> Int[Array, "max_reqs width"]:
+    """Each request's query tokens as a row of step-token indices, in order,
+    ``-1`` past its query (and for padded requests): the per-request view a
+    recurrent layer scans, ``x[jnp.maximum(rows, 0)]`` masked by
+    ``rows >= 0``.
+
+    `width` must be at least the step's longest query (``num_tokens`` of the
+    bucket is always enough); tokens past it are left out.
+
+    Example:
+      >>> import dataclasses
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=3, max_tokens=8,
+      ...                                         max_blocks=1)
+      >>> m = dataclasses.replace(m, num_reqs=jnp.int32(2),
+      ...     query_start_loc=jnp.array([0, 3, 4, 4]))
+      >>> jaxkv.request_token_rows(m, 3).tolist()
+      [[0, 1, 2], [3, -1, -1], [-1, -1, -1]]
+    """  # noqa: D205
+    qsl = meta.query_start_loc
+    live = jnp.arange(meta.max_reqs, dtype=jnp.int32) < meta.num_reqs
+    q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    return jnp.where(col < q_lens[:, None], qsl[:-1, None] + col, -1)
+
+
 def paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
     pools: Pools,
@@ -76,7 +105,8 @@ def paged_attention(
         must be in the view's block space (kernel blocks for kernel views).
       meta: The group's step metadata.
       scale: Softmax scale.
-      sliding_window: Keys within the last `sliding_window` positions only.
+      sliding_window: Keys within the last `sliding_window` positions only,
+        the query's own included (``p - W + 1 .. p``).
       attention_chunk_size: Keys in the query's chunk only.
       logits_soft_cap: ``cap * tanh(s / cap)`` on the scores.
       cross_attention: Keys are the request's cached encoder K/V

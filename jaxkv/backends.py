@@ -386,8 +386,8 @@ def register_backend(key: str, backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-def get_backend(key: str) -> AttentionBackend:
-    """Looks up a registered backend.
+def get_backend(key: str | AttentionBackend) -> AttentionBackend:
+    """Looks up a registered backend (a backend given is returned as is).
 
     Raises:
       KeyError: Naming the known keys.
@@ -397,6 +397,8 @@ def get_backend(key: str) -> AttentionBackend:
       >>> jaxkv.get_backend("ROCM_ATTN").layout
       <KVCacheLayout.KV_FIRST: 'kv_first'>
     """
+    if isinstance(key, AttentionBackend):
+        return key
     try:
         return _REGISTRY[key]
     except KeyError:

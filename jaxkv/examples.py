@@ -7,11 +7,8 @@ import dataclasses
 from jaxkv.backends import AttentionBackend, get_backend
 from jaxkv.cache.planner import align_hybrid_block_size
 from jaxkv.config import LayerConfig, RunnerConfig
+from jaxkv.pattern import pattern_config
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-
-def _backend(backend: str | AttentionBackend) -> AttentionBackend:
-    return backend if isinstance(backend, AttentionBackend) else get_backend(backend)
 
 
 def tiny_hybrid_config(
@@ -41,7 +38,7 @@ def tiny_hybrid_config(
       >>> cfg.layer("layers.2.mixer").spec.page_size_bytes
       16384
     """
-    attn = _backend(attention_backend)
+    attn = get_backend(attention_backend)
     full = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
@@ -124,27 +121,17 @@ def llama_like_config(
       >>> [type(layer.spec).__name__[:7] for layer in cfg.layers][:3]
       ['Sliding', 'Sliding', 'FullAtt']
     """
-    attn = _backend(attention_backend)
-    kw = dict(
-        block_size=block_size,
+    local = sliding_window is not None and window_every > 1
+    pattern = "L" * (window_every - 1) + "G" if local else "G"
+    return pattern_config(
+        pattern,
+        num_layers=num_layers,
+        num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         dtype=dtype,
+        block_size=block_size,
+        sliding_window=sliding_window if local else None,
+        attention_backend=attention_backend,
+        **runner_kwargs,  # pyright: ignore[reportArgumentType]
     )
-    layers = []
-    for i in range(num_layers):
-        local = sliding_window is not None and window_every and (i + 1) % window_every
-        spec = (
-            SlidingWindowSpec(sliding_window=sliding_window, **kw)  # pyright: ignore[reportArgumentType]
-            if local
-            else FullAttentionSpec(**kw)  # pyright: ignore[reportArgumentType]
-        )
-        layers.append(
-            LayerConfig(
-                name=f"layers.{i}.self_attn",
-                spec=spec,
-                backend=attn,
-                num_heads=num_heads,
-            )
-        )
-    return RunnerConfig(layers=tuple(layers), **runner_kwargs)  # pyright: ignore[reportArgumentType]

@@ -207,6 +207,12 @@ class FullAttentionSpec(AttentionSpec):
 class SlidingWindowSpec(AttentionSpec):
     """Attention over the last ``sliding_window`` tokens.
 
+    The window counts the query's own position: a query at position ``p``
+    sees keys ``p - sliding_window + 1 .. p`` (vLLM's and Gemma's
+    convention, ``window_size = (W - 1, 0)`` in FlashAttention terms). A
+    model whose window excludes the query itself (``p - W .. p``, as
+    RecurrentGemma's local attention) sets ``sliding_window=W + 1``.
+
     Example:
       >>> import jaxkv
       >>> jaxkv.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,

@@ -317,3 +317,22 @@ def test_mamba_state_blocks_come_from_the_group_not_the_caller():
     bare = jaxkv.CommonAttentionMetadata.empty(max_reqs=1, max_tokens=1, max_blocks=1)
     with pytest.raises(ValueError, match="pass block_size"):
         bare.mamba_state_blocks()
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(q_lens=st.lists(st.integers(0, 6), min_size=1, max_size=5))
+def test_request_token_rows_list_each_request_s_tokens(q_lens):
+    max_reqs = 6
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    padded = np.pad(qsl, (0, max_reqs + 1 - qsl.size), mode="edge")
+    m = dataclasses.replace(
+        jaxkv.CommonAttentionMetadata.empty(
+            max_reqs=max_reqs, max_tokens=32, max_blocks=1
+        ),
+        num_reqs=jnp.int32(len(q_lens)),
+        query_start_loc=jnp.asarray(padded),
+    )
+    rows = np.asarray(jaxkv.request_token_rows(m, 6))
+    for r in range(max_reqs):
+        want = list(range(qsl[r], qsl[r + 1])) if r < len(q_lens) else []
+        assert rows[r].tolist() == want + [-1] * (6 - len(want))
