@@ -1,6 +1,10 @@
-"""Notebooks run top to bottom (their code cells, in one namespace)."""
+"""Notebooks run top to bottom (their code cells, in one namespace), and the
+checks they print hold: every "identical:" and "reads layer N's view:" says
+True, every "paged == dense for a/b" has a == b.
+"""  # noqa: D205
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,16 @@ NOTEBOOKS = sorted(
 )
 
 
+# The printed checks each notebook makes (at least).
+CHECKS = {
+    "01_tour.ipynb": 1,
+    "02_your_model.ipynb": 3,
+    "03_hybrid_and_mixed_layouts.ipynb": 0,
+    "04_step_loop.ipynb": 2,
+    "05_porting_from_vllm.ipynb": 1,
+}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, capsys):
     cells = json.loads(path.read_text())["cells"]
@@ -17,4 +31,12 @@ def test_notebook_runs(path, capsys):
     for cell in cells:
         if cell["cell_type"] == "code":
             exec(compile("".join(cell["source"]), f"{path.name}", "exec"), namespace)  # noqa: S102
-    assert capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out
+    flags = re.findall(r"(identical|reads layer \d+'s view): (\w+)", out)
+    counts = re.findall(r"paged == dense for (\d+)/(\d+)", out)
+    assert len(flags) + len(counts) >= CHECKS[path.name], out
+    for what, value in flags:
+        assert value == "True", (path.name, what)
+    for a, b in counts:
+        assert a == b, (path.name, a, b)
