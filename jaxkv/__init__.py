@@ -136,6 +136,8 @@ from jaxkv.sched.scheduler import (
     StepArrays,
     sampled_token_indices,
 )
+from jaxkv.serve.loop import Forward, ServingLoop
+from jaxkv.serve.sampling import SamplingParams, request_seed, sample_tokens
 from jaxkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -196,6 +198,7 @@ __all__ = [
     "EncoderOnlyAttentionSpec",
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
+    "Forward",
     "FullAttentionSpec",
     "HybridBlockAlignment",
     "KVCacheBudget",
@@ -226,8 +229,10 @@ __all__ = [
     "Request",
     "RequestStatus",
     "RunnerConfig",
+    "SamplingParams",
     "ScheduledStep",
     "Scheduler",
+    "ServingLoop",
     "ShardedPlan",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
@@ -292,9 +297,11 @@ __all__ = [
     "read_view",
     "register_backend",
     "registered_backends",
+    "request_seed",
     "request_token_rows",
     "resolve_layout",
     "resolve_storage",
+    "sample_tokens",
     "sampled_token_indices",
     "select_common_block_size",
     "shape_struct",

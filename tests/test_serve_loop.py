@@ -1,0 +1,315 @@
+"""The library's serving loop on a plain-JAX Gemma-3-like model (sliding-window
+and global layers, GQA, QK-norm, rotary positions): tokens and logits equal a
+dense model without a cache; batched, preempted and prefix-cached runs give
+the same results; sampling is seeded per request and position; tokens stream;
+nothing compiles after warm-up; a fault resumes.
+"""  # noqa: D205
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+
+VOCAB, D, H, KV, HD, WINDOW = 64, 32, 4, 2, 16, 8
+
+
+def _rms(x, scale=None):
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return y if scale is None else y * (1 + scale)[None, None, :]
+
+
+def _rope(x, pos):
+    half = x.shape[-1] // 2
+    freq = 1.0 / (100.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    ang = pos[:, None].astype(jnp.float32) * freq[None]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def _params(num_layers, seed=0):
+    keys = iter(jax.random.split(jax.random.key(seed), 8 * num_layers + 2))
+
+    def n(*shape, s=0.3):
+        return jax.random.normal(next(keys), shape) * s
+
+    return {
+        "embed": n(VOCAB, D, s=1.0),
+        "layers": [
+            {
+                "wq": n(D, H, HD),
+                "wk": n(D, KV, HD),
+                "wv": n(D, KV, HD),
+                "wo": n(H * HD, D),
+                "q_norm": n(HD, s=0.1),
+                "k_norm": n(HD, s=0.1),
+            }
+            for _ in range(num_layers)
+        ],
+        "unembed": n(D, VOCAB),
+    }
+
+
+def _qkv(w, x, pos):
+    h = _rms(x)
+    q = _rope(_rms(jnp.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
+    k = _rope(_rms(jnp.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
+    v = jnp.einsum("td,dhk->thk", h, w["wv"])
+    return q, k, v
+
+
+def _model(pattern="LG", num_layers=2):
+    cfg = jaxkv.pattern_config(
+        pattern,
+        num_layers=num_layers,
+        num_heads=H,
+        num_kv_heads=KV,
+        head_size=HD,
+        block_size=8,
+        sliding_window=WINDOW,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=64)
+    layers = [plan.attention_layer(layer.name) for layer in cfg.layers]
+    windows = [layer.sliding_window for layer in layers]
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params["embed"][tokens]
+        for layer, w in zip(layers, params["layers"], strict=True):
+            m = meta[layer.name]
+            q, k, v = _qkv(w, x, m.positions)
+            pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+            out = jaxkv.paged_attention(q, pools, layer, m, scale=HD**-0.5)
+            x = x + out.reshape(x.shape[0], -1) @ w["wo"]
+        return pools, _rms(x[sample]) @ params["unembed"]
+
+    return plan, forward, windows
+
+
+def _np_rms(x, scale=None):
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return y if scale is None else y * (1 + scale)
+
+
+def _np_rope(x, pos):
+    half = x.shape[-1] // 2
+    freq = 1.0 / (100.0 ** (np.arange(half) / half))
+    ang = pos[:, None] * freq[None]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def _dense_logits(params, windows, tokens):
+    """The last token's logits, recomputed over the whole sequence without a
+    cache, in NumPy float64 (an oracle independent of the JAX model code).
+    """  # noqa: D205
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    pos = np.arange(len(tokens))
+    x = p["embed"][np.asarray(tokens)]
+    i, j = pos[:, None], pos[None]
+    for w, window in zip(p["layers"], windows, strict=True):
+        h = _np_rms(x)
+        q = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
+        k = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
+        v = np.einsum("td,dhk->thk", h, w["wv"])
+        k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) * HD**-0.5
+        mask = (j <= i) & ((j > i - window) if window else True)
+        s = np.where(mask[None], s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        a = e / e.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", a, v).reshape(x.shape[0], -1) @ w["wo"]
+    return (_np_rms(x[-1:]) @ p["unembed"])[0]
+
+
+def _requests(shared=0, n=4, seed=0, new=6):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, VOCAB, shared).tolist()
+    return [
+        jaxkv.Request(
+            f"r{i}",
+            prompt=prefix + rng.integers(0, VOCAB, int(rng.integers(3, 26))).tolist(),
+            max_new_tokens=new,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def served():
+    plan, forward, windows = _model()
+    params = _params(len(windows))
+    loop = jaxkv.ServingLoop(
+        plan, forward, params, vocab_size=VOCAB, record_logits=True
+    )
+    warm = loop.warm_up()
+    with jaxkv.count_compilations() as compiles:
+        requests = loop.run(_requests())
+    return {
+        "loop": loop,
+        "params": params,
+        "windows": windows,
+        "requests": requests,
+        "logits": dict(loop.logits),
+        "compiles": len(compiles),
+        "warm": warm,
+    }
+
+
+def test_tokens_and_logits_equal_the_dense_model(served):
+    params, windows = served["params"], served["windows"]
+    for req in served["requests"]:
+        tokens = list(req.prompt)
+        for k, token in enumerate(req.output):
+            want = _dense_logits(params, windows, tokens)
+            got = served["logits"][req.req_id][k]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            assert token == int(np.argmax(want)), (req.req_id, k)
+            tokens.append(token)
+        assert len(req.output) == req.max_new_tokens
+    assert served["compiles"] == 0  # warmed up: nothing compiles while serving
+
+
+def test_single_preempted_and_prefix_cached_runs_equal_the_batch(served):
+    loop = served["loop"]
+    want = {
+        r.req_id: (r.output, served["logits"][r.req_id]) for r in served["requests"]
+    }
+
+    def check(requests, tol):
+        for r in requests:
+            assert r.output == want[r.req_id][0], r.req_id
+            np.testing.assert_allclose(
+                np.stack(loop.logits[r.req_id]),
+                np.stack(want[r.req_id][1]),
+                rtol=tol,
+                atol=tol,
+            )
+
+    for r in _requests():  # one at a time: batch of one
+        loop.reset()
+        loop.run([r])
+        check([r], 1e-5)
+    loop.reset(num_blocks=9)  # 8 usable blocks of 8 tokens: preemption
+    squeezed = loop.run(_requests())
+    assert loop.scheduler.stats["preemptions"] > 0
+    check(squeezed, 1e-5)
+    loop.reset(enable_prefix_caching=True)
+    shared = _requests(shared=24, seed=1)
+    base = {r.req_id: r.output for r in loop.run(_requests(shared=24, seed=1))}
+    assert loop.scheduler.stats["cached_tokens"] > 0
+    assert {r.req_id: r.output for r in shared} != {}  # not served yet
+    loop.reset()
+    plain = {r.req_id: r.output for r in loop.run(shared)}
+    assert plain == base
+    assert (
+        loop.scheduler.manager.num_free_blocks
+        == loop.scheduler.manager.num_usable_blocks
+    )
+
+
+def test_sampling_is_seeded_per_request_and_position(served):
+    plan, forward, windows = _model()
+    params = served["params"]
+    hot = jaxkv.SamplingParams(temperature=1.5, top_k=8, top_p=0.9, seed=3)
+
+    loops: dict[jaxkv.SamplingParams, jaxkv.ServingLoop] = {}
+
+    def serve(sampling, one_by_one=False):
+        if sampling not in loops:
+            loops[sampling] = jaxkv.ServingLoop(
+                plan, forward, params, sampling=sampling
+            )
+        loop = loops[sampling]
+        loop.reset()
+        reqs = _requests(new=5)
+        if one_by_one:
+            for r in reqs:
+                loop.run([r])
+        else:
+            loop.run(reqs)
+        return [r.output for r in reqs]
+
+    batched = serve(hot)
+    assert batched == serve(hot, one_by_one=True)  # batch-invariant draws
+    assert batched != serve(jaxkv.SamplingParams(temperature=1.5, top_k=8, seed=4))
+    greedy = [r.output for r in served["requests"]]
+    top1 = serve(jaxkv.SamplingParams(temperature=1.0, top_k=1))
+    assert [o[:5] for o in greedy] == top1
+
+
+def test_tokens_stream_as_they_are_sampled(served):
+    loop = served["loop"]
+    loop.reset()
+    seen: dict[str, list[int]] = {}
+    requests = loop.run(
+        _requests(), on_token=lambda r, t: seen.setdefault(r.req_id, []).append(t)
+    )
+    assert seen == {r.req_id: r.output for r in requests}
+
+
+def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served):
+    loop = served["loop"]
+    loop.reset()
+    real, calls = loop.scheduler.update, [0]
+
+    def update(step, tokens):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(step, tokens)
+
+    loop.scheduler.update = update
+    requests = _requests()
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(requests)
+    loop.scheduler.update = real
+    assert loop.resume() == "applied"
+    loop.run()
+    assert [r.output for r in requests] == [r.output for r in served["requests"]]
+
+
+def test_bad_arguments_are_named():
+    plan, forward, _ = _model()
+    with pytest.raises(TypeError, match="forward must be callable"):
+        jaxkv.ServingLoop(plan, None, {})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        jaxkv.ServingLoop(plan, forward, {}, sampling={"temperature": 1})  # pyright: ignore[reportArgumentType]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": -1.0}, "temperature must be a number >= 0"),
+        ({"top_k": -2}, "top_k must be an int >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"seed": -1}, "seed must be an int"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            jaxkv.SamplingParams(**kwargs)
+
+
+def test_top_k_and_top_p_keep_only_the_likely_tokens():
+    # probabilities ~ [0.6, 0.25, 0.1, 0.05]: top_p=0.5 keeps token 0 only,
+    # top_p=0.8 tokens 0-1, top_k=3 tokens 0-2; 400 draws each.
+    logits = jnp.log(jnp.array([[0.6, 0.25, 0.1, 0.05]] * 400))
+    seeds, pos = jnp.arange(400), jnp.zeros(400, jnp.int32)
+
+    def drawn(**kw):
+        out = jaxkv.sample_tokens(
+            logits,
+            params=jaxkv.SamplingParams(temperature=1.0, **kw),
+            request_seeds=seeds,
+            positions=pos,
+        )
+        return set(np.asarray(out).tolist())
+
+    assert drawn(top_p=0.5) == {0}
+    assert drawn(top_p=0.8) == {0, 1}
+    assert drawn(top_k=3) == {0, 1, 2}
+    assert drawn() == {0, 1, 2, 3}
