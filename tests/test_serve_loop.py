@@ -313,3 +313,135 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
     assert drawn(top_p=0.8) == {0, 1}
     assert drawn(top_k=3) == {0, 1, 2}
     assert drawn() == {0, 1, 2, 3}
+
+
+# --- a Griffin-like model: recurrent layers with their state in Mamba pools --
+
+
+def _griffin(num_layers=3):
+    cfg = jaxkv.pattern_config(
+        "RRL",
+        num_layers=num_layers,
+        num_heads=H,
+        num_kv_heads=KV,
+        head_size=HD,
+        block_size=8,
+        sliding_window=WINDOW,
+        recurrent_state=(((D,),), ("float32",)),
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=64)
+    kinds = [type(layer.spec) is jaxkv.MambaSpec for layer in cfg.layers]
+    layers = [
+        plan.views[layer.name] if rec else plan.attention_layer(layer.name)
+        for layer, rec in zip(cfg.layers, kinds, strict=True)
+    ]
+
+    def recurrent(w, pools, view, m, x):
+        """h_t = a h_{t-1} + (1 - a) x_t per channel, scanned per request."""
+        src, dst = m.mamba_state_blocks()
+        (h0,) = jaxkv.read_mamba_state(pools, view, src)
+        h0 = jnp.where((src >= 0)[:, None], h0, 0.0)
+        rows = jaxkv.request_token_rows(m, x.shape[0])  # (reqs, tokens)
+        xs = jnp.where((rows >= 0)[..., None], x[jnp.maximum(rows, 0)], 0.0)
+        a = jax.nn.sigmoid(w["a"])[None, :]
+
+        def cell(h, inputs):
+            xt, ok = inputs
+            h = jnp.where(ok[:, None], a * h + (1 - a) * xt, h)
+            return h, h
+
+        h_last, hs = jax.lax.scan(
+            cell, h0, (jnp.swapaxes(xs, 0, 1), jnp.swapaxes(rows >= 0, 0, 1))
+        )
+        pools = jaxkv.write_mamba_state(pools, view, dst, [h_last])
+        idx = jnp.where(rows >= 0, rows, x.shape[0])  # padding: dropped
+        y = jnp.zeros_like(x).at[idx].set(jnp.swapaxes(hs, 0, 1), mode="drop")
+        return pools, y
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params["embed"][tokens]
+        for layer, rec, w in zip(layers, kinds, params["layers"], strict=True):
+            if rec:
+                m = meta[[n for n, v in plan.views.items() if v is layer][0]]
+                pools, y = recurrent(w, pools, layer, m, _rms(x))
+                x = x + y @ w["wr"]
+            else:
+                m = meta[layer.name]
+                q, k, v = _qkv(w, x, m.positions)
+                pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+                out = jaxkv.paged_attention(q, pools, layer, m, scale=HD**-0.5)
+                x = x + out.reshape(x.shape[0], -1) @ w["wo"]
+        return pools, _rms(x[sample]) @ params["unembed"]
+
+    params = _params(num_layers, seed=5)
+    keys = jax.random.split(jax.random.key(9), num_layers)
+    for w, key, rec in zip(params["layers"], keys, kinds, strict=True):
+        if rec:
+            w["a"] = jax.random.normal(key, (D,))
+            w["wr"] = jax.random.normal(jax.random.fold_in(key, 1), (D, D)) * 0.3
+    return plan, forward, params, kinds
+
+
+def _griffin_dense_logits(params, kinds, tokens):
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    pos = np.arange(len(tokens))
+    x = p["embed"][np.asarray(tokens)]
+    i, j = pos[:, None], pos[None]
+    for w, rec in zip(p["layers"], kinds, strict=True):
+        if rec:
+            a = 1 / (1 + np.exp(-w["a"]))
+            h, ys = np.zeros(D), []
+            for xt in _np_rms(x):
+                h = a * h + (1 - a) * xt
+                ys.append(h)
+            x = x + np.stack(ys) @ w["wr"]
+            continue
+        h = _np_rms(x)
+        q = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
+        k = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
+        v = np.einsum("td,dhk->thk", h, w["wv"])
+        k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) * HD**-0.5
+        s = np.where(((j <= i) & (j > i - WINDOW))[None], s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        x = (
+            x
+            + np.einsum("hqk,khd->qhd", e / e.sum(-1, keepdims=True), v).reshape(
+                x.shape[0], -1
+            )
+            @ w["wo"]
+        )
+    return (_np_rms(x[-1:]) @ p["unembed"])[0]
+
+
+def test_a_griffin_like_model_keeps_its_state_in_mamba_pools():
+    plan, forward, params, kinds = _griffin()
+    loop = jaxkv.ServingLoop(
+        plan, forward, params, vocab_size=VOCAB, record_logits=True
+    )
+    loop.warm_up()
+    with jaxkv.count_compilations() as compiles:
+        requests = loop.run(_requests(shared=20, seed=2))
+    assert compiles == []
+    for req in requests:
+        tokens = list(req.prompt)
+        for k, token in enumerate(req.output):
+            want = _griffin_dense_logits(params, kinds, tokens)
+            np.testing.assert_allclose(
+                loop.logits[req.req_id][k], want, rtol=1e-4, atol=1e-4
+            )
+            assert token == int(np.argmax(want))
+            tokens.append(token)
+    want = {r.req_id: r.output for r in requests}
+    for kwargs, stat in (
+        ({"num_blocks": 12}, "preemptions"),  # states recomputed
+        ({"enable_prefix_caching": True}, "cached_tokens"),  # states reused
+    ):
+        loop.reset(**kwargs)
+        again = loop.run(_requests(shared=20, seed=2))
+        assert {r.req_id: r.output for r in again} == want, kwargs
+        assert loop.scheduler.stats[stat] > 0, (kwargs, loop.scheduler.stats)
