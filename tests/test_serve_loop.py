@@ -335,10 +335,9 @@ def _griffin(num_layers=3):
     )
     plan = jaxkv.make_plan(cfg, num_blocks=64)
     kinds = [type(layer.spec) is jaxkv.MambaSpec for layer in cfg.layers]
-    layers = [
-        plan.views[layer.name] if rec else plan.attention_layer(layer.name)
-        for layer, rec in zip(cfg.layers, kinds, strict=True)
-    ]
+    names = [layer.name for layer in cfg.layers]
+    attention = {n: plan.attention_layer(n) for n, r in zip(names, kinds) if not r}
+    states: dict[str, Any] = {n: plan.views[n] for n, r in zip(names, kinds) if r}
 
     def recurrent(w, pools, view, m, x):
         """h_t = a h_{t-1} + (1 - a) x_t per channel, scanned per request."""
@@ -364,13 +363,13 @@ def _griffin(num_layers=3):
 
     def forward(params, pools, meta, tokens, sample):
         x = params["embed"][tokens]
-        for layer, rec, w in zip(layers, kinds, params["layers"], strict=True):
-            if rec:
-                m = meta[[n for n, v in plan.views.items() if v is layer][0]]
-                pools, y = recurrent(w, pools, layer, m, _rms(x))
+        for name, w in zip(names, params["layers"], strict=True):
+            m = meta[name]
+            if name in states:
+                pools, y = recurrent(w, pools, states[name], m, _rms(x))
                 x = x + y @ w["wr"]
             else:
-                m = meta[layer.name]
+                layer = attention[name]
                 q, k, v = _qkv(w, x, m.positions)
                 pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
                 out = jaxkv.paged_attention(q, pools, layer, m, scale=HD**-0.5)
@@ -437,10 +436,11 @@ def test_a_griffin_like_model_keeps_its_state_in_mamba_pools():
             assert token == int(np.argmax(want))
             tokens.append(token)
     want = {r.req_id: r.output for r in requests}
-    for kwargs, stat in (
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"num_blocks": 12}, "preemptions"),  # states recomputed
         ({"enable_prefix_caching": True}, "cached_tokens"),  # states reused
-    ):
+    ]
+    for kwargs, stat in cases:
         loop.reset(**kwargs)
         again = loop.run(_requests(shared=20, seed=2))
         assert {r.req_id: r.output for r in again} == want, kwargs
