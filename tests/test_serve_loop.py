@@ -336,8 +336,9 @@ def _griffin(num_layers=3):
     plan = jaxkv.make_plan(cfg, num_blocks=64)
     kinds = [type(layer.spec) is jaxkv.MambaSpec for layer in cfg.layers]
     names = [layer.name for layer in cfg.layers]
-    attention = {n: plan.attention_layer(n) for n, r in zip(names, kinds) if not r}
-    states: dict[str, Any] = {n: plan.views[n] for n, r in zip(names, kinds) if r}
+    pairs = list(zip(names, kinds, strict=True))
+    attention = {n: plan.attention_layer(n) for n, rec in pairs if not rec}
+    states: dict[str, Any] = {n: plan.views[n] for n, rec in pairs if rec}
 
     def recurrent(w, pools, view, m, x):
         """h_t = a h_{t-1} + (1 - a) x_t per channel, scanned per request."""
