@@ -147,3 +147,34 @@ def test_a_mamba_view_is_refused_by_attention():
             meta,
             scale=1.0,
         )
+
+
+@pytest.fixture(scope="module")
+def served_guide():
+    text = README.read_text()
+    section = text.split("## Serve your own model", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    glue = code.group(1).split("# --- the glue", 1)[1]
+    assert len(glue.strip().splitlines()) <= 40  # the brief's bound, loop included
+    namespace: dict = {}
+    exec(compile(code.group(1), str(README), "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_served_guide_matches_the_dense_model_and_compiles_once_per_bucket(
+    served_guide,
+):
+    loop, params = served_guide["loop"], served_guide["params"]
+    for req in served_guide["requests"]:
+        want = _dense_generate(params, req.prompt, req.max_new_tokens, (None, 32))
+        assert req.output == want, req.req_id
+    assert loop.scheduler.stats["cached_tokens"] > 0
+    assert len(served_guide["streamed"]) == 6 * 8
+    # One executable per program of the buckets, compiled by warm_up; serving
+    # more requests compiles nothing.
+    assert len(loop.programs) == len(loop.builder.abstract_inputs())
+    loop.reset()
+    with jaxkv.count_compilations() as compiles:
+        loop.run([jaxkv.Request("x", prompt=[5] * 70, max_new_tokens=3)])
+    assert compiles == []
