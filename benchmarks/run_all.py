@@ -23,6 +23,7 @@ import bench_layer_scan  # noqa: E402
 import bench_load  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_scaling  # noqa: E402
+import bench_serve  # noqa: E402
 import bench_step_loop  # noqa: E402
 import bench_step_metadata  # noqa: E402
 
@@ -40,6 +41,7 @@ QUICK = {
     "step_metadata": ["--num-reqs", "32", "--iters", "20"],
     "layer_scan": ["--layers", "8"],
     "load": ["--num-requests", "2000"],
+    "serve": ["--new", "16", "--iters", "10"],
     "prefix": "--num-requests 8 --prefix 128 --max-new-tokens 4".split(),
     "scaling": [
         "--requests",
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     r_scale = bench_scaling.main([*extra["scaling"], "--plot", str(plot_path)])
     r_scan = bench_layer_scan.main(extra["layer_scan"])
     r_load = bench_load.main(extra["load"])
+    r_serve = bench_serve.main(extra["serve"])
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     rows = [
         (
@@ -151,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             "Naive bf16 .at[].set vs jaxkv",
             "contrast",
             _fmt(r_kv["naive_bf16_ms"] / r_kv["bfloat16"]["jaxkv_ms"]),
+        ),
+        (
+            "Serve: ServingLoop decode step / dense-cache fori_loop (same tokens)",
+            "<= 1.5x",
+            f"{_fmt(r_serve['jaxkv_over_dense'])} ({r_serve['same_tokens']}); device "
+            f"program alone {_fmt(r_serve['device_over_dense'])}",
         ),
         ("Step loop tokens/s", "-", _fmt(r_loop["tokens_per_s"])),
         ("Step loop steps/s", "-", _fmt(r_loop["steps_per_s"])),

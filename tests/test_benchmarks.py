@@ -45,6 +45,7 @@ def _load(name):
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
         ("bench_layer_scan", "--layers 3 --tokens 32".split()),
+        ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
         (
             "bench_sched",
             "--running 4 --prompt 24 --prefix 8 --steps 3".split(),
@@ -99,6 +100,7 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
             "--head-dim 16 --iters 1".split(),
             "layer_scan": "--layers 3 --tokens 32".split(),
             "load": "--num-requests 200".split(),
+            "serve": "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split(),
         },
     )
     assert run_all.main(["--quick", "--out", str(tmp_path / "RESULTS.md")]) == 0
