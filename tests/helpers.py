@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import jaxkv
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (its folder on the path for _harness)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def examples(n: int) -> int:
@@ -35,4 +52,22 @@ def single_group_config(names, spec, num_blocks=4):
             for n in names
         ],
         kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+    )
+
+
+def one_layer_config(spec, *, max_model_len=256, max_num_seqs=8, tokens=64):
+    """A runner config of one JAX_PAGED layer named ``attn`` (one token bucket)."""
+    return jaxkv.RunnerConfig(
+        layers=(
+            jaxkv.LayerConfig(
+                name="attn",
+                spec=spec,
+                backend=jaxkv.get_backend("JAX_PAGED"),
+                num_heads=1,
+            ),
+        ),
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=tokens,
+        token_buckets=(tokens,),
     )

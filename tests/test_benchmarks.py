@@ -4,26 +4,15 @@ Marked slow: CI runs them once, in its slow pass (``pytest -m slow``); the
 default test command and the 64-bit pass leave them out.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.helpers import BENCHMARKS, load_benchmark
+
 pytestmark = pytest.mark.slow  # CI's slow pass, once per run
-
-
-def _load(name):
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -75,14 +64,14 @@ def _load(name):
     ],
 )
 def test_benchmark_runs_at_tiny_size(name, argv, tmp_path, capsys):
-    results = _load(name).main([*argv, "--json", str(tmp_path / "out.json")])
+    results = load_benchmark(name).main([*argv, "--json", str(tmp_path / "out.json")])
     assert results
     assert (tmp_path / "out.json").exists()
     assert "target" in capsys.readouterr().out
 
 
 def test_run_all_writes_results(tmp_path, monkeypatch):
-    run_all = _load("run_all")
+    run_all = load_benchmark("run_all")
     monkeypatch.setattr(
         run_all,
         "QUICK",

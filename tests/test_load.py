@@ -4,27 +4,10 @@ and the bookkeeping drains (no live id, no kept hash; rejections bounded).
 Time per step and memory are measured by the benchmark, never asserted here.
 """  # noqa: D205
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from jaxkv.sched.scheduler import MAX_REJECTED_KEPT
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _bench_load():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        "bench_load", BENCHMARKS / "bench_load.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_benchmark
 
 
 @pytest.mark.parametrize(
@@ -36,7 +19,7 @@ def _bench_load():
     ],
 )
 def test_a_load_with_bad_requests_serves_every_good_one(argv):
-    r = _bench_load().main(argv)
+    r = load_benchmark("bench_load").main(argv)
     assert r["good_served"] == r["good"] > 0
     assert r["bad_rejected"] == r["bad"] > 0
     assert r["wrong"] == 0

@@ -5,23 +5,7 @@ numbers.
 """  # noqa: D205
 
 import jaxkv
-
-
-def _config(spec, *, max_model_len=256, max_num_seqs=8, tokens=64):
-    return jaxkv.RunnerConfig(
-        layers=(
-            jaxkv.LayerConfig(
-                name="attn",
-                spec=spec,
-                backend=jaxkv.get_backend("JAX_PAGED"),
-                num_heads=1,
-            ),
-        ),
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=tokens,
-        token_buckets=(tokens,),
-    )
+from tests.helpers import one_layer_config
 
 
 def _full(bs=16):
@@ -51,7 +35,7 @@ def test_chunked_local_bound_covers_every_block_a_request_holds():
         dtype="float32",
         attention_chunk_size=24,
     )
-    plan = jaxkv.make_plan(_config(spec), num_blocks=32)
+    plan = jaxkv.make_plan(one_layer_config(spec), num_blocks=32)
     m = jaxkv.KVCacheManager(plan)
     req = jaxkv.Request("r", prompt=list(range(200)), max_new_tokens=1)
     bound = m.max_blocks_needed(201, 24)
@@ -69,7 +53,7 @@ def test_a_finished_request_is_evicted_tail_first():
     # Blocks of a finished request are freed last block first, so later
     # allocations evict its tail and keep its head: after two one-block
     # allocations the first three of its five blocks are still a hit.
-    plan = jaxkv.make_plan(_config(_full()), num_blocks=6)
+    plan = jaxkv.make_plan(one_layer_config(_full()), num_blocks=6)
     m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
     a = jaxkv.Request("a", prompt=list(range(80)), max_new_tokens=1)
     assert m.allocate(a, 80)
@@ -84,7 +68,7 @@ def test_a_finished_request_is_evicted_tail_first():
 
 
 def test_two_decodes_sample_one_token_each():
-    plan = jaxkv.make_plan(_config(_full()), num_blocks=16)
+    plan = jaxkv.make_plan(one_layer_config(_full()), num_blocks=16)
     s = jaxkv.Scheduler(plan)
     for name in "ab":
         s.add_request(jaxkv.Request(name, prompt=[1, 2, 3], max_new_tokens=3))
@@ -98,7 +82,7 @@ def test_two_decodes_sample_one_token_each():
 def test_a_preempted_request_waits_at_the_front():
     # Two running requests that outgrow 6 blocks and one waiting: the
     # preempted one is admitted again before the one that never ran.
-    plan = jaxkv.make_plan(_config(_full(4), tokens=64), num_blocks=9)
+    plan = jaxkv.make_plan(one_layer_config(_full(4), tokens=64), num_blocks=9)
     s = jaxkv.Scheduler(plan, max_num_seqs=2)
     reqs = [jaxkv.Request(n, prompt=[1] * 10, max_new_tokens=10) for n in "abc"]
     for r in reqs:
@@ -120,7 +104,7 @@ def test_a_preempted_request_waits_at_the_front():
 def test_admission_counts_the_new_tokens_too():
     # 30 prompt tokens fit 8 blocks of 4; 30 + 10 need 10: rejected at
     # admission instead of failing a later schedule().
-    plan = jaxkv.make_plan(_config(_full(4)), num_blocks=9)
+    plan = jaxkv.make_plan(one_layer_config(_full(4)), num_blocks=9)
     s = jaxkv.Scheduler(plan)
     req = jaxkv.Request("r", prompt=[1] * 30, max_new_tokens=10)
     assert not s.add_request(req)
@@ -134,7 +118,7 @@ def test_admission_counts_the_new_tokens_too():
 
 
 def test_a_step_holds_at_most_max_num_seqs_requests():
-    plan = jaxkv.make_plan(_config(_full()), num_blocks=32)
+    plan = jaxkv.make_plan(one_layer_config(_full()), num_blocks=32)
     s = jaxkv.Scheduler(plan, max_num_seqs=2)
     for name in "abc":
         s.add_request(jaxkv.Request(name, prompt=[1, 2], max_new_tokens=2))
@@ -149,7 +133,7 @@ def test_a_stop_token_anywhere_in_the_output_ends_the_request():
     assert not req.finished
     req.output += [9]
     assert req.finished
-    plan = jaxkv.make_plan(_config(_full()), num_blocks=16)
+    plan = jaxkv.make_plan(one_layer_config(_full()), num_blocks=16)
     s = jaxkv.Scheduler(plan)
     r = jaxkv.Request("s", prompt=[1, 2], max_new_tokens=5, stop_token_ids=(9,))
     s.add_request(r)

@@ -11,26 +11,14 @@ import pytest
 
 import jaxkv
 from jaxkv.sched.scheduler import MAX_REJECTED_KEPT
+from tests.helpers import one_layer_config
 
 
 def _plan():
     spec = jaxkv.FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=8, dtype="float32"
     )
-    cfg = jaxkv.RunnerConfig(
-        layers=(
-            jaxkv.LayerConfig(
-                name="attn",
-                spec=spec,
-                backend=jaxkv.get_backend("JAX_PAGED"),
-                num_heads=1,
-            ),
-        ),
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=(32,),
-    )
+    cfg = one_layer_config(spec, max_model_len=64, max_num_seqs=4, tokens=32)
     return jaxkv.make_plan(cfg, num_blocks=32)
 
 

@@ -15,6 +15,17 @@ import pytest
 import jaxkv
 
 VOCAB, D, H, KV, HD, WINDOW = 64, 32, 4, 2, 16, 8
+SHAPE: dict[str, Any] = dict(
+    num_heads=H,
+    num_kv_heads=KV,
+    head_size=HD,
+    block_size=8,
+    sliding_window=WINDOW,
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=(8, 32),
+)
 
 
 def _rms(x, scale=None):
@@ -63,19 +74,7 @@ def _qkv(w, x, pos):
 
 
 def _model(pattern="LG", num_layers=2):
-    cfg = jaxkv.pattern_config(
-        pattern,
-        num_layers=num_layers,
-        num_heads=H,
-        num_kv_heads=KV,
-        head_size=HD,
-        block_size=8,
-        sliding_window=WINDOW,
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=(8, 32),
-    )
+    cfg = jaxkv.pattern_config(pattern, num_layers=num_layers, **SHAPE)
     plan = jaxkv.make_plan(cfg, num_blocks=64)
     layers = [plan.attention_layer(layer.name) for layer in cfg.layers]
     windows = [layer.sliding_window for layer in layers]
@@ -107,26 +106,35 @@ def _np_rope(x, pos):
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
+def _np_attention(w, x, window):
+    """One attention layer's residual update over a whole sequence (NumPy)."""
+    pos = np.arange(x.shape[0])
+    i, j = pos[:, None], pos[None]
+    h = _np_rms(x)
+    q = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
+    k = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
+    v = np.einsum("td,dhk->thk", h, w["wv"])
+    k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) * HD**-0.5
+    mask = (j <= i) & ((j > i - window) if window else True)
+    s = np.where(mask[None], s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    a = e / e.sum(-1, keepdims=True)
+    return x + np.einsum("hqk,khd->qhd", a, v).reshape(x.shape[0], -1) @ w["wo"]
+
+
+def _as_f64(params):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+
+
 def _dense_logits(params, windows, tokens):
     """The last token's logits, recomputed over the whole sequence without a
     cache, in NumPy float64 (an oracle independent of the JAX model code).
     """  # noqa: D205
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    pos = np.arange(len(tokens))
+    p = _as_f64(params)
     x = p["embed"][np.asarray(tokens)]
-    i, j = pos[:, None], pos[None]
     for w, window in zip(p["layers"], windows, strict=True):
-        h = _np_rms(x)
-        q = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
-        k = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
-        v = np.einsum("td,dhk->thk", h, w["wv"])
-        k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
-        s = np.einsum("qhd,khd->hqk", q, k) * HD**-0.5
-        mask = (j <= i) & ((j > i - window) if window else True)
-        s = np.where(mask[None], s, -np.inf)
-        e = np.exp(s - s.max(-1, keepdims=True))
-        a = e / e.sum(-1, keepdims=True)
-        x = x + np.einsum("hqk,khd->qhd", a, v).reshape(x.shape[0], -1) @ w["wo"]
+        x = _np_attention(w, x, window)
     return (_np_rms(x[-1:]) @ p["unembed"])[0]
 
 
@@ -320,18 +328,7 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 
 def _griffin(num_layers=3):
     cfg = jaxkv.pattern_config(
-        "RRL",
-        num_layers=num_layers,
-        num_heads=H,
-        num_kv_heads=KV,
-        head_size=HD,
-        block_size=8,
-        sliding_window=WINDOW,
-        recurrent_state=(((D,),), ("float32",)),
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=(8, 32),
+        "RRL", num_layers=num_layers, recurrent_state=(((D,),), ("float32",)), **SHAPE
     )
     plan = jaxkv.make_plan(cfg, num_blocks=64)
     kinds = [type(layer.spec) is jaxkv.MambaSpec for layer in cfg.layers]
@@ -387,34 +384,18 @@ def _griffin(num_layers=3):
 
 
 def _griffin_dense_logits(params, kinds, tokens):
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    pos = np.arange(len(tokens))
+    p = _as_f64(params)
     x = p["embed"][np.asarray(tokens)]
-    i, j = pos[:, None], pos[None]
     for w, rec in zip(p["layers"], kinds, strict=True):
-        if rec:
-            a = 1 / (1 + np.exp(-w["a"]))
-            h, ys = np.zeros(D), []
-            for xt in _np_rms(x):
-                h = a * h + (1 - a) * xt
-                ys.append(h)
-            x = x + np.stack(ys) @ w["wr"]
+        if not rec:
+            x = _np_attention(w, x, WINDOW)
             continue
-        h = _np_rms(x)
-        q = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wq"]), w["q_norm"]), pos)
-        k = _np_rope(_np_rms(np.einsum("td,dhk->thk", h, w["wk"]), w["k_norm"]), pos)
-        v = np.einsum("td,dhk->thk", h, w["wv"])
-        k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
-        s = np.einsum("qhd,khd->hqk", q, k) * HD**-0.5
-        s = np.where(((j <= i) & (j > i - WINDOW))[None], s, -np.inf)
-        e = np.exp(s - s.max(-1, keepdims=True))
-        x = (
-            x
-            + np.einsum("hqk,khd->qhd", e / e.sum(-1, keepdims=True), v).reshape(
-                x.shape[0], -1
-            )
-            @ w["wo"]
-        )
+        a = 1 / (1 + np.exp(-w["a"]))
+        h, ys = np.zeros(D), []
+        for xt in _np_rms(x):
+            h = a * h + (1 - a) * xt
+            ys.append(h)
+        x = x + np.stack(ys) @ w["wr"]
     return (_np_rms(x[-1:]) @ p["unembed"])[0]
 
 
