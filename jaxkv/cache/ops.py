@@ -117,6 +117,13 @@ def _deleted(array: jax.Array) -> bool:
         return False
 
 
+def any_deleted(tree: Any) -> bool:
+    """Whether any array of `tree` was deleted (donated to a call that
+    consumed it); traced values never are.
+    """  # noqa: D205
+    return any(isinstance(x, jax.Array) and _deleted(x) for x in jax.tree.leaves(tree))
+
+
 def check_pools_alive(pools: Pools, name: str) -> None:
     """Refuses pools donated to an earlier step (JAX deleted them)."""
     for i, pool in enumerate(pools):

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxkv.sched.request as jaxkv_sched
 from jaxkv.cache.blocks import BlockAllocator
+from jaxkv.cache.ops import any_deleted
 from jaxkv.cache.plan import make_plan
 from jaxkv.cache.shard import ShardedPlan, local_runner_config, shard_plan
 from jaxkv.cache.views import KVCacheView
@@ -478,10 +479,6 @@ class Engine:
                         req.logits.append(logits_host[rank, k])
         self._inflight = self._results = None
 
-    def _pools_lost(self) -> bool:
-        leaves = jax.tree.leaves((self.pools, self.stage_buffer))
-        return any(x.is_deleted() for x in leaves)
-
     def resume(self) -> str | None:
         """Brings the Engine back to a consistent state after an exception
         inside a step; returns what it did (``None``: nothing was in flight).
@@ -504,7 +501,7 @@ class Engine:
         if self._results is not None:
             self._apply_results()
             done = "applied"
-        elif self._pools_lost():
+        elif any_deleted((self.pools, self.stage_buffer)):
             self.pools = self._allocate_pools()
             if self.stage_buffer is not None:
                 self.stage_buffer = self._new_stage_buffer()

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.ops import Pools
+from jaxkv.cache.ops import Pools, any_deleted
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.sched.request import Request
 from jaxkv.sched.scheduler import ScheduledStep, Scheduler
@@ -256,12 +256,6 @@ class ServingLoop:
                 self._on_token(req, token)
         return finished
 
-    def _pools_lost(self) -> bool:
-        for x in jax.tree.leaves(self.pools):
-            if x.is_deleted():
-                return True
-        return False
-
     def resume(self) -> str | None:
         """Brings the loop back to a consistent state after an exception inside
         a step; returns what it did (``None``: nothing was in flight).
@@ -280,7 +274,7 @@ class ServingLoop:
         if self._results is not None:
             self._apply()
             return "applied"
-        if self._pools_lost():
+        if any_deleted(self.pools):
             self.pools = self.plan.allocate()
             self.scheduler.recompute_all()
             self._inflight = None
