@@ -35,6 +35,7 @@ def test_the_suite_itself_keeps_its_default_devices():
     assert "device_count" not in os.environ.get("XLA_FLAGS", "")
 
 
+@pytest.mark.slow
 def test_sharded_pools_match_single_device_runs():
     """Every mesh shape of 8 devices (tensor only, both axes, data only), both
     axis types and a packed pool, in one process (one JAX start)."""
