@@ -104,6 +104,22 @@ def check_device_map_edges() -> None:
             sp.rank_pool(pools[0], **kwargs)
     with pytest.raises(ValueError, match="both 'tensor'"):
         jaxkv.shard_plan(cfg, mesh=mesh, data_axis="tensor", num_blocks=4)
+    # Pools of a 2x4 plan in a 4x2 step: named before JAX's divisibility error.
+    two_by_four = jaxkv.shard_plan(
+        cfg, mesh=jax.make_mesh((2, 4), ("data", "tensor")), num_blocks=4
+    )
+    four_by_two = jaxkv.shard_plan(
+        cfg, mesh=jax.make_mesh((4, 2), ("data", "tensor")), num_blocks=4
+    )
+    with pytest.raises(ValueError, match=r"pools\[0\] is .* on a 4x2 .* another mesh"):
+        four_by_two.check_pools(two_by_four.allocate())
+    four_by_two.check_pools(four_by_two.allocate())
+    # Inside shard_map, a block that is not (1, 1, ...) is named too.
+    blocks: Any = [
+        jax.ShapeDtypeStruct((2, 1, *p.shape), p.dtype) for p in four_by_two.local.pools
+    ]
+    with pytest.raises(ValueError, match="per-device block"):
+        jax.eval_shape(lambda: four_by_two.local_pools(blocks))
 
 
 def main(d: int, t: int, axis_type: str, packed: bool) -> None:

@@ -215,9 +215,44 @@ class ShardedPlan:
             for shape, p in zip(self.pool_shapes(), self.local.pools, strict=True)
         )
 
-    @staticmethod
-    def local_pools(pools: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Inside ``shard_map``: this device's pools (the local plan's)."""
+    def check_pools(self, pools: Sequence[jax.Array]) -> None:
+        """Host check that `pools` are this plan's: one per pool, global shapes
+        ``(D, T, *local shape)`` and dtypes as planned.
+
+        Raises:
+          ValueError: Naming the pool and the shapes, e.g. pools allocated for
+            another mesh (a 2x4 plan's pools in a 4x2 step).
+        """  # noqa: D205
+        if len(pools) != len(self.local.pools):
+            raise ValueError(
+                f"ShardedPlan: expected {len(self.local.pools)} pools, got "
+                f"{len(pools)}."
+            )
+        for i, (pool, shape, spec) in enumerate(
+            zip(pools, self.pool_shapes(), self.local.pools, strict=True)
+        ):
+            if tuple(pool.shape) != shape or pool.dtype != np.dtype(spec.dtype):
+                raise ValueError(
+                    f"ShardedPlan: pools[{i}] is {pool.dtype}{list(pool.shape)}; this "
+                    f"plan's is {np.dtype(spec.dtype)}{list(shape)} on a "
+                    f"{self.data_parallel}x{self.tensor_parallel} (data x tensor) "
+                    "mesh: pools allocated for another mesh or plan?"
+                )
+
+    def local_pools(self, pools: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """Inside ``shard_map``: this device's pools (the local plan's).
+
+        Raises:
+          ValueError: If a pool's block is not ``(1, 1, *local shape)`` (pools
+            of another mesh or plan; see :meth:`check_pools`).
+        """
+        for i, (pool, spec) in enumerate(zip(pools, self.local.pools, strict=False)):
+            if tuple(pool.shape) != (1, 1, *spec.shape):
+                raise ValueError(
+                    f"ShardedPlan.local_pools: pools[{i}] has a per-device block "
+                    f"{list(pool.shape)}, expected {[1, 1, *spec.shape]}: pools "
+                    "allocated for another mesh or plan?"
+                )
         return tuple(p.reshape(p.shape[2:]) for p in pools)
 
     @staticmethod
