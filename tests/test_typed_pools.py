@@ -287,7 +287,7 @@ def test_a_scan_over_layers_gives_the_unrolled_model_s_logits():
             scheduled = sched.schedule()
             prepared = builder.prepare(**scheduled.arrays._asdict())
             pools, out = step(pools, prepared.inputs)
-            out = np.asarray(out)[: len(scheduled.batch)]
+            out = np.asarray(out)[: len(scheduled.sampled)]
             seen.append(out)
             sched.update(scheduled, out.argmax(-1))
         logits[(storage, scan)] = np.concatenate(seen)
