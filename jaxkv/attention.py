@@ -69,7 +69,7 @@ def request_token_rows(
       >>> jaxkv.request_token_rows(m, 3).tolist()
       [[0, 1, 2], [3, -1, -1], [-1, -1, -1]]
     """  # noqa: D205
-    qsl = meta.query_start_loc
+    qsl = meta.query_start_loc.astype(jnp.int32)
     live = jnp.arange(meta.max_reqs, dtype=jnp.int32) < meta.num_reqs
     q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
     col = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -46,7 +46,7 @@ def _params(num_layers, seed=0):
     keys = iter(jax.random.split(jax.random.key(seed), 8 * num_layers + 2))
 
     def n(*shape, s=0.3):
-        return jax.random.normal(next(keys), shape) * s
+        return jax.random.normal(next(keys), shape, jnp.float32) * s
 
     return {
         "embed": n(VOCAB, D, s=1.0),
@@ -378,8 +378,9 @@ def _griffin(num_layers=3):
     keys = jax.random.split(jax.random.key(9), num_layers)
     for w, key, rec in zip(params["layers"], keys, kinds, strict=True):
         if rec:
-            w["a"] = jax.random.normal(key, (D,))
-            w["wr"] = jax.random.normal(jax.random.fold_in(key, 1), (D, D)) * 0.3
+            w["a"] = jax.random.normal(key, (D,), jnp.float32)
+            w["wr"] = jax.random.normal(jax.random.fold_in(key, 1), (D, D), jnp.float32)
+            w["wr"] = w["wr"] * 0.3
     return plan, forward, params, kinds
 
 
