@@ -264,25 +264,106 @@ def test_tokens_stream_as_they_are_sampled(served):
     assert seen == {r.req_id: r.output for r in requests}
 
 
-def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overlap):
     loop = served["loop"]
+    loop.overlap = overlap
     loop.reset()
-    real, calls = loop.scheduler.update, [0]
+    # Without overlap update() applies a step; with it resolve() does.
+    method = "resolve" if overlap else "update"
+    real, calls = getattr(loop.scheduler, method), [0]
 
-    def update(step, tokens):
+    def apply(step, tokens):
         calls[0] += 1
         if calls[0] == 3:
             raise KeyboardInterrupt
         return real(step, tokens)
 
-    loop.scheduler.update = update
+    setattr(loop.scheduler, method, apply)
     requests = _requests()
-    with pytest.raises(KeyboardInterrupt):
-        loop.run(requests)
-    loop.scheduler.update = real
-    assert loop.resume() == "applied"
-    loop.run()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run(requests)
+        setattr(loop.scheduler, method, real)
+        assert loop.resume() == "applied"
+        loop.run()
+    finally:
+        loop.overlap = True
     assert [r.output for r in requests] == [r.output for r in served["requests"]]
+
+
+@pytest.mark.parametrize("where", ["trace", "pools"])
+def test_overlap_resumes_a_step_that_failed_to_run(served, where):
+    """A step whose dispatch raised is rerun ("rerun", pools untouched) or,
+    when its donated pools were consumed, everything in flight is recomputed;
+    the tokens are those of an undisturbed run.
+    """  # noqa: D205
+    loop = served["loop"]
+    loop.reset()
+    real, calls = loop._dispatch, [0]
+
+    def dispatch(scheduled, prev):
+        calls[0] += 1
+        if calls[0] == 4:
+            if where == "pools":
+                jax.tree.map(lambda a: a.delete(), loop.pools)
+            raise RuntimeError("injected")
+        return real(scheduled, prev)
+
+    loop._dispatch = dispatch  # pyright: ignore[reportAttributeAccessIssue]
+    requests = _requests()
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            loop.run(requests)
+        assert loop.resume() == ("rerun" if where == "trace" else "recomputed")
+        loop.run()
+    finally:
+        del loop._dispatch
+    assert [r.output for r in requests] == [r.output for r in served["requests"]]
+    assert loop.scheduler.manager.num_free_blocks == (
+        loop.scheduler.manager.num_usable_blocks
+    )
+
+
+def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(served):
+    """Stop tokens found a step late (the extra step dropped), preemption and
+    prefix caching give the outputs, logits and streams of the loop without
+    overlap; every block comes back.
+    """  # noqa: D205
+    loop = served["loop"]
+    stops = tuple({r.output[2] for r in served["requests"]})  # hit mid-run
+
+    def serve(overlap, **reset):
+        loop.overlap = overlap
+        loop.reset(**reset)
+        reqs = _requests(shared=16, seed=3, new=9)
+        for r in reqs:
+            r.stop_token_ids = stops
+        seen: dict[str, list[int]] = {}
+        loop.run(reqs, on_token=lambda r, t: seen.setdefault(r.req_id, []).append(t))
+        m = loop.scheduler.manager
+        assert m.num_free_blocks == m.num_usable_blocks, (overlap, reset)
+        assert all(r.num_pending == 0 for r in reqs)
+        assert seen == {r.req_id: r.output for r in reqs}
+        assert all(r.status is jaxkv.RequestStatus.FINISHED for r in reqs)
+        if "num_blocks" in reset:
+            assert loop.scheduler.stats["preemptions"] > 0
+        return [r.output for r in reqs], {k: list(v) for k, v in loop.logits.items()}
+
+    try:
+        for reset in ({}, {"num_blocks": 14}, {"enable_prefix_caching": True}):
+            (sync, sync_logits), (ahead, ahead_logits) = (
+                serve(False, **reset),
+                serve(True, **reset),
+            )
+            assert ahead == sync, reset
+            assert any(o[-1] in stops and len(o) < 9 for o in sync)  # stops hit
+            for k in sync_logits:
+                np.testing.assert_allclose(
+                    np.stack(ahead_logits[k]), np.stack(sync_logits[k]), atol=1e-5
+                )
+    finally:
+        loop.overlap = True
 
 
 def test_bad_arguments_are_named():

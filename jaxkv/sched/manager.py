@@ -192,10 +192,12 @@ class KVCacheManager:
         """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
         per = self._hashes.setdefault(req.req_id, {})
         have = per.setdefault(block_size, [])
-        if req.num_tokens // block_size > len(have):
+        # Placeholders of tokens still on the device are never hashed.
+        known = req.num_known_tokens
+        if known // block_size > len(have):
             start = len(have) * block_size
             have += hash_token_blocks(
-                req.token_range(start, req.num_tokens),
+                req.token_range(start, known),
                 block_size,
                 parent=have[-1] if have else None,
                 salt=req.cache_salt,
@@ -210,7 +212,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        hit = req.num_tokens - 1
+        hit = req.num_known_tokens - 1
         while True:
             agreed = hit
             for g, spec in enumerate(self.specs):
@@ -338,7 +340,7 @@ class KVCacheManager:
             req.num_computed = num_cached
             req.num_cached_tokens += num_cached
         if self.enable_prefix_caching:
-            self._register(req, tables, registered, min(end, req.num_tokens))
+            self._register(req, tables, registered, min(end, req.num_known_tokens))
         return True
 
     def _row_of(self, req_id: str) -> int:
@@ -378,11 +380,12 @@ class KVCacheManager:
             if j >= len(table) or not table[j]:
                 return None
         if self.enable_prefix_caching:
-            end = pos + 1
-            if any(end % bs == 0 for bs in self.block_sizes):
-                self._register(
-                    req, tables, self._registered[req.req_id], min(end, req.num_tokens)
-                )
+            # Blocks whose tokens are all known: with async scheduling the
+            # decode token itself may still be on the device (registered by
+            # the next step, when it is known).
+            n = min(pos + 1, req.num_known_tokens)
+            if any(n % bs == 0 for bs in self.block_sizes):
+                self._register(req, tables, self._registered[req.req_id], n)
         return True
 
     def _register(

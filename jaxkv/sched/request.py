@@ -44,6 +44,10 @@ class Request:
       num_cached_tokens: Tokens taken from the prefix cache, over all
         admissions (a preempted request is admitted again).
       num_preemptions: Times its blocks were taken back and it was requeued.
+      num_pending: Output tokens sampled on the device whose values the host
+        has not read yet (:meth:`Scheduler.advance`, async scheduling): the
+        last ``num_pending`` entries of ``output`` are placeholders
+        (negative) until :meth:`Scheduler.resolve` fills them.
 
     Example:
       >>> import jaxkv
@@ -63,6 +67,7 @@ class Request:
     reject_reason: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_pending: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +87,11 @@ class Request:
         if start >= p:
             return self.output[start - p : stop - p]
         return self.prompt[start:] + self.output[: stop - p]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host knows (placeholders not counted)."""
+        return len(self.prompt) + len(self.output) - self.num_pending
 
     @property
     def finished(self) -> bool:

@@ -252,6 +252,12 @@ class StepMetadataBuilder:
         bucket = self.dispatcher.token_bucket(n)
         return min(bucket or n, self.dispatcher.max_num_tokens)
 
+    @property
+    def max_num_samples(self) -> int:
+        """The most sampled tokens a step's model inputs hold (padded)."""
+        d = self.dispatcher
+        return d.token_bucket(d.max_num_reqs) or d.max_num_tokens
+
     def abstract_inputs(self) -> list[StepInputs]:
         """Abstract inputs of every program a warmed-up step can run (deduplicated).
 
@@ -259,7 +265,7 @@ class StepMetadataBuilder:
         """
         d = self.dispatcher
         helper = self.fast_prefill_helper
-        max_samples = d.token_bucket(d.max_num_reqs) or d.max_num_tokens
+        max_samples = self.max_num_samples
         out: dict[Any, StepInputs] = {}
         for desc in d.executables():
             samples = (
