@@ -1,8 +1,15 @@
 """``python -m jaxkv``: the demo (see :mod:`jaxkv.demo.cli`)."""
 
+import importlib.util
 import sys
 
-from jaxkv.demo.cli import main
+if importlib.util.find_spec("flax") is None:  # the core installs without it
+    sys.exit(
+        "python -m jaxkv runs the demo, whose model is written in Flax NNX: "
+        "install it with pip install 'jaxkv[demo]' (or pip install flax)."
+    )
+
+from jaxkv.demo.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
