@@ -310,7 +310,7 @@ def test_overlap_resumes_a_step_that_failed_to_run(served, where):
             raise RuntimeError("injected")
         return real(scheduled, prev)
 
-    loop._dispatch = dispatch  # pyright: ignore[reportAttributeAccessIssue]
+    loop._dispatch = dispatch
     requests = _requests()
     try:
         with pytest.raises(RuntimeError, match="injected"):

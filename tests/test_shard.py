@@ -103,6 +103,18 @@ def test_engine_on_meshes_serves_what_one_device_serves():
     _run_check(ENGINE, "1x8", "2x4", "4x2", "8x1")
 
 
+SERVE = Path(__file__).with_name("serve_mesh_check.py")
+
+
+@pytest.mark.slow
+def test_serving_loop_on_meshes_serves_what_one_device_serves():
+    """2x4 (Explicit axes), 4x2 (Auto axes), 8x1: data-parallel ranks and a
+    tensor-parallel model through one ServingLoop, with and without overlap,
+    preemption and prefix caching; no pool-moving collective.
+    """  # noqa: D205
+    _run_check(SERVE, "2x4", "4x2-auto", "8x1")
+
+
 MULTIHOST = Path(__file__).with_name("multihost_check.py")
 
 

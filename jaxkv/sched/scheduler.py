@@ -237,6 +237,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def unresolved(self) -> tuple[ScheduledStep, ...]:
+        """Steps :meth:`advance` applied that :meth:`resolve` has not, oldest first."""
+        return tuple(self._unresolved)
+
+    @property
     def last_applied(self) -> ScheduledStep | None:
         """The latest step :meth:`update` finished applying."""
         return self._applied

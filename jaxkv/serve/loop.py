@@ -7,14 +7,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.ops import Pools, any_deleted
 from jaxkv.cache.plan import KVCachePlan
+from jaxkv.cache.shard import ShardedPlan
 from jaxkv.sched.request import Request
 from jaxkv.sched.scheduler import ScheduledStep, Scheduler
 from jaxkv.serve.sampling import SamplingParams, request_seed, sample_tokens
@@ -76,8 +79,20 @@ class ServingLoop:
     :meth:`resume` finishes or redoes it (see there) and :meth:`run` resumes
     by itself: ``loop.run([])`` serves what was left.
 
+    On a mesh (`plan` a :class:`ShardedPlan` from :func:`shard_plan`), each
+    data-parallel rank has its own :class:`Scheduler` (:attr:`schedulers`;
+    a request goes to the rank with the fewest), every step packs all ranks'
+    batches on one bucket, and `forward` runs per device inside
+    ``jax.shard_map`` (``check_vma`` on) on its rank's pools (the local
+    plan's: ``plan.local.attention_layer(name)``), metadata and tokens; with
+    a tensor axis it sees its local heads and joins them itself (a
+    ``jax.lax.psum`` over the tensor axis), and `param_specs` shard its
+    parameters. Nothing per rank is written by the caller
+    (``tests/serve_mesh_check.py``: 2x4, 4x2 and 8x1 meshes serve what one
+    device serves). Fast prefill is not armed on a mesh.
+
     Args:
-      plan: The model's plan (:func:`make_plan`).
+      plan: The model's plan (:func:`make_plan`), or a :class:`ShardedPlan`.
       forward: Your step (:class:`Forward`).
       params: Its parameters (a pytree of arrays, passed to every step).
       sampling: How tokens are drawn (greedy by default).
@@ -88,6 +103,8 @@ class ServingLoop:
       max_num_batched_tokens: Token budget per step (default: the config's).
       max_num_seqs: Requests per step (default: the config's).
       overlap: Schedule the next step while one runs (see above).
+      param_specs: On a mesh, a ``PartitionSpec`` per leaf of `params`
+        (default: replicated).
 
     Example:
       >>> import jax.numpy as jnp
@@ -113,7 +130,7 @@ class ServingLoop:
 
     def __init__(
         self,
-        plan: KVCachePlan,
+        plan: KVCachePlan | ShardedPlan,
         forward: Forward,
         params: Any,
         *,
@@ -124,8 +141,9 @@ class ServingLoop:
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
         overlap: bool = True,
+        param_specs: Any = None,
     ) -> None:
-        """Creates the scheduler and the builder and allocates the pools."""
+        """Creates the schedulers and the builder and allocates the pools."""
         if not callable(forward):
             raise TypeError(
                 f"ServingLoop: forward must be callable, got {type(forward).__name__}."
@@ -136,12 +154,29 @@ class ServingLoop:
                 "ServingLoop: sampling must be a SamplingParams, got "
                 f"{type(self.sampling).__name__}."
             )
-        self.plan = plan
+        if not isinstance(plan, KVCachePlan | ShardedPlan):
+            raise TypeError(
+                "ServingLoop: plan must be a KVCachePlan (make_plan) or a "
+                f"ShardedPlan (shard_plan), got {type(plan).__name__}."
+            )
+        sharded = plan if isinstance(plan, ShardedPlan) else None
+        self.sharded = sharded
+        if self.sharded is None and param_specs is not None:
+            raise ValueError(
+                "ServingLoop: param_specs shard the parameters over a mesh; give "
+                "a ShardedPlan (shard_plan) or leave them out."
+            )
+        #: The plan every device runs (a mesh's rank-local plan).
+        self.plan: KVCachePlan = sharded.local if sharded else cast(KVCachePlan, plan)
+        self.num_ranks = 1 if self.sharded is None else self.sharded.data_parallel
         self.forward = forward
-        self.params = params
         self.record_logits = bool(record_logits)
         self.overlap = bool(overlap)
-        self.builder = StepMetadataBuilder(plan, model_inputs=True)
+        # On a mesh every data rank stages its own step; the builder's
+        # host-side fast-prefill staging is for one rank.
+        self.builder = StepMetadataBuilder(
+            self.plan, model_inputs=True, fast_prefill=self.sharded is None
+        )
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
         self._width = self.builder.max_num_samples
@@ -150,47 +185,103 @@ class ServingLoop:
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
         }
-        self.scheduler = Scheduler(
-            plan, enable_prefix_caching=enable_prefix_caching, **self._limits
-        )
-        self.pools: Pools = plan.allocate()
+        self.schedulers: list[Scheduler] = [
+            Scheduler(
+                self.plan, enable_prefix_caching=enable_prefix_caching, **self._limits
+            )
+            for _ in range(self.num_ranks)
+        ]
+        if sharded is None:
+            self.params = params
+            self.pools: Pools = self.plan.allocate()
+            self._param_specs = None
+        else:
+            mesh = sharded.mesh
+            self._param_specs = (
+                jax.tree.map(lambda _: P(), params)
+                if param_specs is None
+                else param_specs
+            )
+            self.params = jax.device_put(
+                params,
+                jax.tree.map(
+                    lambda spec: NamedSharding(mesh, spec),
+                    self._param_specs,
+                    is_leaf=lambda x: isinstance(x, P),
+                ),
+            )
+            self.pools = sharded.allocate()
         self.programs = Programs(self._device_step, donate_argnums=(0,))
         #: Per request id, the logits each sampled token came from
         #: (``record_logits=True``).
         self.logits: dict[str, list[np.ndarray]] = {}
-        # The step in flight: scheduled, then its results once it ran.
-        self._inflight: ScheduledStep | None = None
+        # The steps in flight (one per rank): scheduled, then their results
+        # once they ran.
+        self._inflight: list[ScheduledStep] | None = None
         self._results: tuple[jax.Array, jax.Array] | None = None
         self._on_token: Callable[[Request, int], None] | None = None
         # overlap=True: steps dispatched and advanced, not resolved yet, with
         # their (device) tokens and logits; the latest dispatched step's
         # tokens, which the next step's decode placeholders index.
-        self._pipeline: deque[tuple[ScheduledStep, jax.Array, jax.Array]] = deque()
-        self._prev_tokens: jax.Array = jnp.zeros(self._width, jnp.int32)
+        self._pipeline: deque[tuple[list[ScheduledStep], jax.Array, jax.Array]] = (
+            deque()
+        )
+        self._prev_tokens = self._no_tokens()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (one device, or one data-parallel rank).
+
+        Raises:
+          ValueError: On a mesh with several data-parallel ranks (each has its
+            own: :attr:`schedulers`).
+        """
+        if self.num_ranks != 1:
+            raise ValueError(
+                f"ServingLoop: {self.num_ranks} data-parallel ranks, one scheduler "
+                "each: use loop.schedulers[rank]."
+            )
+        return self.schedulers[0]
 
     def reset(
         self, *, enable_prefix_caching: bool = False, num_blocks: int | None = None
     ) -> None:
-        """A new scheduler: requests, cached prefixes and recorded logits are
+        """New schedulers: requests, cached prefixes and recorded logits are
         forgotten; pools and compiled programs stay.
 
         Args:
           enable_prefix_caching: Reuse cached prefixes.
-          num_blocks: Blocks the scheduler may use (default: all of the
+          num_blocks: Blocks each scheduler may use (default: all of the
             pool's); fewer simulate a smaller pool without recompiling.
         """  # noqa: D205
         self.resume()
-        self.scheduler = Scheduler(
-            self.plan,
-            enable_prefix_caching=enable_prefix_caching,
-            num_blocks=num_blocks,
-            **self._limits,
-        )
+        self.schedulers = [
+            Scheduler(
+                self.plan,
+                enable_prefix_caching=enable_prefix_caching,
+                num_blocks=num_blocks,
+                **self._limits,
+            )
+            for _ in range(self.num_ranks)
+        ]
         self.logits = {}
 
     # --- device side ----------------------------------------------------------
 
-    def _device_step(
+    def _rows(self) -> NamedSharding | None:
+        """Per-rank rows on the mesh: ``P(data)`` over the leading axis."""
+        if self.sharded is None:
+            return None
+        return NamedSharding(self.sharded.mesh, P(self.sharded.data_axis))
+
+    def _no_tokens(self) -> jax.Array:
+        if self.sharded is None:
+            return jnp.zeros(self._width, jnp.int32)
+        return jax.device_put(
+            np.zeros((self.num_ranks, self._width), np.int32), self._rows()
+        )
+
+    def _rank_step(
         self,
         pools: Pools,
         params: Any,
@@ -213,6 +304,36 @@ class ServingLoop:
         padded = padded.at[: next_tokens.shape[0]].set(next_tokens.astype(jnp.int32))
         return pools, padded, logits
 
+    def _device_step(
+        self,
+        pools: Pools,
+        params: Any,
+        inputs: StepInputs,
+        seeds: jax.Array,
+        prev_tokens: jax.Array,
+    ) -> tuple[Pools, jax.Array, jax.Array]:
+        sp = self.sharded
+        if sp is None:
+            return self._rank_step(pools, params, inputs, seeds, prev_tokens)
+        layout = inputs.layout
+
+        def per_rank(
+            pools: Any, params: Any, packed: Any, seeds: Any, prev: Any
+        ) -> Any:
+            local = StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
+            pools, tokens, logits = self._rank_step(
+                sp.local_pools(pools), params, local, seeds[0], prev[0]
+            )
+            return sp.global_pools(pools), tokens[None], logits[None]
+
+        rows = P(sp.data_axis)
+        return jax.shard_map(
+            per_rank,
+            mesh=sp.mesh,
+            in_specs=(sp.pool_spec, self._param_specs, rows, rows, rows),
+            out_specs=(sp.pool_spec, rows, rows),
+        )(pools, params, inputs.packed, seeds, prev_tokens)
+
     def warm_up(self) -> float:
         """Compiles the step for every bucket from shapes (allocating nothing);
         returns the seconds spent. Without it each bucket compiles the first
@@ -220,14 +341,27 @@ class ServingLoop:
         """  # noqa: D205
 
         def abstract(x: Any) -> Any:
-            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+            return jax.ShapeDtypeStruct(
+                jnp.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)
+            )
 
         t0 = time.perf_counter()
         pools = jax.tree.map(abstract, self.pools)
         params = jax.tree.map(abstract, self.params)
-        prev = jax.ShapeDtypeStruct((self._width,), jnp.int32)
+        prev = abstract(self._prev_tokens)
+        ranks = () if self.sharded is None else (self.num_ranks,)
+        rows = self._rows()
         for inputs in self.builder.abstract_inputs():
-            seeds = jax.ShapeDtypeStruct((inputs.layout.num_samples,), jnp.int32)
+            seeds = jax.ShapeDtypeStruct(
+                (*ranks, inputs.layout.num_samples), jnp.int32, sharding=rows
+            )
+            if self.sharded is not None:
+                packed: Any = jax.ShapeDtypeStruct(
+                    (self.num_ranks, inputs.layout.size), jnp.int32, sharding=rows
+                )
+                inputs = StepInputs(
+                    packed=packed, fast_prefill=None, layout=inputs.layout
+                )
             self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
         self.builder.warm_up_host()
         return time.perf_counter() - t0
@@ -235,80 +369,131 @@ class ServingLoop:
     # --- host side ------------------------------------------------------------
 
     def submit(self, request: Request) -> bool:
-        """Queues `request`, or rejects it (``request.reject_reason`` says why)."""
-        return self.scheduler.add_request(request)
+        """Queues `request` (on the data-parallel rank with the fewest live
+        requests), or rejects it (``request.reject_reason`` says why).
+        """  # noqa: D205
+        sched = min(self.schedulers, key=lambda s: len(s.running) + len(s.waiting))
+        return sched.add_request(request)
 
     @property
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or has a token in flight."""
-        return self.scheduler.has_unfinished or bool(self._pipeline)
+        return any(s.has_unfinished for s in self.schedulers) or bool(self._pipeline)
 
     def step(self) -> list[Request]:
-        """Schedules and runs one step; returns the requests it finished.
+        """Schedules and runs one step (every rank's); returns the requests it
+        finished.
 
         With ``overlap=True`` the step is dispatched and the one before it
         applied (its requests are those returned); the last step is applied
         by the call that finds nothing more to schedule.
-        """
+        """  # noqa: D205
         if self.overlap:
             self._recover()
         else:
             self.resume()
-        scheduled = self.scheduler.schedule()
-        if not scheduled.batch:
+        steps = [s.schedule() for s in self.schedulers]
+        if not any(step.batch for step in steps):
             if self._pipeline:
                 return self._resolve_all()
-            if self.scheduler.has_unfinished:
+            if any(s.has_unfinished for s in self.schedulers):
                 raise RuntimeError(
                     "ServingLoop: requests are waiting but none could be scheduled."
                 )
             return []
         if not self.overlap:
-            return self._run_step(scheduled)
-        self._dispatch_ahead(scheduled)
+            return self._run_step(steps)
+        self._dispatch_ahead(steps)
         finished = []
         while len(self._pipeline) > 1:
             finished += self._resolve_oldest()
         return finished
 
     def _dispatch(
-        self, scheduled: ScheduledStep, prev_tokens: jax.Array
+        self, steps: list[ScheduledStep], prev_tokens: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        prepared = self.builder.prepare(**scheduled.arrays._asdict())
-        inputs = prepared.inputs
-        seeds = np.zeros(inputs.layout.num_samples, np.int32)
-        sampled = scheduled.sampled
-        seeds[: len(sampled)] = [request_seed(r.req_id) for r in sampled]
+        desc = num_samples = None
+        if self.sharded is not None:
+            # One program for every rank: the bucket of the largest batch, and
+            # room for the most sampled tokens of any rank.
+            desc = self.builder.dispatcher.dispatch(
+                num_reqs=max(1, *(len(s.batch) for s in steps)),
+                num_tokens=max(1, *(sum(n for _, n in s.batch) for s in steps)),
+            )
+            most = max(1, *(len(s.sampled) for s in steps))
+            num_samples = self.builder.sample_padding(most, desc)
+        prepared = [
+            self.builder.prepare(
+                **s.arrays._asdict(), desc=desc, num_samples=num_samples
+            )
+            for s in steps
+        ]
+        inputs = prepared[0].inputs
+        seeds = np.zeros((len(steps), inputs.layout.num_samples), np.int32)
+        for rank, s in enumerate(steps):
+            seeds[rank, : len(s.sampled)] = [request_seed(r.req_id) for r in s.sampled]
+        if self.sharded is None:
+            seeds = seeds[0]
+        else:
+            rows = self._rows()
+            packed = np.stack([np.asarray(p.inputs.packed) for p in prepared])
+            inputs = StepInputs(
+                packed=jax.device_put(packed, rows),
+                fast_prefill=None,
+                layout=inputs.layout,
+            )
+            seeds = jax.device_put(seeds, rows)
         self.pools, next_tokens, logits = self.programs(
             inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
         )
         return next_tokens, logits
 
-    def _run_step(self, scheduled: ScheduledStep) -> list[Request]:
-        self._inflight, self._results = scheduled, None
-        results = self._dispatch(scheduled, jnp.zeros(self._width, jnp.int32))
+    def _host_results(
+        self, next_tokens: jax.Array, logits: jax.Array | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(ranks, width)`` tokens and ``(ranks, samples, vocab)`` logits."""
+        tokens = np.asarray(next_tokens).reshape(self.num_ranks, -1)
+        host = None
+        if logits is not None and self.record_logits:
+            host = np.asarray(logits).reshape(self.num_ranks, *logits.shape[-2:])
+        return tokens, host
+
+    def _run_step(self, steps: list[ScheduledStep]) -> list[Request]:
+        self._inflight, self._results = steps, None
+        results = self._dispatch(steps, self._no_tokens())
         # From here the step has run (the pools hold its K/V and states): on
         # resume() it is applied, never run again.
         self._results = results
         return self._apply()
 
-    def _dispatch_ahead(self, scheduled: ScheduledStep) -> None:
-        """Dispatches `scheduled` (overlap) and advances the scheduler past it."""
-        self._inflight = scheduled
-        next_tokens, logits = self._dispatch(scheduled, self._prev_tokens)
+    def _dispatch_ahead(self, steps: list[ScheduledStep]) -> None:
+        """Dispatches `steps` (overlap) and advances the schedulers past them."""
+        self._inflight = steps
+        next_tokens, logits = self._dispatch(steps, self._prev_tokens)
         # It ran: from here resume() advances and resolves it, never reruns it.
-        self._pipeline.append((scheduled, next_tokens, logits))
+        self._pipeline.append((steps, next_tokens, logits))
         self._prev_tokens = next_tokens
         self._inflight = None
-        self.scheduler.advance(scheduled)
+        self._advance(steps)
+
+    def _advance(self, steps: list[ScheduledStep]) -> None:
+        for sched, step in zip(self.schedulers, steps, strict=True):
+            if sched.last_applied is not step:  # each once, after a fault too
+                sched.advance(step)
 
     def _resolve_oldest(self) -> list[Request]:
-        scheduled, next_tokens, logits = self._pipeline[0]
-        sampled = scheduled.sampled
-        tokens = np.asarray(next_tokens)[: len(sampled)].tolist()  # waits for it
-        finished = self.scheduler.resolve(scheduled, tokens)
+        steps, next_tokens, logits = self._pipeline[0]
+        tokens, host_logits = self._host_results(next_tokens, logits)  # waits
+        finished = []
+        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
+            if step in sched.unresolved:  # each once, after a fault too
+                n = len(step.sampled)
+                finished += sched.resolve(step, tokens[rank, :n].tolist())
         self._pipeline.popleft()
-        self._deliver(scheduled.filled, logits)
+        for rank, step in enumerate(steps):
+            self._deliver(
+                step.filled, None if host_logits is None else host_logits[rank]
+            )
         return finished
 
     def _resolve_all(self) -> list[Request]:
@@ -318,13 +503,12 @@ class ServingLoop:
         return finished
 
     def _deliver(
-        self, filled: list[tuple[int, Request, int]], logits: jax.Array
+        self, filled: list[tuple[int, Request, int]], logits: np.ndarray | None
     ) -> None:
         """Records logits and streams the tokens the scheduler took."""
-        if self.record_logits and filled:
-            host = np.asarray(logits)
+        if logits is not None:
             for k, req, _ in filled:
-                self.logits.setdefault(req.req_id, []).append(host[k])
+                self.logits.setdefault(req.req_id, []).append(logits[k])
         if self._on_token is not None:
             for _, req, token in filled:
                 self._on_token(req, token)
@@ -332,16 +516,27 @@ class ServingLoop:
     def _apply(self) -> list[Request]:
         if self._inflight is None or self._results is None:
             raise RuntimeError("ServingLoop: no step result to apply.")
-        scheduled = self._inflight
-        next_tokens, logits = self._results
-        sampled = scheduled.sampled
-        tokens = np.asarray(next_tokens)[: len(sampled)].tolist()
-        finished = self.scheduler.update(scheduled, tokens)
+        steps = self._inflight
+        tokens, host_logits = self._host_results(*self._results)
+        finished, delivered = [], []
+        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
+            sampled = step.sampled
+            if sched.last_applied is step:  # applied before a fault on another rank
+                continue
+            row = tokens[rank, : len(sampled)].tolist()
+            finished += sched.update(step, row)
+            delivered.append(
+                (
+                    [
+                        (k, r, t)
+                        for k, (r, t) in enumerate(zip(sampled, row, strict=True))
+                    ],
+                    None if host_logits is None else host_logits[rank],
+                )
+            )
         self._inflight = self._results = None
-        self._deliver(
-            [(k, r, t) for k, (r, t) in enumerate(zip(sampled, tokens, strict=True))],
-            logits,
-        )
+        for filled, logits in delivered:
+            self._deliver(filled, logits)
         return finished
 
     def resume(self) -> str | None:
@@ -368,9 +563,7 @@ class ServingLoop:
                 self._apply()
                 return "applied"
             if any_deleted(self.pools):
-                self.pools = self.plan.allocate()
-                self.scheduler.recompute_all()
-                self._inflight = None
+                self._recompute_all()
                 return "recomputed"
             self._run_step(self._inflight)
             return "rerun"
@@ -380,25 +573,33 @@ class ServingLoop:
             done = done or "applied"
         return done
 
+    def _recompute_all(self) -> None:
+        """New pools; every rank's running requests recomputed."""
+        self.pools = (
+            self.plan.allocate() if self.sharded is None else self.sharded.allocate()
+        )
+        for sched in self.schedulers:
+            sched.recompute_all()
+        self._pipeline.clear()
+        self._prev_tokens = self._no_tokens()
+        self._inflight = self._results = None
+
     def _recover(self) -> str | None:
         """Overlap: finishes a step whose dispatch or advance raised; steps in
         flight that ran stay in flight (a normal state).
         """  # noqa: D205
-        unadvanced = bool(self._pipeline) and (
-            self._pipeline[-1][0] is not self.scheduler.last_applied
+        unadvanced = bool(self._pipeline) and any(
+            sched.last_applied is not step
+            for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)
         )
         if self._inflight is None and not unadvanced:
             return None
         if any_deleted(self.pools):
             # Steps in flight are lost with the pools: their tokens too.
-            self.pools = self.plan.allocate()
-            self.scheduler.recompute_all()
-            self._pipeline.clear()
-            self._prev_tokens = jnp.zeros(self._width, jnp.int32)
-            self._inflight = None
+            self._recompute_all()
             return "recomputed"
         if unadvanced:
-            self.scheduler.advance(self._pipeline[-1][0])  # it ran
+            self._advance(self._pipeline[-1][0])  # it ran
         if self._inflight is not None:
             self._dispatch_ahead(self._inflight)
             return "rerun"

@@ -1,0 +1,203 @@
+"""ServingLoop on meshes of 8 simulated CPU devices serves what one device
+serves: a tensor-parallel GQA model (its own psum) with data-parallel ranks
+prepared by the loop, nothing per-rank in this script.
+
+Run by ``tests/test_shard.py`` in its own process:
+``python tests/serve_mesh_check.py 2x4 4x2-auto`` prints OK.
+"""  # noqa: D205
+
+import os
+import sys
+from typing import Any
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+
+VOCAB, D, H, KV, HD = 64, 64, 8, 4, 16
+CFG = jaxkv.pattern_config(
+    "GL",
+    num_layers=2,
+    num_heads=H,
+    num_kv_heads=KV,
+    head_size=HD,
+    block_size=8,
+    sliding_window=12,
+    max_model_len=96,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=(4, 32),
+)
+
+
+def params():
+    keys = iter(jax.random.split(jax.random.key(0), 10))
+
+    def n(*shape, s=0.25):
+        return jax.random.normal(next(keys), shape, jnp.float32) * s
+
+    return {
+        "embed": n(VOCAB, D, s=1.0),
+        "layers": [
+            {
+                "wq": n(D, H, HD),
+                "wk": n(D, KV, HD),
+                "wv": n(D, KV, HD),
+                "wo": n(H, HD, D),
+            }
+            for _ in range(2)
+        ],
+        "unembed": n(D, VOCAB),
+    }
+
+
+SPECS = {
+    "embed": P(),
+    "layers": [
+        {
+            "wq": P(None, "tensor", None),
+            "wk": P(None, "tensor", None),
+            "wv": P(None, "tensor", None),
+            "wo": P("tensor", None, None),
+        }
+    ]
+    * 2,
+    "unembed": P(),
+}
+
+
+def make_forward(plan, tensor_axis):
+    """The model's step on its (local) heads; a psum joins the heads' outputs."""
+    layers = [plan.attention_layer(layer.name) for layer in CFG.layers]
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params["embed"][tokens]
+        for layer, w in zip(layers, params["layers"], strict=True):
+            q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in ("wq", "wk", "wv"))
+            m = meta[layer.name]
+            pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+            out = jaxkv.paged_attention(q, pools, layer, m, scale=HD**-0.5)
+            y = jnp.einsum("thk,hkd->td", out, w["wo"])
+            x = x + (y if tensor_axis is None else jax.lax.psum(y, tensor_axis))
+        return pools, x[sample] @ params["unembed"]
+
+    return forward
+
+
+def requests(tag=""):
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, VOCAB, 16).tolist()
+    return [
+        jaxkv.Request(
+            f"{tag}r{i}",
+            prompt=shared + rng.integers(0, VOCAB, int(rng.integers(2, 20))).tolist(),
+            max_new_tokens=int(rng.integers(3, 9)),
+            stop_token_ids=(5,),
+        )
+        for i in range(7)
+    ]
+
+
+HOT = jaxkv.SamplingParams(temperature=30.0, top_k=16, seed=3)  # logits are ~50
+
+
+def reference(sampling=None):
+    plan = jaxkv.make_plan(CFG, num_blocks=64)
+    loop = jaxkv.ServingLoop(
+        plan,
+        make_forward(plan, None),
+        params(),
+        vocab_size=VOCAB,
+        record_logits=True,
+        sampling=sampling,
+    )
+    reqs = loop.run(requests())
+    return {r.req_id: r.output for r in reqs}, dict(loop.logits)
+
+
+def check_sampled(arg, want):
+    """Seeded sampling on a mesh draws what one device draws (seeds per rank)."""
+    d, t = (int(x) for x in arg.split("x"))
+    mesh = jax.make_mesh((d, t), ("data", "tensor"))
+    sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
+    loop = jaxkv.ServingLoop(
+        sp, make_forward(sp.local, "tensor"), params(), param_specs=SPECS, sampling=HOT
+    )
+    got = {r.req_id: r.output for r in loop.run(requests())}
+    assert got == want, (arg, got, want)
+
+
+def check(arg, want, want_logits):
+    """`arg`: ``DxT`` (Explicit axes, make_mesh's default) or ``DxT-auto``."""
+    dims, _, kind = arg.partition("-")
+    d, t = shape = tuple(int(x) for x in dims.split("x"))
+    types = (
+        jax.sharding.AxisType.Auto
+        if kind == "auto"
+        else jax.sharding.AxisType.Explicit,
+    ) * 2
+    mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
+    sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
+    loop = jaxkv.ServingLoop(
+        sp,
+        make_forward(sp.local, "tensor"),
+        params(),
+        param_specs=SPECS,
+        vocab_size=VOCAB,
+        record_logits=True,
+    )
+    loop.warm_up()
+    for overlap in (True, False):
+        resets: list[dict[str, Any]] = [
+            {},
+            {"num_blocks": 13},
+            {"enable_prefix_caching": True},
+        ]
+        for reset in resets:
+            loop.overlap = overlap
+            loop.reset(**reset)
+            with jaxkv.count_compilations() as compiles:
+                reqs = loop.run(requests())
+            assert all(r.status is jaxkv.RequestStatus.FINISHED for r in reqs)
+            got = {r.req_id: r.output for r in reqs}
+            assert got == want, (shape, overlap, reset, got, want)
+            for rid, logits in want_logits.items():
+                np.testing.assert_allclose(
+                    np.stack(loop.logits[rid]), np.stack(logits), rtol=1e-4, atol=2e-3
+                )
+            assert compiles == [], (shape, compiles)
+            served = [s.stats["steps"] for s in loop.schedulers]
+            busy = sum(n > 0 for n in served)  # requests go to the least loaded
+            assert busy == min(d, len(want)), ("ranks left idle", served)
+            for s in loop.schedulers:
+                assert s.manager.num_free_blocks == s.manager.num_usable_blocks
+            if "num_blocks" in reset and d <= 2:  # several requests per rank
+                assert sum(s.stats["preemptions"] for s in loop.schedulers) > 0
+            if "enable_prefix_caching" in reset and d <= 4:
+                assert sum(s.stats["cached_tokens"] for s in loop.schedulers) > 0
+    # The step moves no pool between devices: the only collectives are the
+    # model's own all-reduces.
+    for exe in loop.programs.executables():
+        hlo = exe.as_text()
+        for op in ("all-gather", "all-to-all", "collective-permute"):
+            assert op not in hlo, (shape, op)
+    print(arg, "served", len(want), "requests on", d, "data ranks")
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.device_count()
+    want, want_logits = reference()
+    for arg in sys.argv[1:] or ["2x4"]:
+        check(arg, want, want_logits)
+    hot, _ = reference(HOT)
+    assert hot != want  # the draws are not greedy
+    check_sampled("2x4", hot)
+    print("OK")
