@@ -109,6 +109,7 @@ from jaxkv.groups.init_backend import (
 )
 from jaxkv.groups.kernel_blocks import (
     expand_block_table,
+    kernel_block_sizes_by_group,
     map_slot_mapping_to_kernel,
     prepare_kernel_block_sizes,
     select_common_block_size,
@@ -271,6 +272,7 @@ __all__ = [
     "hnc_shape",
     "init_attn_backend",
     "init_kv_cache",
+    "kernel_block_sizes_by_group",
     "kernel_cache",
     "kv_cache_budget",
     "layout_of_view",

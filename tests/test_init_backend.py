@@ -251,3 +251,43 @@ def test_40_layer_hybrid_compiles_nothing():
     assert len(names) == len(set(names)) == 40  # grouping is a partition (I11)
     assert any(g.backend.class_name == "FastPrefillFlashAttentionBackend" for g in flat)
     assert info.min_cg_support == jaxkv.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_an_encoder_only_group_before_attention_groups_mis_sizes_no_view():
+    # Groups [encoder-only, FlashInfer 80, FlashAttn 32]: kernel_block_sizes is
+    # [16, 32] (no entry for the encoder-only group). Indexing that list by
+    # group id would give group 1 the size 32 (group 2's) and group 2 no view;
+    # the views are sized by group: group 1's kernel blocks are 16 tokens.
+    a = full_spec(block_size=80, heads=1, head=8, dtype="float32")
+    b = full_spec(block_size=32, heads=1, head=8, dtype="float32")
+    enc = jaxkv.EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            layer("e", enc, attn_type="encoder_only"),
+            layer("a", a, "FLASHINFER"),
+            layer("b", b, "FLASH_ATTN"),
+        ]
+    )
+    kv = jaxkv.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[
+            jaxkv.KVCacheTensor(size=4 * enc.page_size_bytes, shared_by=["e"]),
+            jaxkv.KVCacheTensor(size=4 * a.page_size_bytes, shared_by=["a"]),
+            jaxkv.KVCacheTensor(size=4 * b.page_size_bytes, shared_by=["b"]),
+        ],
+        kv_cache_groups=[
+            jaxkv.KVCacheGroupSpec(layer_names=["e"], kv_cache_spec=enc),
+            jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=a),
+            jaxkv.KVCacheGroupSpec(layer_names=["b"], kv_cache_spec=b),
+        ],
+    )
+    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    assert sizes == [16, 32]
+    assert groups[1][0].kernel_block_size == 16
+    assert groups[2][0].kernel_block_size is None  # its own block size
+    _, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    assert views["a"].block_size == 16  # 80-token blocks split in 5
+    assert views["a"].num_blocks == 4 * 5
+    assert views["b"].block_size == 32

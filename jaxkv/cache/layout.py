@@ -23,6 +23,7 @@ from jaxkv.cache.views import (
 from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.init_backend import with_kv_sharing_layers
+from jaxkv.groups.kernel_blocks import kernel_block_sizes_by_group
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv.layers import get_shared_kv_cache_layers
 from jaxkv.specs import AttentionSpec, MambaSpec, layer_spec, representative_spec
@@ -76,6 +77,7 @@ def _kv_first_layers_sharing_pool_with_mamba(
     """  # noqa: E501
     if kv_cache_config is None:
         return set()
+    size_of = kernel_block_sizes_by_group(kv_cache_config, kernel_block_sizes)
     kv_first: set[str] = set()
     mamba: set[str] = set()
     for group in flat_groups(attn_groups):
@@ -85,9 +87,9 @@ def _kv_first_layers_sharing_pool_with_mamba(
             continue
         if not isinstance(spec, AttentionSpec):
             continue
-        if group.kv_cache_group_id >= len(kernel_block_sizes):
+        k = size_of.get(group.kv_cache_group_id)
+        if k is None:
             continue
-        k = kernel_block_sizes[group.kv_cache_group_id]
         if _block_dim(group, k, cache_dtype) != 0:
             kv_first.update(group.layer_names)
     page_aligned: set[str] = set()
@@ -133,13 +135,15 @@ def _align_mixed_attention_kv_cache_views(
       >>> views["cross"].strides  # restrided from (64, 32, 2, 2, 1)
       (32, 128, 2, 2, 1)
     """
+    size_of = kernel_block_sizes_by_group(kv_cache_config, kernel_block_sizes)
     block_dims: dict[str, int] = {}
     for group in flat_groups(attn_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
-        if group.kv_cache_group_id >= len(kernel_block_sizes):
+        k = size_of.get(group.kv_cache_group_id)
+        if k is None:
             continue
-        bd = _block_dim(group, kernel_block_sizes[group.kv_cache_group_id], cache_dtype)
+        bd = _block_dim(group, k, cache_dtype)
         for name in group.layer_names:
             if name in kv_caches:
                 block_dims[name] = bd
@@ -349,10 +353,11 @@ def build_kv_cache_views(
     page_aligned = _kv_first_layers_sharing_pool_with_mamba(
         attn_groups, kernel_block_sizes, vllm_config.cache_dtype, kv_cache_config
     )
+    size_of = kernel_block_sizes_by_group(kv_cache_config, kernel_block_sizes)
     views: dict[str, LayerView] = {}
     for group in flat_groups(attn_groups):
         gid = group.kv_cache_group_id
-        if gid >= len(kernel_block_sizes):
+        if gid not in size_of:
             continue
         for name in group.layer_names:
             if name in shared:
@@ -361,7 +366,7 @@ def build_kv_cache_views(
             views[name] = _layer_view(
                 name,
                 group,
-                kernel_block_sizes[gid],
+                size_of[gid],
                 kv_cache_config.kv_cache_tensors[tid],
                 pool_of_tensor[tid],
                 name in page_aligned,

@@ -12,6 +12,7 @@ from jaxkv.config import RunnerConfig
 from jaxkv.groups.attn_group import AttentionGroup
 from jaxkv.groups.cg_support import AttentionCGSupportInfo, get_attn_cg_support
 from jaxkv.groups.kernel_blocks import (
+    kernel_block_sizes_by_group,
     prepare_kernel_block_sizes,
     select_common_block_size,
 )
@@ -211,7 +212,7 @@ def init_attn_backend(
 
     # Phase 2: kernel block size per KV-cache group.
     kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, proto)
-    size_of_group = _kernel_sizes_by_group(kv_cache_config, kernel_block_sizes)
+    size_of_group = kernel_block_sizes_by_group(kv_cache_config, kernel_block_sizes)
 
     # Phase 3: per attention group refinement (what vLLM's builders do).
     slot_mapped = set(slot_mapped_layers)
@@ -272,20 +273,6 @@ def check_kernel_block_sizes(
                 f"kernel_block_sizes[{i}]={k!r} must be a positive divisor of the "
                 f"block size {bs} of group {gid} ({list(group.layer_names)[:2]}...)."
             )
-
-
-def _kernel_sizes_by_group(
-    kv_cache_config: KVCacheConfig, kernel_block_sizes: Sequence[int]
-) -> dict[int, int]:
-    """Explicit ``gid -> size`` map, skipping encoder-only groups (spec §5.3)."""
-    sizes = iter(kernel_block_sizes)
-    out: dict[int, int] = {}
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if isinstance(representative_spec(spec), EncoderOnlyAttentionSpec):
-            continue
-        out[gid] = next(sizes)
-    return out
 
 
 def _refine(

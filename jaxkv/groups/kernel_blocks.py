@@ -73,6 +73,41 @@ def select_common_block_size(
     )
 
 
+def kernel_block_sizes_by_group(
+    kv_cache_config: KVCacheConfig, kernel_block_sizes: Sequence[int]
+) -> dict[int, int]:
+    """``group id -> kernel block size`` from vLLM's list.
+
+    vLLM's list (:func:`prepare_kernel_block_sizes`) has no entry for
+    encoder-only groups, so indexing it by group id gives a later group's
+    size to a group after an encoder-only one. A list of one entry per group
+    (or any other length: a hand-built config, groups not listed) is taken
+    by group id, as vLLM's ``gid < len`` guard reads it.
+
+    Example:
+      >>> import jaxkv
+      >>> kw = dict(block_size=32, num_kv_heads=1, head_size=8, dtype="float32")
+      >>> specs = [jaxkv.EncoderOnlyAttentionSpec(**kw), jaxkv.FullAttentionSpec(**kw)]
+      >>> cfg = jaxkv.KVCacheConfig(num_blocks=2, kv_cache_tensors=[],
+      ...     kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=[str(i)],
+      ...                      kv_cache_spec=s) for i, s in enumerate(specs)])
+      >>> jaxkv.kernel_block_sizes_by_group(cfg, [16])
+      {1: 16}
+    """
+    sizes = list(kernel_block_sizes)
+    groups = kv_cache_config.kv_cache_groups
+    kept = [
+        gid
+        for gid, group in enumerate(groups)
+        if not isinstance(
+            representative_spec(group.kv_cache_spec), EncoderOnlyAttentionSpec
+        )
+    ]
+    if len(sizes) == len(kept):
+        return dict(zip(kept, sizes, strict=True))
+    return dict(enumerate(sizes))
+
+
 def prepare_kernel_block_sizes(
     kv_cache_config: KVCacheConfig,
     attn_groups: Sequence[Sequence[AttentionGroup]],
