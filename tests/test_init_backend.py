@@ -288,6 +288,8 @@ def test_an_encoder_only_group_before_attention_groups_mis_sizes_no_view():
     assert groups[1][0].kernel_block_size == 16
     assert groups[2][0].kernel_block_size is None  # its own block size
     _, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    assert isinstance(views["a"], jaxkv.KVCacheView)
+    assert isinstance(views["b"], jaxkv.KVCacheView)
     assert views["a"].block_size == 16  # 80-token blocks split in 5
     assert views["a"].num_blocks == 4 * 5
     assert views["b"].block_size == 32
