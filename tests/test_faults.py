@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxkv
 import jaxkv.demo
-import jaxkv.demo.engine as engine_module
+import jaxkv.serve.loop as loop_module
 
 
 class Fault(Exception):
@@ -109,14 +109,14 @@ def _inject(monkeypatch, engine, point, at):
 
         monkeypatch.setattr(engine, "programs", Programs())
     elif point == "after_device":
-        real = engine_module._to_host
+        real = loop_module._to_host
 
         def to_host(x):
             if hit():
                 raise Fault(point)
             return real(x)
 
-        monkeypatch.setattr(engine_module, "_to_host", to_host)
+        monkeypatch.setattr(loop_module, "_to_host", to_host)
     elif point == "inside_update":
         manager = engine.schedulers[0].manager
         real = manager.commit

@@ -12,6 +12,7 @@ from typing import Any, Protocol, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,9 +20,11 @@ from jaxkv.cache.ops import Pools, any_deleted
 from jaxkv.cache.plan import KVCachePlan
 from jaxkv.cache.shard import ShardedPlan
 from jaxkv.sched.request import Request
-from jaxkv.sched.scheduler import ScheduledStep, Scheduler
+from jaxkv.sched.scheduler import ScheduledStep, Scheduler, sampled_token_indices
 from jaxkv.serve.sampling import SamplingParams, request_seed, sample_tokens
+from jaxkv.step.buckets import BucketDispatcher, CompileMode
 from jaxkv.step.builder import StepInputs, StepMetadataBuilder
+from jaxkv.step.fast_prefill import FastPrefillBatchMetadata, stage_logits_indices
 from jaxkv.step.metadata import CommonAttentionMetadata
 from jaxkv.step.programs import Programs
 
@@ -105,6 +108,8 @@ class ServingLoop:
       overlap: Schedule the next step while one runs (see above).
       param_specs: On a mesh, a ``PartitionSpec`` per leaf of `params`
         (default: replicated).
+      dispatcher: The buckets (default: the config's, as
+        :class:`StepMetadataBuilder` makes them).
 
     Example:
       >>> import jax.numpy as jnp
@@ -142,6 +147,7 @@ class ServingLoop:
         max_num_seqs: int | None = None,
         overlap: bool = True,
         param_specs: Any = None,
+        dispatcher: BucketDispatcher | None = None,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         if not callable(forward):
@@ -175,7 +181,10 @@ class ServingLoop:
         # On a mesh every data rank stages its own step; the builder's
         # host-side fast-prefill staging is for one rank.
         self.builder = StepMetadataBuilder(
-            self.plan, model_inputs=True, fast_prefill=self.sharded is None
+            self.plan,
+            dispatcher,
+            model_inputs=True,
+            fast_prefill=self.sharded is None,
         )
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
@@ -211,7 +220,18 @@ class ServingLoop:
                 ),
             )
             self.pools = sharded.allocate()
-        self.programs = Programs(self._device_step, donate_argnums=(0,))
+        # On a mesh, fast prefill stages each rank's logits indices inside the
+        # step (the jitted staging kernel on its row of a persistent buffer).
+        self._yoco = sharded is not None and any(
+            g.fast_prefill for groups in self.plan.attn_groups for g in groups
+        )
+        self.stage_buffer: jax.Array | None = (
+            self._new_stage_buffer() if self._yoco else None
+        )
+        self.programs = Programs(self._device_step, donate_argnums=(0, 5))
+        #: Steps run, steps with fast prefill armed, rank steps with a prefill
+        #: chunk that did not finish its prompt.
+        self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
         #: Per request id, the logits each sampled token came from
         #: (``record_logits=True``).
         self.logits: dict[str, list[np.ndarray]] = {}
@@ -274,6 +294,19 @@ class ServingLoop:
             return None
         return NamedSharding(self.sharded.mesh, P(self.sharded.data_axis))
 
+    def _new_stage_buffer(self) -> jax.Array:
+        return jax.device_put(
+            np.zeros(
+                (self.num_ranks, self.builder.dispatcher.max_num_tokens), np.int32
+            ),
+            self._rows(),
+        )
+
+    @property
+    def fast_prefill(self) -> bool:
+        """Whether steps with a prefill can arm the fast-prefill path."""
+        return self._yoco or self.builder.fast_prefill_helper is not None
+
     def _no_tokens(self) -> jax.Array:
         if self.sharded is None:
             return jnp.zeros(self._width, jnp.int32)
@@ -311,33 +344,53 @@ class ServingLoop:
         inputs: StepInputs,
         seeds: jax.Array,
         prev_tokens: jax.Array,
-    ) -> tuple[Pools, jax.Array, jax.Array]:
+        buffer: jax.Array | None = None,
+        fp_packed: jax.Array | None = None,
+    ) -> Any:
+        """One step; on a mesh `buffer` (donated) and `fp_packed` arm fast
+        prefill: ``fp_packed (ranks, 2 + padding)`` holds ``[n,
+        max_logits_per_req, indices...]`` per rank, staged on its row.
+        """  # noqa: D205
         sp = self.sharded
         if sp is None:
             return self._rank_step(pools, params, inputs, seeds, prev_tokens)
         layout = inputs.layout
+        stage = () if buffer is None else (buffer, fp_packed)
 
         def per_rank(
-            pools: Any, params: Any, packed: Any, seeds: Any, prev: Any
+            pools: Any, params: Any, packed: Any, seeds: Any, prev: Any, *stage: Any
         ) -> Any:
-            local = StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
+            fp = buf = None
+            if stage:
+                buf, staged = stage_logits_indices(
+                    stage[0][0], stage[1][0, 2:], stage[1][0, 0]
+                )
+                fp = FastPrefillBatchMetadata(
+                    logits_indices_padded=staged,
+                    num_logits_indices=stage[1][0, 0],
+                    max_logits_per_req=stage[1][0, 1],
+                )
+            local = StepInputs(packed=packed[0], fast_prefill=fp, layout=layout)
             pools, tokens, logits = self._rank_step(
                 sp.local_pools(pools), params, local, seeds[0], prev[0]
             )
-            return sp.global_pools(pools), tokens[None], logits[None]
+            out = (sp.global_pools(pools), tokens[None], logits[None])
+            return out if buf is None else (*out, buf[None])
 
         rows = P(sp.data_axis)
+        extra = (rows, rows) if stage else ()
         return jax.shard_map(
             per_rank,
             mesh=sp.mesh,
-            in_specs=(sp.pool_spec, self._param_specs, rows, rows, rows),
-            out_specs=(sp.pool_spec, rows, rows),
-        )(pools, params, inputs.packed, seeds, prev_tokens)
+            in_specs=(sp.pool_spec, self._param_specs, rows, rows, rows, *extra),
+            out_specs=(sp.pool_spec, rows, rows, *extra[:1]),
+        )(pools, params, inputs.packed, seeds, prev_tokens, *stage)
 
-    def warm_up(self) -> float:
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles the step for every bucket from shapes (allocating nothing);
         returns the seconds spent. Without it each bucket compiles the first
-        time a step meets it (never more than once).
+        time a step meets it (never more than once). `progress(done, total)`
+        is called after each bucket.
         """  # noqa: D205
 
         def abstract(x: Any) -> Any:
@@ -351,19 +404,36 @@ class ServingLoop:
         prev = abstract(self._prev_tokens)
         ranks = () if self.sharded is None else (self.num_ranks,)
         rows = self._rows()
-        for inputs in self.builder.abstract_inputs():
+        todo = self.builder.abstract_inputs()
+        for i, inputs in enumerate(todo):
+            if progress is not None and i:
+                progress(i, len(todo))
             seeds = jax.ShapeDtypeStruct(
                 (*ranks, inputs.layout.num_samples), jnp.int32, sharding=rows
             )
-            if self.sharded is not None:
-                packed: Any = jax.ShapeDtypeStruct(
-                    (self.num_ranks, inputs.layout.size), jnp.int32, sharding=rows
+            if self.sharded is None:
+                self.programs.compile(
+                    (inputs.program, None), pools, params, inputs, seeds, prev
                 )
-                inputs = StepInputs(
-                    packed=packed, fast_prefill=None, layout=inputs.layout
+                continue
+            packed: Any = jax.ShapeDtypeStruct(
+                (self.num_ranks, inputs.layout.size), jnp.int32, sharding=rows
+            )
+            inputs = StepInputs(packed=packed, fast_prefill=None, layout=inputs.layout)
+            args = (pools, params, inputs, seeds, prev)
+            self.programs.compile((inputs.program, None), *args)
+            if self.stage_buffer is not None:
+                padding = inputs.layout.num_samples
+                stage = (
+                    abstract(self.stage_buffer),
+                    jax.ShapeDtypeStruct(
+                        (self.num_ranks, padding + 2), jnp.int32, sharding=rows
+                    ),
                 )
-            self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
+                self.programs.compile((inputs.program, padding), *args, *stage)
         self.builder.warm_up_host()
+        if progress is not None:
+            progress(len(todo), len(todo))
         return time.perf_counter() - t0
 
     # --- host side ------------------------------------------------------------
@@ -432,6 +502,7 @@ class ServingLoop:
         seeds = np.zeros((len(steps), inputs.layout.num_samples), np.int32)
         for rank, s in enumerate(steps):
             seeds[rank, : len(s.sampled)] = [request_seed(r.req_id) for r in s.sampled]
+        stage: tuple[Any, ...] = ()
         if self.sharded is None:
             seeds = seeds[0]
         else:
@@ -443,19 +514,53 @@ class ServingLoop:
                 layout=inputs.layout,
             )
             seeds = jax.device_put(seeds, rows)
-        self.pools, next_tokens, logits = self.programs(
-            inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
+            stage = self._stage(steps, desc, inputs.layout.num_samples)
+        armed = bool(stage) or inputs.fast_prefill is not None
+        key = (inputs.program, inputs.layout.num_samples if stage else None)
+        result = self.programs(
+            key, self.pools, self.params, inputs, seeds, prev_tokens, *stage
+        )
+        if stage:
+            *result, self.stage_buffer = result
+        self.pools, next_tokens, logits = result
+        self.counters["steps"] += 1
+        self.counters["fast_prefill_armed"] += armed
+        self.counters["partial_prefills"] += sum(
+            any(r.num_computed + n < len(r.prompt) for r, n in s.batch) for s in steps
         )
         return next_tokens, logits
+
+    def _stage(
+        self, steps: list[ScheduledStep], desc: Any, padding: int
+    ) -> tuple[Any, ...]:
+        """Mesh fast prefill, armed for every rank (one program) when any rank
+        has a prefill: each rank's sampled-token indices, padded like its
+        sample indices (a rank without any has n = 0).
+        """  # noqa: D205
+        if (
+            self.stage_buffer is None
+            or desc is None
+            or desc.cg_mode == CompileMode.FULL
+            or not any(
+                r.num_computed < len(r.prompt) for s in steps for r, _ in s.batch
+            )
+        ):
+            return ()
+        host = np.zeros((self.num_ranks, padding + 2), np.int32)
+        for rank, s in enumerate(steps):
+            idx = sampled_token_indices(s.batch)
+            host[rank, 0], host[rank, 1] = len(idx), 1
+            host[rank, 2 : 2 + len(idx)] = idx
+        return (self.stage_buffer, jax.device_put(host, self._rows()))
 
     def _host_results(
         self, next_tokens: jax.Array, logits: jax.Array | None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(ranks, width)`` tokens and ``(ranks, samples, vocab)`` logits."""
-        tokens = np.asarray(next_tokens).reshape(self.num_ranks, -1)
+        tokens = _to_host(next_tokens).reshape(self.num_ranks, -1)
         host = None
         if logits is not None and self.record_logits:
-            host = np.asarray(logits).reshape(self.num_ranks, *logits.shape[-2:])
+            host = _to_host(logits).reshape(self.num_ranks, *logits.shape[-2:])
         return tokens, host
 
     def _run_step(self, steps: list[ScheduledStep]) -> list[Request]:
@@ -562,7 +667,7 @@ class ServingLoop:
             if self._results is not None:
                 self._apply()
                 return "applied"
-            if any_deleted(self.pools):
+            if any_deleted((self.pools, self.stage_buffer)):
                 self._recompute_all()
                 return "recomputed"
             self._run_step(self._inflight)
@@ -578,6 +683,8 @@ class ServingLoop:
         self.pools = (
             self.plan.allocate() if self.sharded is None else self.sharded.allocate()
         )
+        if self.stage_buffer is not None:
+            self.stage_buffer = self._new_stage_buffer()
         for sched in self.schedulers:
             sched.recompute_all()
         self._pipeline.clear()
@@ -594,7 +701,7 @@ class ServingLoop:
         )
         if self._inflight is None and not unadvanced:
             return None
-        if any_deleted(self.pools):
+        if any_deleted((self.pools, self.stage_buffer)):
             # Steps in flight are lost with the pools: their tokens too.
             self._recompute_all()
             return "recomputed"
@@ -630,3 +737,12 @@ class ServingLoop:
         finally:
             self._on_token = None
         return requests
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host; over several processes, gathered from all
+    (sampled tokens and logits only: a few KB a step).
+    """  # noqa: D205
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
