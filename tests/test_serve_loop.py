@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxkv
 
@@ -509,3 +510,43 @@ def test_a_griffin_like_model_keeps_its_state_in_mamba_pools():
         again = loop.run(_requests(shared=20, seed=2))
         assert {r.req_id: r.output for r in again} == want, kwargs
         assert loop.scheduler.stats[stat] > 0, (kwargs, loop.scheduler.stats)
+
+
+def test_a_forward_that_returns_the_wrong_things_is_named():
+    plan, forward, _ = _model()
+    params = _params(2)
+    cases = [
+        (lambda p, pools, m, t, s: forward(p, pools, m, t, s)[1], "must return"),
+        (
+            lambda p, pools, m, t, s: (
+                tuple(x[: x.shape[0] // 2] for x in pools),
+                forward(p, pools, m, t, s)[1],
+            ),
+            "not the ones it was given",
+        ),
+        (
+            lambda p, pools, m, t, s: (pools, forward(p, pools, m, t, s)[1][:1]),
+            r"logits of shape \(num_samples, vocab\)",
+        ),
+    ]
+    for bad, match in cases:
+        loop = jaxkv.ServingLoop(plan, bad, params)
+        with pytest.raises((TypeError, ValueError), match=match):
+            loop.run([jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=2)])
+
+
+def test_param_specs_must_match_the_params_and_need_a_mesh():
+    plan, forward, _ = _model()
+    params = _params(2)
+    with pytest.raises(ValueError, match="give a ShardedPlan"):
+        jaxkv.ServingLoop(plan, forward, params, param_specs={"embed": P()})
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+    sp = jaxkv.shard_plan(plan.runner_config, mesh=mesh, num_blocks=16)
+    with pytest.raises(ValueError, match="one PartitionSpec per leaf of params"):
+        jaxkv.ServingLoop(sp, forward, params, param_specs={"embed": P()})
+    with pytest.raises(TypeError, match="plan must be a KVCachePlan"):
+        jaxkv.ServingLoop(plan.runner_config, forward, params)  # pyright: ignore[reportArgumentType]
+    loop = jaxkv.ServingLoop(sp, forward, params)
+    loop.num_ranks = 2  # as on a mesh of two data ranks
+    with pytest.raises(ValueError, match="use loop.schedulers"):
+        _ = loop.scheduler

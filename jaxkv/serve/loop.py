@@ -206,6 +206,8 @@ class ServingLoop:
             self._param_specs = None
         else:
             mesh = sharded.mesh
+            if param_specs is not None:
+                _check_param_specs(params, param_specs)
             self._param_specs = (
                 jax.tree.map(lambda _: P(), params)
                 if param_specs is None
@@ -328,7 +330,9 @@ class ServingLoop:
         # k-th sampled token, still on the device.
         src = jnp.clip(-tokens - 1, 0, self._width - 1)
         tokens = jnp.where(tokens < 0, prev_tokens[src], tokens)
-        pools, logits = self.forward(params, pools, meta, tokens, sample)
+        out = self.forward(params, pools, meta, tokens, sample)
+        new_pools, logits = _check_forward_result(out, pools, sample)
+        pools = new_pools
         positions = next(iter(meta.values())).positions[sample]
         next_tokens = sample_tokens(
             logits, params=self.sampling, request_seeds=seeds, positions=positions
@@ -746,3 +750,43 @@ def _to_host(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[Any, Any]:
+    """Trace-time check of what `forward` returned: ``(pools, logits)`` with
+    the pools' shapes and dtypes and one logits row per sampled token.
+    """  # noqa: D205
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            "ServingLoop: forward must return (pools, logits), got "
+            f"{type(out).__name__}."
+        )
+    new_pools, logits = out
+    want = [(tuple(p.shape), p.dtype) for p in jax.tree.leaves(pools)]
+    got = [
+        (tuple(jnp.shape(p)), jnp.result_type(p)) for p in jax.tree.leaves(new_pools)
+    ]
+    if jax.tree.structure(new_pools) != jax.tree.structure(pools) or got != want:
+        raise ValueError(
+            "ServingLoop: forward returned pools that are not the ones it was "
+            f"given (shapes and dtypes {got[:4]}, expected {want[:4]}): return "
+            "the pools write_kv / write_mamba_state gave back."
+        )
+    shape = jnp.shape(logits)
+    if len(shape) != 2 or shape[0] != sample.shape[0]:
+        raise ValueError(
+            "ServingLoop: forward must return logits of shape (num_samples, "
+            f"vocab) = ({sample.shape[0]}, vocab), one row per index of "
+            f"sample_idx; got {shape}."
+        )
+    return new_pools, logits
+
+
+def _check_param_specs(params: Any, param_specs: Any) -> None:
+    """`param_specs` has one ``PartitionSpec`` per leaf of `params`."""
+    specs, tree = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    if tree != jax.tree.structure(params) or not all(isinstance(x, P) for x in specs):
+        raise ValueError(
+            "ServingLoop: param_specs must hold one PartitionSpec per leaf of "
+            f"params (params: {jax.tree.structure(params)}; param_specs: {tree})."
+        )
