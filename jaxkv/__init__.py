@@ -138,7 +138,12 @@ from jaxkv.sched.scheduler import (
     sampled_token_indices,
 )
 from jaxkv.serve.loop import Forward, ServingLoop
-from jaxkv.serve.sampling import SamplingParams, request_seed, sample_tokens
+from jaxkv.serve.sampling import (
+    SamplingParams,
+    request_seed,
+    sample_tokens,
+    sample_tokens_per_row,
+)
 from jaxkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -304,6 +309,7 @@ __all__ = [
     "resolve_layout",
     "resolve_storage",
     "sample_tokens",
+    "sample_tokens_per_row",
     "sampled_token_indices",
     "select_common_block_size",
     "shape_struct",

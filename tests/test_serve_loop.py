@@ -550,3 +550,76 @@ def test_param_specs_must_match_the_params_and_need_a_mesh():
     loop.num_ranks = 2  # as on a mesh of two data ranks
     with pytest.raises(ValueError, match="use loop.schedulers"):
         _ = loop.scheduler
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        jaxkv.SamplingParams(),
+        jaxkv.SamplingParams(temperature=1.5, seed=3),
+        jaxkv.SamplingParams(temperature=0.7, top_k=5, seed=1),
+        jaxkv.SamplingParams(temperature=1.0, top_p=0.6, seed=2),
+        jaxkv.SamplingParams(temperature=2.0, top_k=9, top_p=0.8, seed=4),
+    ],
+)
+def test_per_row_sampling_draws_what_sample_tokens_draws(params):
+    logits = jax.random.normal(jax.random.key(0), (64, 40)) * 3
+    seeds = jnp.arange(64, dtype=jnp.int32) * 7919
+    pos = jnp.arange(64, dtype=jnp.int32) % 11
+
+    def rows(value, dtype):
+        return jnp.full(64, value, dtype)
+
+    want = jaxkv.sample_tokens(
+        logits, params=params, request_seeds=seeds, positions=pos
+    )
+    got = jaxkv.sample_tokens_per_row(
+        logits,
+        temperature=rows(params.temperature, jnp.float32),
+        top_k=rows(params.top_k, jnp.int32),
+        top_p=rows(params.top_p, jnp.float32),
+        seed=rows(params.seed, jnp.int32),
+        request_seeds=seeds,
+        positions=pos,
+    )
+    assert got.tolist() == want.tolist()
+
+
+def test_each_request_samples_with_its_own_parameters(served):
+    """One loop, one program per bucket: greedy, hot and top-1 requests mixed
+    in a batch draw what loops of one kind each draw; no compile after
+    warm-up.
+    """  # noqa: D205
+    plan, forward, _ = _model()
+    params = served["params"]
+    hot = jaxkv.SamplingParams(temperature=1.5, top_k=8, top_p=0.9, seed=3)
+    top1 = jaxkv.SamplingParams(temperature=1.0, top_k=1, seed=5)
+    kinds = [None, hot, top1, hot]
+
+    def alone(sampling):
+        loop = jaxkv.ServingLoop(plan, forward, params, sampling=sampling)
+        reqs = _requests(new=5)
+        loop.run(reqs)
+        return [r.output for r in reqs]
+
+    ref = {k: alone(k or jaxkv.SamplingParams()) for k in (None, hot, top1)}
+    mixed = jaxkv.ServingLoop(plan, forward, params, per_request_sampling=True)
+    mixed.warm_up()
+    reqs = _requests(new=5)
+    with jaxkv.count_compilations() as compiles:
+        mixed.run(
+            reqs,
+            sampling={r.req_id: k for r, k in zip(reqs, kinds, strict=True) if k},
+        )
+    assert compiles == []
+    for i, (r, k) in enumerate(zip(reqs, kinds, strict=True)):
+        assert r.output == ref[k][i], (r.req_id, k)
+    assert ref[hot] != ref[None]  # the kinds do differ
+    assert mixed._request_sampling == {}  # forgotten when finished
+    with pytest.raises(ValueError, match="per_request_sampling=True"):
+        served["loop"].submit(
+            jaxkv.Request("x", prompt=[1], max_new_tokens=1), sampling=hot
+        )
+    bad: Any = {"temperature": 1.0}
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        mixed.submit(jaxkv.Request("y", prompt=[1], max_new_tokens=1), sampling=bad)

@@ -21,7 +21,12 @@ from jaxkv.cache.plan import KVCachePlan
 from jaxkv.cache.shard import ShardedPlan
 from jaxkv.sched.request import Request
 from jaxkv.sched.scheduler import ScheduledStep, Scheduler, sampled_token_indices
-from jaxkv.serve.sampling import SamplingParams, request_seed, sample_tokens
+from jaxkv.serve.sampling import (
+    SamplingParams,
+    request_seed,
+    sample_tokens,
+    sample_tokens_per_row,
+)
 from jaxkv.step.buckets import BucketDispatcher, CompileMode
 from jaxkv.step.builder import StepInputs, StepMetadataBuilder
 from jaxkv.step.fast_prefill import FastPrefillBatchMetadata, stage_logits_indices
@@ -110,6 +115,12 @@ class ServingLoop:
         (default: replicated).
       dispatcher: The buckets (default: the config's, as
         :class:`StepMetadataBuilder` makes them).
+      per_request_sampling: Each request may bring its own
+        :class:`SamplingParams` (``submit(req, sampling=...)``, ``run(...,
+        sampling={req_id: ...})``; the others use `sampling`): the step
+        samples with :func:`sample_tokens_per_row` from per-row arrays, one
+        program for any mix (a sort of the vocabulary per sampled row, which
+        a greedy-only loop does not pay).
 
     Example:
       >>> import jax.numpy as jnp
@@ -148,6 +159,7 @@ class ServingLoop:
         overlap: bool = True,
         param_specs: Any = None,
         dispatcher: BucketDispatcher | None = None,
+        per_request_sampling: bool = False,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         if not callable(forward):
@@ -178,6 +190,9 @@ class ServingLoop:
         self.forward = forward
         self.record_logits = bool(record_logits)
         self.overlap = bool(overlap)
+        self.per_request_sampling = bool(per_request_sampling)
+        # Per request id, its own SamplingParams (per_request_sampling).
+        self._request_sampling: dict[str, SamplingParams] = {}
         # On a mesh every data rank stages its own step; the builder's
         # host-side fast-prefill staging is for one rank.
         self.builder = StepMetadataBuilder(
@@ -316,6 +331,46 @@ class ServingLoop:
             np.zeros((self.num_ranks, self._width), np.int32), self._rows()
         )
 
+    def _abstract_seeds(self, shape: tuple[int, ...], rows: Any) -> Any:
+        """What a step's sampling inputs look like (see :meth:`_seeds`)."""
+        ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+        if not self.per_request_sampling:
+            return ints
+        floats = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)
+        return {
+            "request": ints,
+            "seed": ints,
+            "top_k": ints,
+            "temperature": floats,
+            "top_p": floats,
+        }
+
+    def _seeds(self, steps: list[ScheduledStep], num_samples: int) -> Any:
+        """Per rank and sampled row: the request's seed, and with
+        ``per_request_sampling`` its parameters (padding rows: greedy).
+        """  # noqa: D205
+        shape = (len(steps), num_samples)
+        seeds = np.zeros(shape, np.int32)
+        for rank, s in enumerate(steps):
+            seeds[rank, : len(s.sampled)] = [request_seed(r.req_id) for r in s.sampled]
+        if not self.per_request_sampling:
+            return seeds
+        out = {
+            "request": seeds,
+            "seed": np.zeros(shape, np.int32),
+            "top_k": np.zeros(shape, np.int32),
+            "temperature": np.zeros(shape, np.float32),
+            "top_p": np.ones(shape, np.float32),
+        }
+        for rank, s in enumerate(steps):
+            for k, r in enumerate(s.sampled):
+                p = self._request_sampling.get(r.req_id, self.sampling)
+                out["seed"][rank, k] = p.seed
+                out["top_k"][rank, k] = p.top_k
+                out["temperature"][rank, k] = p.temperature
+                out["top_p"][rank, k] = p.top_p
+        return out
+
     def _rank_step(
         self,
         pools: Pools,
@@ -334,9 +389,20 @@ class ServingLoop:
         new_pools, logits = _check_forward_result(out, pools, sample)
         pools = new_pools
         positions = next(iter(meta.values())).positions[sample]
-        next_tokens = sample_tokens(
-            logits, params=self.sampling, request_seeds=seeds, positions=positions
-        )
+        if self.per_request_sampling:
+            next_tokens = sample_tokens_per_row(
+                logits,
+                temperature=seeds["temperature"],
+                top_k=seeds["top_k"],
+                top_p=seeds["top_p"],
+                seed=seeds["seed"],
+                request_seeds=seeds["request"],
+                positions=positions,
+            )
+        else:
+            next_tokens = sample_tokens(
+                logits, params=self.sampling, request_seeds=seeds, positions=positions
+            )
         padded = jnp.zeros(self._width, jnp.int32)
         padded = padded.at[: next_tokens.shape[0]].set(next_tokens.astype(jnp.int32))
         return pools, padded, logits
@@ -376,7 +442,11 @@ class ServingLoop:
                 )
             local = StepInputs(packed=packed[0], fast_prefill=fp, layout=layout)
             pools, tokens, logits = self._rank_step(
-                sp.local_pools(pools), params, local, seeds[0], prev[0]
+                sp.local_pools(pools),
+                params,
+                local,
+                jax.tree.map(lambda x: x[0], seeds),
+                prev[0],
             )
             out = (sp.global_pools(pools), tokens[None], logits[None])
             return out if buf is None else (*out, buf[None])
@@ -412,9 +482,7 @@ class ServingLoop:
         for i, inputs in enumerate(todo):
             if progress is not None and i:
                 progress(i, len(todo))
-            seeds = jax.ShapeDtypeStruct(
-                (*ranks, inputs.layout.num_samples), jnp.int32, sharding=rows
-            )
+            seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
             if self.sharded is None:
                 self.programs.compile(
                     (inputs.program, None), pools, params, inputs, seeds, prev
@@ -442,12 +510,39 @@ class ServingLoop:
 
     # --- host side ------------------------------------------------------------
 
-    def submit(self, request: Request) -> bool:
+    def submit(
+        self, request: Request, *, sampling: SamplingParams | None = None
+    ) -> bool:
         """Queues `request` (on the data-parallel rank with the fewest live
         requests), or rejects it (``request.reject_reason`` says why).
+
+        Args:
+          request: The request.
+          sampling: Its own sampling parameters (``per_request_sampling``
+            loops only; default: the loop's).
+
+        Raises:
+          ValueError: If `sampling` is given to a loop without
+            ``per_request_sampling``.
+          TypeError: If `sampling` is not a :class:`SamplingParams`.
         """  # noqa: D205
+        if sampling is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise TypeError(
+                    f"submit: sampling for request {request.req_id!r} must be a "
+                    f"SamplingParams, got {type(sampling).__name__}."
+                )
+            if not self.per_request_sampling:
+                raise ValueError(
+                    f"submit: request {request.req_id!r} brings its own sampling "
+                    "parameters, but this loop samples every request with its "
+                    "own: make it with per_request_sampling=True."
+                )
         sched = min(self.schedulers, key=lambda s: len(s.running) + len(s.waiting))
-        return sched.add_request(request)
+        accepted = sched.add_request(request)
+        if accepted and sampling is not None:
+            self._request_sampling[request.req_id] = sampling
+        return accepted
 
     @property
     def has_unfinished(self) -> bool:
@@ -503,12 +598,10 @@ class ServingLoop:
             for s in steps
         ]
         inputs = prepared[0].inputs
-        seeds = np.zeros((len(steps), inputs.layout.num_samples), np.int32)
-        for rank, s in enumerate(steps):
-            seeds[rank, : len(s.sampled)] = [request_seed(r.req_id) for r in s.sampled]
+        seeds = self._seeds(steps, inputs.layout.num_samples)
         stage: tuple[Any, ...] = ()
         if self.sharded is None:
-            seeds = seeds[0]
+            seeds = jax.tree.map(lambda x: x[0], seeds)
         else:
             rows = self._rows()
             packed = np.stack([np.asarray(p.inputs.packed) for p in prepared])
@@ -599,10 +692,16 @@ class ServingLoop:
                 n = len(step.sampled)
                 finished += sched.resolve(step, tokens[rank, :n].tolist())
         self._pipeline.popleft()
+        self._forget(finished)
         for rank, step in enumerate(steps):
             self._deliver(
                 step.filled, None if host_logits is None else host_logits[rank]
             )
+        return finished
+
+    def _forget(self, finished: list[Request]) -> list[Request]:
+        for req in finished:
+            self._request_sampling.pop(req.req_id, None)
         return finished
 
     def _resolve_all(self) -> list[Request]:
@@ -644,6 +743,7 @@ class ServingLoop:
                 )
             )
         self._inflight = self._results = None
+        self._forget(finished)
         for filled, logits in delivered:
             self._deliver(filled, logits)
         return finished
@@ -721,6 +821,7 @@ class ServingLoop:
         requests: Iterable[Request] = (),
         *,
         on_token: Callable[[Request, int], None] | None = None,
+        sampling: Mapping[str, SamplingParams] | None = None,
     ) -> list[Request]:
         """Submits `requests` and serves until none is left; returns them.
 
@@ -728,13 +829,15 @@ class ServingLoop:
         ``reject_reason``; the others with their ``output``. `on_token(req,
         token)` is called for every token as it is sampled (streaming). After
         an exception, ``run()`` again resumes the step in flight and serves
-        the rest.
+        the rest. `sampling` maps request ids to their own parameters
+        (``per_request_sampling`` loops).
         """
         requests = list(requests)
+        own = dict(sampling or {})
         self._on_token = on_token
         try:
             for req in requests:
-                self.submit(req)
+                self.submit(req, sampling=own.get(req.req_id))
             self.resume()
             while self.has_unfinished:
                 self.step()

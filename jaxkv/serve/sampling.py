@@ -119,3 +119,59 @@ def sample_tokens(
         return jax.random.categorical(key, row)
 
     return jax.vmap(draw)(x, request_seeds, positions).astype(jnp.int32)
+
+
+def sample_tokens_per_row(
+    logits: Float[Array, "n vocab"],
+    *,
+    temperature: Float[Array, " n"],
+    top_k: Int[Array, " n"],
+    top_p: Float[Array, " n"],
+    seed: Int[Array, " n"],
+    request_seeds: Int[Array, " n"],
+    positions: Int[Array, " n"],
+) -> Int[Array, " n"]:
+    """:func:`sample_tokens` with each row's own parameters, as traced arrays
+    (one compiled program serves any mix): row ``i`` draws as
+    ``sample_tokens`` with ``SamplingParams(temperature[i], top_k[i],
+    top_p[i], seed[i])`` would, the same token (checked in the tests).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jaxkv
+      >>> logits = jnp.array([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]])
+      >>> jaxkv.sample_tokens_per_row(logits, temperature=jnp.array([0.0, 1.0]),
+      ...     top_k=jnp.array([0, 1]), top_p=jnp.array([1.0, 1.0]),
+      ...     seed=jnp.array([0, 0]), request_seeds=jnp.array([1, 2]),
+      ...     positions=jnp.array([7, 3])).tolist()  # greedy; top-1
+      [1, 0]
+    """  # noqa: D205
+    x = logits.astype(jnp.float32)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    vocab = x.shape[-1]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    x = x / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # top-k: the k-th largest value of each row (k = 0 or >= vocab: none).
+    k = jnp.asarray(top_k, jnp.int32)
+    sorted_x = -jnp.sort(-x, axis=-1)
+    kth = jnp.take_along_axis(sorted_x, jnp.clip(k - 1, 0, vocab - 1)[:, None], -1)
+    x = jnp.where((k[:, None] > 0) & (k[:, None] < vocab) & (x < kth), -jnp.inf, x)
+    # top-p over the top-k survivors, ranked as sample_tokens ranks them.
+    p = jnp.asarray(top_p, jnp.float32)[:, None]
+    order = jnp.argsort(-x, axis=-1)
+    probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (before < p) | (p >= 1.0)
+    keep = (
+        jnp.zeros_like(keep_sorted)
+        .at[jnp.arange(x.shape[0])[:, None], order]
+        .set(keep_sorted)
+    )
+    x = jnp.where(keep, x, -jnp.inf)
+
+    def draw(row: Array, s: Array, rseed: Array, pos: Array) -> Array:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), rseed), pos)
+        return jax.random.categorical(key, row)
+
+    drawn = jax.vmap(draw)(x, jnp.asarray(seed), request_seeds, positions)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
