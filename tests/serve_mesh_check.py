@@ -133,6 +133,18 @@ def check_sampled(arg, want):
     )
     got = {r.req_id: r.output for r in loop.run(requests())}
     assert got == want, (arg, got, want)
+    # The same draws with the parameters given per request (per-row arrays
+    # sharded over the data ranks).
+    mixed = jaxkv.ServingLoop(
+        sp,
+        make_forward(sp.local, "tensor"),
+        params(),
+        param_specs=SPECS,
+        per_request_sampling=True,
+    )
+    reqs = requests()
+    mixed.run(reqs, sampling={r.req_id: HOT for r in reqs})
+    assert {r.req_id: r.output for r in reqs} == want, arg
 
 
 def check(arg, want, want_logits):
