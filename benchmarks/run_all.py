@@ -158,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         (
             "Serve: ServingLoop decode step / dense-cache fori_loop (same tokens)",
             "<= 1.5x",
-            f"{_fmt(r_serve['jaxkv_over_dense'])} ({r_serve['same_tokens']}); device "
-            f"program alone {_fmt(r_serve['device_over_dense'])}",
+            f"{_fmt(r_serve['jaxkv_over_dense'])} ({r_serve['same_tokens']}); no "
+            f"overlap {_fmt(r_serve['no_overlap_over_dense'])}; device idle "
+            f"{_fmt(r_serve['idle_ms'])} vs {_fmt(r_serve['idle_no_overlap_ms'])} "
+            f"ms/step; device program alone {_fmt(r_serve['device_over_dense'])}",
         ),
         ("Step loop tokens/s", "-", _fmt(r_loop["tokens_per_s"])),
         ("Step loop steps/s", "-", _fmt(r_loop["steps_per_s"])),
