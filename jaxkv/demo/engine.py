@@ -180,7 +180,6 @@ class Engine(ServingLoop):
             overlap=overlap,
             dispatcher=dispatcher,
         )
-        self.vocab_size = vocab
         self._run: dict[str, Any] | None = None
 
     @property
