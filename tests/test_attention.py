@@ -98,7 +98,7 @@ def batches(draw):
 
 
 @settings(
-    max_examples=examples(40),
+    max_examples=examples(20),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -63,7 +63,7 @@ def _kv_inputs(view, n, rng):
 
 
 @settings(
-    max_examples=examples(50),
+    max_examples=examples(25),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
@@ -73,7 +73,7 @@ def test_writes_match_the_oracle_byte_for_byte(case, seed):
 
 
 @settings(
-    max_examples=examples(12),
+    max_examples=examples(6),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )

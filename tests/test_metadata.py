@@ -319,7 +319,7 @@ def test_mamba_state_blocks_come_from_the_group_not_the_caller():
         bare.mamba_state_blocks()
 
 
-@settings(max_examples=examples(30), deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(q_lens=st.lists(st.integers(0, 6), min_size=1, max_size=5))
 def test_request_token_rows_list_each_request_s_tokens(q_lens):
     max_reqs = 6

@@ -47,7 +47,13 @@ def _requests(seed=0, n=8):
 
 
 @pytest.mark.parametrize(
-    ("fast_prefill", "kernel"), [(True, None), (False, None), (True, 16)]
+    ("fast_prefill", "kernel"),
+    # Fast prefill in the fast pass; without it and with kernel blocks, slow.
+    [
+        (True, None),
+        pytest.param(False, None, marks=pytest.mark.slow),
+        pytest.param(True, 16, marks=pytest.mark.slow),
+    ],
 )
 def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kernel):
     model, engine = _engine(fast_prefill, kernel)
@@ -81,7 +87,11 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
     assert steps > 0
 
 
-@pytest.mark.parametrize(("fast_prefill", "kernel"), [(True, None), (False, 16)])
+@pytest.mark.parametrize(
+    ("fast_prefill", "kernel"),
+    # The fast-prefill case compiles every armed bucket (24 s): the slow pass.
+    [pytest.param(True, None, marks=pytest.mark.slow), (False, 16)],
+)
 def test_step_loop_logits_equal_the_dense_model(fast_prefill, kernel):
     """Every sampled token's logits, not only its argmax, equal the dense model's."""
     model, engine = _engine(fast_prefill, kernel, record_logits=True)
@@ -98,7 +108,7 @@ def test_step_loop_logits_equal_the_dense_model(fast_prefill, kernel):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=r.req_id)
 
 
-@pytest.mark.parametrize("kernel", [None, 8])
+@pytest.mark.parametrize("kernel", [None, pytest.param(8, marks=pytest.mark.slow)])
 def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
     # kernel=8: freed manager blocks become null entries of a kernel-block table.
     cfg = jaxkv.tiny_hybrid_config(
