@@ -115,7 +115,8 @@ def prepare_kernel_block_sizes(
     """One kernel block size per KV-cache group, in group order (spec §1.6).
 
     Encoder-only groups append **no** entry (as in vLLM), so the list can be
-    shorter than the group list; consumers guard with ``gid < len(sizes)``.
+    shorter than the group list; consumers look sizes up by group id with
+    :func:`kernel_block_sizes_by_group`, never by list position.
     Mamba and packed attention groups keep their manager block size.
 
     Args:

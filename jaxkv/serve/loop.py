@@ -386,8 +386,7 @@ class ServingLoop:
         src = jnp.clip(-tokens - 1, 0, self._width - 1)
         tokens = jnp.where(tokens < 0, prev_tokens[src], tokens)
         out = self.forward(params, pools, meta, tokens, sample)
-        new_pools, logits = _check_forward_result(out, pools, sample)
-        pools = new_pools
+        pools, logits = _check_forward_result(out, pools, sample)
         positions = next(iter(meta.values())).positions[sample]
         if self.per_request_sampling:
             next_tokens = sample_tokens_per_row(
