@@ -39,9 +39,9 @@ def paged_layers(
     cfg = jaxkv.RunnerConfig(
         layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in names]
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups, storage=storage)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups, storage=storage)
     return kv, groups, pools, tuple(views[n] for n in names)
 
 

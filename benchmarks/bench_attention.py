@@ -100,7 +100,7 @@ class Batch:
         self.q = jnp.asarray(
             rng.standard_normal((int(qsl[-1]), args.num_heads, d)), dtype
         )
-        self.meta = jaxkv.build_attn_metadata(
+        self.meta = jaxkv.vllm.build_attn_metadata(
             groups,
             len(q_lens),
             int(qsl[-1]),

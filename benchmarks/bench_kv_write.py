@@ -39,8 +39,8 @@ from _harness import (  # noqa: E402
 )
 
 import jaxkv  # noqa: E402
-from jaxkv.cache.ops import _plan  # noqa: E402
-from jaxkv.cache.strided import _starts, to_bits, to_words  # noqa: E402
+from jaxkv.cache._ops import _plan  # noqa: E402
+from jaxkv.cache._strided import _starts, to_bits, to_words  # noqa: E402
 
 _ROWS = lax.ScatterDimensionNumbers(
     update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)

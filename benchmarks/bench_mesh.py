@@ -37,10 +37,10 @@ def _meshes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _requests(n: int, max_prompt: int, new: int) -> list[jaxkv.demo.Request]:
+def _requests(n: int, max_prompt: int, new: int) -> list[jaxkv.demo.EngineRequest]:
     rng = np.random.default_rng(0)
     return [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             req_id=f"r{i}",
             prompt=rng.integers(1, 64, int(rng.integers(4, max_prompt))).tolist(),
             max_new_tokens=new,

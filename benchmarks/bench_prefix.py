@@ -51,7 +51,9 @@ def run(args: Any) -> dict[str, Any]:
     def serve(cached: bool) -> tuple[list[list[int]], dict[str, Any]]:
         engine.reset(enable_prefix_caching=cached)
         requests = [
-            jaxkv.demo.Request(f"r{i}", prompt=p, max_new_tokens=args.max_new_tokens)
+            jaxkv.demo.EngineRequest(
+                f"r{i}", prompt=p, max_new_tokens=args.max_new_tokens
+            )
             for i, p in enumerate(prompts)
         ]
         with jaxkv.count_compilations() as compiles:

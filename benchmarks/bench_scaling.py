@@ -74,7 +74,7 @@ class _PoolPoint:
         tables = jnp.asarray(
             rng.integers(1, num_blocks, (32, 512 // page)).astype(np.int32)
         )
-        self.meta = jaxkv.build_attn_metadata(
+        self.meta = jaxkv.vllm.build_attn_metadata(
             groups,
             32,
             32,

@@ -50,7 +50,7 @@ def run(args: Any) -> dict[str, Any]:
     ]
     rng = np.random.default_rng(0)
     requests = [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             req_id=f"r{i}",
             prompt=rng.integers(
                 1, args.vocab_size, int(rng.integers(8, args.max_prompt))

@@ -118,19 +118,19 @@ def run(args) -> dict:
 
     @jax.jit
     def naive_build(f, fp):
-        return jaxkv.build_attn_metadata_from_step(groups, f, kv, fast_prefill=fp)
+        return jaxkv.step.build_attn_metadata_from_step(groups, f, kv, fast_prefill=fp)
 
     def naive_host():
-        packed = jaxkv.pack_step(layout, **host_inputs)
+        packed = jaxkv.step.pack_step(layout, **host_inputs)
         fields = {  # one transfer per field
             name: jax.device_put(packed[o : o + int(np.prod(shape))].reshape(shape))
             for name, (o, shape) in layout.offsets().items()
         }
         n = int(inputs["logits_indices"].size)
-        p = jaxkv.smallest_bucket(buckets, n) or n
+        p = jaxkv.step.smallest_bucket(buckets, n) or n
         idx = np.full(p, inputs["logits_indices"][-1], np.int32)
         idx[:n] = inputs["logits_indices"]
-        fp = jaxkv.FastPrefillBatchMetadata(
+        fp = jaxkv.vllm.FastPrefillBatchMetadata(
             logits_indices_padded=jax.device_put(idx),
             num_logits_indices=jax.device_put(np.int32(n)),
             max_logits_per_req=jax.device_put(np.int32(1)),
@@ -152,7 +152,7 @@ def run(args) -> dict:
     # device. jaxkv: the helper's one packed transfer and its jitted kernel on
     # the persistent donated buffer. Baseline: a Python loop pads, one transfer.
     n = int(inputs["logits_indices"].size)
-    p = jaxkv.smallest_bucket(buckets, n) or n
+    p = jaxkv.step.smallest_bucket(buckets, n) or n
     has_prefill = True
 
     def kernel():

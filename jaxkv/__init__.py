@@ -1,150 +1,44 @@
 """jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving.
 
-The core imports jax and numpy only. The layers, bottom to top: static data
-(``specs``, ``backends``, ``config``, ``kv_cache_config``, ``layers``, ``mm``);
-``groups`` (attention groups, kernel block sizes, compile support); ``cache``
-(planning, pools, views, reads and writes, binding, block ids, the plan);
-``sched`` (requests, the block manager with prefix caching, the scheduler
-with admission and preemption); ``step`` (the metadata record, packing,
-building, fast prefill, buckets, compiled programs, the step builder);
-``attention``. The demo model and Engine
-live in :mod:`jaxkv.demo`, which ``import jaxkv`` does not load.
-"""
+This namespace is the plan-first API: describe the model
+(:class:`RunnerConfig`, :func:`pattern_config`), plan its cache
+(:func:`make_plan`), read and write it inside your jit (:func:`write_kv`,
+:func:`paged_attention`, ...), schedule requests (:class:`Scheduler`), build
+each step's metadata (:class:`StepMetadataBuilder`) and serve
+(:class:`ServingLoop`). vLLM's own names for the same machinery, in vLLM's
+argument order, are in :mod:`jaxkv.vllm` (the seeds' ``init_attn_backend``,
+``bind_kv_caches``, ``build_attn_metadata``, ...); they also resolve here, as
+attributes outside ``__all__``, where a vLLM port's user looks for them. The
+rest of each layer's API lives in its sub-package: :mod:`jaxkv.cache`,
+:mod:`jaxkv.groups`, :mod:`jaxkv.sched`, :mod:`jaxkv.step`,
+:mod:`jaxkv.serve`. ARCHITECTURE.md draws the layers.
 
+The core imports jax, numpy and jaxtyping only; the demo model and Engine
+live in :mod:`jaxkv.demo` (the ``demo`` extra, Flax), which ``import jaxkv``
+does not load.
+"""  # noqa: D205
+
+import importlib
 import importlib.metadata
 
-from jaxkv.attention import (
+from jaxkv import vllm as vllm  # noqa: E402  (after the layers it names)
+from jaxkv._attention import (
     paged_attention,
     request_token_rows,
     token_requests_and_positions,
 )
-from jaxkv.backends import (
+from jaxkv._backends import (
     AttentionBackend,
-    AttentionCGSupport,
     KVCacheLayout,
-    MultipleOf,
-    create_fast_prefill_custom_backend,
     get_backend,
     register_backend,
     registered_backends,
 )
-from jaxkv.cache.bind import (
-    AttentionLayer,
-    BoundKVCaches,
-    bind_kv_caches,
-    build_slot_mappings_by_layer,
-    local_attention,
-)
-from jaxkv.cache.blocks import BlockAllocator, get_num_skipped_tokens
-from jaxkv.cache.layout import (
-    _align_mixed_attention_kv_cache_views,
-    _kv_first_layers_sharing_pool_with_mamba,
-    build_kv_cache_views,
-)
-from jaxkv.cache.ops import (
-    gather_kv_pages,
-    kernel_cache,
-    put_kernel_cache,
-    read_mamba_state,
-    read_view,
-    validate_block_ids,
-    validate_slot_mapping,
-    write_kv,
-    write_mamba_state,
-    zero_blocks,
-)
-from jaxkv.cache.plan import (
-    KVCacheBudget,
-    KVCachePlan,
-    LayerStack,
-    kv_cache_budget,
-    make_plan,
-)
-from jaxkv.cache.planner import (
-    HybridBlockAlignment,
-    align_hybrid_block_size,
-    make_kv_cache_config,
-    unify_page_sizes,
-)
-from jaxkv.cache.pools import (
-    KVCacheInit,
-    PoolLayout,
-    PoolSpec,
-    allocate_pools,
-    init_kv_cache,
-    plan_kv_cache,
-    resolve_storage,
-)
-from jaxkv.cache.shard import (
-    ShardedPlan,
-    local_kv_heads,
-    local_runner_config,
-    shard_plan,
-)
-from jaxkv.cache.views import KVCacheView, LayerView, MambaView
-from jaxkv.cache.vllm_layout import (
-    LayerTensor,
-    TensorLayout,
-    allocate_layer_tensors,
-    hnc_shape,
-    layout_of_view,
-    layout_strides,
-    plan_tensors,
-    resolve_layout,
-    tensor_views,
-)
-from jaxkv.config import LayerConfig, RunnerConfig
-from jaxkv.examples import llama_like_config, tiny_hybrid_config
-from jaxkv.groups.attn_group import AttentionGroup
-from jaxkv.groups.cg_support import (
-    AttentionCGSupportInfo,
-    get_attn_cg_support,
-    get_query_lens_mismatch_unsupported_backend,
-    get_varlen_cudagraph_unsupported_backend,
-)
-from jaxkv.groups.init_backend import (
-    AttnBackendInit,
-    init_attn_backend,
-    with_kv_sharing_layers,
-)
-from jaxkv.groups.kernel_blocks import (
-    expand_block_table,
-    kernel_block_sizes_by_group,
-    map_slot_mapping_to_kernel,
-    prepare_kernel_block_sizes,
-    select_common_block_size,
-)
-from jaxkv.kv_cache_config import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    add_kv_sharing_layers_to_kv_cache_groups,
-)
-from jaxkv.layers import (
-    get_kv_cache_spec,
-    get_kv_sharing_fast_prefill_eligible_layers,
-    get_shared_kv_cache_layers,
-)
-from jaxkv.mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
-from jaxkv.monitoring import count_compilations
-from jaxkv.pattern import parse_pattern, pattern_config
-from jaxkv.sched.manager import KVCacheManager, StepBlocks, prefix_caching_unsupported
-from jaxkv.sched.prefix import hash_token_blocks, longest_cache_hit
-from jaxkv.sched.request import Request, RequestStatus
-from jaxkv.sched.scheduler import (
-    ScheduledStep,
-    Scheduler,
-    StepArrays,
-    sampled_token_indices,
-)
-from jaxkv.serve.loop import Forward, ServingLoop
-from jaxkv.serve.sampling import (
-    SamplingParams,
-    request_seed,
-    sample_tokens,
-    sample_tokens_per_row,
-)
-from jaxkv.specs import (
+from jaxkv._config import LayerConfig, RunnerConfig
+from jaxkv._examples import llama_like_config, tiny_hybrid_config
+from jaxkv._monitoring import count_compilations
+from jaxkv._pattern import parse_pattern, pattern_config
+from jaxkv._specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -158,27 +52,43 @@ from jaxkv.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from jaxkv.step.buckets import (
-    BatchDescriptor,
+from jaxkv.cache import (
+    KVCacheBudget,
+    KVCachePlan,
+    KVCacheView,
+    LayerStack,
+    MambaView,
+    ShardedPlan,
+    gather_kv_pages,
+    kernel_cache,
+    kv_cache_budget,
+    make_plan,
+    put_kernel_cache,
+    read_mamba_state,
+    read_view,
+    shard_plan,
+    validate_block_ids,
+    validate_slot_mapping,
+    write_kv,
+    write_mamba_state,
+    zero_blocks,
+)
+from jaxkv.sched import KVCacheManager, Request, RequestStatus, ScheduledStep, Scheduler
+from jaxkv.serve import (
+    Forward,
+    SamplingParams,
+    ServingLoop,
+    sample_tokens,
+    sample_tokens_per_row,
+)
+from jaxkv.step import (
     BucketDispatcher,
-    CompileMode,
-    shape_struct,
-    smallest_bucket,
+    CommonAttentionMetadata,
+    Programs,
+    StepInputs,
+    StepMetadataBuilder,
+    validate_step,
 )
-from jaxkv.step.build import build_attn_metadata, build_attn_metadata_from_step
-from jaxkv.step.builder import PreparedStep, StepInputs, StepMetadataBuilder
-from jaxkv.step.fast_prefill import (
-    FastPrefillBatchMetadata,
-    FastPrefillHelper,
-    make_kv_sharing_fast_prefill_common_attn_metadata,
-    stage_logits_indices,
-    validate_logits_indices,
-    validate_query_start_loc,
-)
-from jaxkv.step.metadata import CommonAttentionMetadata
-from jaxkv.step.packing import StepLayout, pack_step, unpack_step
-from jaxkv.step.programs import Programs
-from jaxkv.step.validate import validate_step
 
 try:
     __version__ = importlib.metadata.version("jaxkv")
@@ -187,49 +97,25 @@ except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
 
 __all__ = [
     "AttentionBackend",
-    "AttentionCGSupport",
-    "AttentionCGSupportInfo",
-    "AttentionGroup",
-    "AttentionLayer",
     "AttentionSpec",
-    "AttnBackendInit",
-    "BatchDescriptor",
-    "BlockAllocator",
-    "BoundKVCaches",
     "BucketDispatcher",
     "ChunkedLocalAttentionSpec",
     "CommonAttentionMetadata",
-    "CompileMode",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
-    "FastPrefillBatchMetadata",
-    "FastPrefillHelper",
     "Forward",
     "FullAttentionSpec",
-    "HybridBlockAlignment",
     "KVCacheBudget",
-    "KVCacheConfig",
-    "KVCacheGroupSpec",
-    "KVCacheInit",
     "KVCacheLayout",
     "KVCacheManager",
     "KVCachePlan",
     "KVCacheSpec",
-    "KVCacheTensor",
     "KVCacheView",
     "LayerConfig",
     "LayerStack",
-    "LayerTensor",
-    "LayerView",
     "MLAAttentionSpec",
     "MambaSpec",
     "MambaView",
-    "MultiModalFeatureSpec",
-    "MultipleOf",
-    "PlaceholderRange",
-    "PoolLayout",
-    "PoolSpec",
-    "PreparedStep",
     "Programs",
     "RawPageSpec",
     "Request",
@@ -242,92 +128,68 @@ __all__ = [
     "ShardedPlan",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
-    "StepArrays",
-    "StepBlocks",
     "StepInputs",
-    "StepLayout",
     "StepMetadataBuilder",
-    "TensorLayout",
     "UniformTypeKVCacheSpecs",
-    "_align_mixed_attention_kv_cache_views",
-    "_kv_first_layers_sharing_pool_with_mamba",
-    "add_kv_sharing_layers_to_kv_cache_groups",
-    "align_hybrid_block_size",
-    "allocate_layer_tensors",
-    "allocate_pools",
-    "bind_kv_caches",
-    "build_attn_metadata",
-    "build_attn_metadata_from_step",
-    "build_kv_cache_views",
-    "build_slot_mappings_by_layer",
-    "compute_mm_prefix_ranges",
     "count_compilations",
-    "create_fast_prefill_custom_backend",
-    "expand_block_table",
     "gather_kv_pages",
-    "get_attn_cg_support",
     "get_backend",
-    "get_kv_cache_spec",
-    "get_kv_sharing_fast_prefill_eligible_layers",
-    "get_num_skipped_tokens",
-    "get_query_lens_mismatch_unsupported_backend",
-    "get_shared_kv_cache_layers",
-    "get_varlen_cudagraph_unsupported_backend",
-    "hash_token_blocks",
-    "hnc_shape",
-    "init_attn_backend",
-    "init_kv_cache",
-    "kernel_block_sizes_by_group",
     "kernel_cache",
     "kv_cache_budget",
-    "layout_of_view",
-    "layout_strides",
     "llama_like_config",
-    "local_attention",
-    "local_kv_heads",
-    "local_runner_config",
-    "longest_cache_hit",
-    "make_kv_cache_config",
-    "make_kv_sharing_fast_prefill_common_attn_metadata",
     "make_plan",
-    "map_slot_mapping_to_kernel",
-    "pack_step",
     "paged_attention",
     "parse_pattern",
     "pattern_config",
-    "plan_kv_cache",
-    "plan_tensors",
-    "prefix_caching_unsupported",
-    "prepare_kernel_block_sizes",
     "put_kernel_cache",
     "read_mamba_state",
     "read_view",
     "register_backend",
     "registered_backends",
-    "request_seed",
     "request_token_rows",
-    "resolve_layout",
-    "resolve_storage",
     "sample_tokens",
     "sample_tokens_per_row",
-    "sampled_token_indices",
-    "select_common_block_size",
-    "shape_struct",
     "shard_plan",
-    "smallest_bucket",
-    "stage_logits_indices",
-    "tensor_views",
     "tiny_hybrid_config",
     "token_requests_and_positions",
-    "unify_page_sizes",
-    "unpack_step",
     "validate_block_ids",
-    "validate_logits_indices",
-    "validate_query_start_loc",
     "validate_slot_mapping",
     "validate_step",
-    "with_kv_sharing_layers",
     "write_kv",
     "write_mamba_state",
     "zero_blocks",
 ]
+
+_PUBLIC_MODULES = ("cache", "groups", "pictures", "sched", "serve", "step", "vllm")
+# Where a name outside __all__ resolves, in order: vLLM's names first (the
+# seeds' API, where a vLLM port's user looks), then each layer's sub-package.
+_ELSEWHERE = (
+    "jaxkv.vllm",
+    "jaxkv.cache",
+    "jaxkv.groups",
+    "jaxkv.sched",
+    "jaxkv.step",
+    "jaxkv.serve",
+)
+
+
+def __getattr__(name: str):
+    """Resolves vLLM's names and each sub-package's API on first use.
+
+    ``jaxkv.init_attn_backend`` is :func:`jaxkv.vllm.init_attn_backend`;
+    ``jaxkv.pack_step`` is :func:`jaxkv.step.pack_step`. The lookup is by
+    name in each module's ``__all__``; nothing is copied or wrapped.
+    """
+    if name in _PUBLIC_MODULES:
+        return importlib.import_module(f"jaxkv.{name}")
+    for module_name in _ELSEWHERE:
+        module = importlib.import_module(module_name)
+        if name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            globals()[name] = value
+            return value
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(_PUBLIC_MODULES) | {"__version__"})

@@ -1,4 +1,4 @@
-"""``python -m jaxkv``: the demo (see :mod:`jaxkv.demo.cli`)."""
+"""``python -m jaxkv``: the demo (see :mod:`jaxkv.demo._cli`)."""
 
 import importlib.util
 import sys
@@ -9,7 +9,7 @@ if importlib.util.find_spec("flax") is None:  # the core installs without it
         "install it with pip install 'jaxkv[demo]' (or pip install flax)."
     )
 
-from jaxkv.demo.cli import main  # noqa: E402
+from jaxkv.demo import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

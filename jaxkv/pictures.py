@@ -12,10 +12,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxkv._specs import MambaSpec
 from jaxkv._util import check_positive_int, is_int
-from jaxkv.cache.plan import KVCachePlan
-from jaxkv.cache.views import KVCacheView, MambaView
-from jaxkv.specs import MambaSpec
+from jaxkv.cache import KVCachePlan, KVCacheView, MambaView
 
 
 def _pyplot() -> Any:

@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 
 import jaxkv  # noqa: E402
 import jaxkv.demo  # noqa: E402
-from jaxkv.monitoring import count_compilations  # noqa: E402
+from jaxkv import count_compilations  # noqa: E402
 from tests.mesh_cases import demo_config, demo_requests  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -44,7 +44,7 @@ _BYTES = {
 }
 
 
-def _requests() -> list[jaxkv.demo.Request]:
+def _requests() -> list[jaxkv.demo.EngineRequest]:
     return demo_requests(seed=0, count=6, new_tokens=5, arrival_every=3)
 
 
@@ -64,7 +64,7 @@ def main(meshes: list[tuple[int, int]]) -> None:
 def _check_mesh(
     cfg: jaxkv.RunnerConfig,
     model: jaxkv.demo.TinyHybridModel,
-    want: list[jaxkv.demo.Request],
+    want: list[jaxkv.demo.EngineRequest],
     d: int,
     t: int,
 ) -> None:

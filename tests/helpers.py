@@ -45,13 +45,17 @@ def layer(name, spec, backend="FLASH_ATTN", **kw):
 
 
 def single_group_config(names, spec, num_blocks=4):
-    return jaxkv.KVCacheConfig(
+    return jaxkv.vllm.KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
+            jaxkv.vllm.KVCacheTensor(
+                size=num_blocks * spec.page_size_bytes, shared_by=[n]
+            )
             for n in names
         ],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+        kv_cache_groups=[
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
+        ],
     )
 
 

@@ -24,11 +24,11 @@ def demo_config() -> jaxkv.RunnerConfig:
 
 def demo_requests(
     *, seed: int, count: int, new_tokens: int, arrival_every: int
-) -> list[jaxkv.demo.Request]:
+) -> list[jaxkv.demo.EngineRequest]:
     """`count` random prompts of 3-29 tokens, arriving over a few steps."""
     rng = np.random.default_rng(seed)
     return [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             req_id=f"r{i}",
             prompt=rng.integers(1, 64, int(rng.integers(3, 30))).tolist(),
             max_new_tokens=new_tokens,
@@ -46,7 +46,7 @@ def rank_steps(
     positions: np.ndarray,
     tables: list,
     slots: list,
-) -> tuple[jaxkv.StepLayout, np.ndarray]:
+) -> tuple[jaxkv.step.StepLayout, np.ndarray]:
     """Each data-parallel rank's step packed by `builder`: (layout, (D, words))."""
     steps = [
         builder.prepare(

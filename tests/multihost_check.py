@@ -27,7 +27,7 @@ import jaxkv.demo  # noqa: E402
 from tests.mesh_cases import demo_config, demo_requests  # noqa: E402
 
 
-def _requests() -> list[jaxkv.demo.Request]:
+def _requests() -> list[jaxkv.demo.EngineRequest]:
     return demo_requests(seed=1, count=5, new_tokens=4, arrival_every=2)
 
 

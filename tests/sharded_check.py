@@ -138,7 +138,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
     sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, packed=packed)
     glob = jaxkv.make_plan(cfg, num_blocks=blocks, packed=packed)
-    local_cfg = jaxkv.local_runner_config(cfg, tensor_parallel=t)
+    local_cfg = jaxkv.cache.local_runner_config(cfg, tensor_parallel=t)
     ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks, packed=packed)
     pools = sp.allocate()
 
@@ -303,13 +303,13 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     pools = zero_fn(pools, put(zero_ids, "data", None))
 
     # Single-device references.
-    hl = jaxkv.local_kv_heads(kv_heads, t)
+    hl = jaxkv.cache.local_kv_heads(kv_heads, t)
     for di in range(d):
         gpools = glob.allocate()
         for g, (name, window) in enumerate(zip(attn, (None, 24), strict=True)):
             gview = glob.views[name]
             gpools = jaxkv.write_kv(gpools, gview, k[di], v[di], slots[di][g])
-            meta = jaxkv.build_attn_metadata(
+            meta = jaxkv.vllm.build_attn_metadata(
                 glob.attn_groups,
                 2,
                 n_tok,

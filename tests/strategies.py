@@ -21,7 +21,7 @@ EXPECTED_ERRORS = (
 
 
 def backend_for(layout: str, kernel: int | None) -> jaxkv.AttentionBackend:
-    sizes = (kernel,) if kernel else (jaxkv.MultipleOf(1),)
+    sizes = (kernel,) if kernel else (jaxkv.vllm.MultipleOf(1),)
     kinds = {
         "nhd": (jaxkv.KVCacheLayout.BLOCKS_FIRST, None),
         "hnd": (jaxkv.KVCacheLayout.BLOCKS_FIRST, (0, 1, 3, 2, 4)),
@@ -41,7 +41,7 @@ def backend_for(layout: str, kernel: int | None) -> jaxkv.AttentionBackend:
 @dataclasses.dataclass
 class Case:
     cfg: jaxkv.RunnerConfig
-    kv: jaxkv.KVCacheConfig
+    kv: jaxkv.vllm.KVCacheConfig
     description: str
 
 
@@ -124,7 +124,7 @@ def hybrid_cases(draw) -> Case:
             dataclasses.replace(first, name="yoco", kv_sharing_target=first.name)
         )
     cfg = jaxkv.RunnerConfig(layers=layers)
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks, packed=packed)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks, packed=packed)
     desc = (
         f"B={block} H={heads} D={head} {dtype} N={num_blocks} packed={packed} "
         f"mamba={with_mamba} pad={pad} layouts={layouts} splits={splits} yoco={yoco}"
@@ -134,11 +134,13 @@ def hybrid_cases(draw) -> Case:
 
 def plan(case: Case, **plan_kw):
     """(groups, sizes, pools, views, bound) with every split group slot-mapped;
-    `plan_kw` go to ``plan_kv_cache``."""
-    groups, _, sizes = jaxkv.init_attn_backend(
+    `plan_kw` go to ``pool_layout``."""
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(
         case.kv, case.cfg, maps_slot_mapping=True
     )
-    pool_specs, views = jaxkv.plan_kv_cache(case.kv, case.cfg, sizes, groups, **plan_kw)
+    pool_specs, views = jaxkv.cache.pool_layout(
+        case.kv, case.cfg, sizes, groups, **plan_kw
+    )
     names = [layer.name for layer in case.cfg.layers]
-    bound = jaxkv.bind_kv_caches(views, names, case.kv, case.cfg, groups)
+    bound = jaxkv.vllm.bind_kv_caches(views, names, case.kv, case.cfg, groups)
     return groups, sizes, pool_specs, views, bound

@@ -5,6 +5,8 @@ import inspect
 import subprocess
 import sys
 
+import pytest
+
 import jaxkv
 
 # Plain data records and enums whose docstring describes fields, not calls.
@@ -17,7 +19,7 @@ NO_EXAMPLE = {
     "KVCacheLayout",
     "CompileMode",
     "token_requests_and_positions",
-    "plan_kv_cache",
+    "pool_layout",
     "unpack_step",
     "pack_step",
     "shape_struct",
@@ -55,3 +57,60 @@ def test_import_compiles_nothing():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "0"
+
+
+# Every name the seeds (vLLM's attn_utils and its documentation page) define.
+SEED_NAMES = (
+    "AttentionCGSupportInfo",
+    "FastPrefillBatchMetadata",
+    "FastPrefillHelper",
+    "_align_mixed_attention_kv_cache_views",
+    "_kv_first_layers_sharing_pool_with_mamba",
+    "bind_kv_caches",
+    "compute_mm_prefix_ranges",
+    "get_attn_cg_support",
+    "get_kv_sharing_fast_prefill_eligible_layers",
+    "get_query_lens_mismatch_unsupported_backend",
+    "get_varlen_cudagraph_unsupported_backend",
+    "init_attn_backend",
+)
+
+
+def test_seed_names_are_in_jaxkv_vllm_and_resolve_from_jaxkv():
+    import jaxkv.vllm
+
+    for name in SEED_NAMES:
+        assert name in jaxkv.vllm.__all__, name
+        assert getattr(jaxkv, name) is getattr(jaxkv.vllm, name), name
+    ns: dict = {}
+    exec("from jaxkv import init_attn_backend, bind_kv_caches", ns)
+    assert ns["init_attn_backend"] is jaxkv.vllm.init_attn_backend
+
+
+def test_the_plan_first_namespace_is_curated():
+    # About 50 names; vLLM's names are not in it, and dir() shows only it.
+    assert 40 <= len(jaxkv.__all__) <= 70, len(jaxkv.__all__)
+    assert not set(SEED_NAMES) & set(jaxkv.__all__)
+    assert not [n for n in jaxkv.__all__ if n.startswith("_")]
+    modules = {"cache", "groups", "pictures", "sched", "serve", "step", "vllm"}
+    assert set(dir(jaxkv)) == set(jaxkv.__all__) | modules | {"__version__"}
+    with pytest.raises(AttributeError, match="no_such_name"):
+        jaxkv.no_such_name  # noqa: B018
+
+
+def test_every_sub_package_name_has_a_docstring():
+    import importlib
+
+    missing = []
+    for mod in ("vllm", "cache", "groups", "sched", "step", "serve"):
+        module = importlib.import_module(f"jaxkv.{mod}")
+        assert list(module.__all__) == sorted(module.__all__), mod
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not (inspect.getdoc(obj) or "") and not isinstance(
+                obj, type(tuple[int])
+            ):
+                missing.append(f"jaxkv.{mod}.{name}")
+            elif getattr(jaxkv, name) is not obj:
+                missing.append(f"jaxkv.{name} is not jaxkv.{mod}.{name}")
+    assert not missing, missing

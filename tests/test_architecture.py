@@ -35,6 +35,7 @@ def _unit(path: Path) -> str:
 
 
 def _imports(path: Path):
+    """(unit, names, module) for every ``jaxkv`` import in ``path``."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module == "jaxkv" or node.module.startswith("jaxkv."):
@@ -42,11 +43,34 @@ def _imports(path: Path):
                 yield (
                     (mod[1] if len(mod) > 1 else "__init__"),
                     [a.name for a in node.names],
+                    node.module,
                 )
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("jaxkv."):
-                    yield a.name.split(".")[1], []
+                    yield a.name.split(".")[1], [], a.name
+
+
+def _violations(path: Path, unit: str, ranks: dict[str, int]) -> list[str]:
+    bad = []
+    packages = {p.name for p in (ROOT / "jaxkv").iterdir() if p.is_dir()}
+    for target, names, module in _imports(path):
+        if target == unit:
+            continue
+        if ranks[target] >= ranks[unit]:
+            bad.append(
+                f"{path.name} ({unit}, {ranks[unit]}) imports {target} "
+                f"({ranks[target]})"
+            )
+        if target in packages and module != f"jaxkv.{target}":
+            bad.append(
+                f"{path.name} ({unit}) imports {module}: another "
+                f"sub-package's private module, not its __init__"
+            )
+        private = [n for n in names if n.startswith("_") and n not in SEED_PRIVATE]
+        if private and target != "_util":
+            bad.append(f"{path.name} imports {private} from {target}")
+    return bad
 
 
 def test_every_import_goes_down_the_layers():
@@ -56,32 +80,40 @@ def test_every_import_goes_down_the_layers():
     assert units <= set(ranks), (
         f"units missing in ARCHITECTURE.md: {units - set(ranks)}"
     )
-    bad = []
-    for f in files:
-        u = _unit(f)
-        for target, names in _imports(f):
-            if target == u:
-                continue
-            if ranks[target] >= ranks[u]:
-                bad.append(
-                    f"{f.relative_to(ROOT)} ({u}, {ranks[u]}) imports {target} "
-                    f"({ranks[target]})"
-                )
-            private = [n for n in names if n.startswith("_") and n not in SEED_PRIVATE]
-            if private and target != "_util":
-                bad.append(f"{f.relative_to(ROOT)} imports {private} from {target}")
+    bad = [v for f in files for v in _violations(f, _unit(f), ranks)]
     assert not bad, "\n".join(bad)
 
 
+def test_every_module_inside_a_package_is_private():
+    public = [
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "jaxkv").rglob("*.py")
+        if not f.name.startswith("_") and f.parent != ROOT / "jaxkv"
+    ]
+    assert not public, public
+    top = sorted(
+        f.name for f in (ROOT / "jaxkv").glob("*.py") if not f.name.startswith("_")
+    )
+    assert top == ["pictures.py", "vllm.py"], top
+
+
 def test_the_layering_check_sees_a_violation(tmp_path):
-    # The check itself: an upward import is found.
+    # The check itself: an upward import, a private module of another
+    # sub-package and a private name are each found.
     ranks = _ranks()
-    assert ranks["specs"] < ranks["cache"] < ranks["serve"] < ranks["demo"]
+    assert ranks["_specs"] < ranks["cache"] < ranks["serve"] < ranks["demo"]
     f = tmp_path / "m.py"
     f.write_text(
-        "from jaxkv.serve.loop import ServingLoop\nfrom jaxkv.cache.ops import _x\n"
+        "from jaxkv.serve import ServingLoop\n"
+        "from jaxkv.cache._ops import write_kv\n"
+        "from jaxkv.cache import _x\n"
     )
-    assert list(_imports(f)) == [("serve", ["ServingLoop"]), ("cache", ["_x"])]
+    found = _violations(f, "step", ranks)
+    assert len(found) == 3, found
+    assert "imports serve" in found[0]
+    assert "private module" in found[1]
+    assert "['_x']" in found[2]
+    assert len(_violations(f, "demo", ranks)) == 2  # serve is below demo
 
 
 def test_import_jaxkv_loads_no_flax_and_flax_is_an_extra():

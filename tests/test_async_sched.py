@@ -89,7 +89,7 @@ def _serve_async(s, requests, *, check_keys=None):
 def _valid_keys(requests, block_size=32):
     keys = set()
     for r in requests:
-        hashes = jaxkv.hash_token_blocks(r.tokens, block_size, salt=r.cache_salt)
+        hashes = jaxkv.sched.hash_token_blocks(r.tokens, block_size, salt=r.cache_salt)
         keys |= set(hashes)
     return keys
 

@@ -16,7 +16,9 @@ def _setup(layout, block_size=8, kernel=None, num_blocks=24, heads=2, head=4) ->
             "nhd": jaxkv.KVCacheLayout.BLOCKS_FIRST,
             "kv_first": jaxkv.KVCacheLayout.KV_FIRST,
         }[layout],
-        supported_kernel_block_sizes=(kernel,) if kernel else (jaxkv.MultipleOf(1),),
+        supported_kernel_block_sizes=(kernel,)
+        if kernel
+        else (jaxkv.vllm.MultipleOf(1),),
     )
     spec = jaxkv.FullAttentionSpec(
         block_size=block_size, num_kv_heads=heads, head_size=head, dtype="float32"
@@ -24,10 +26,10 @@ def _setup(layout, block_size=8, kernel=None, num_blocks=24, heads=2, head=4) ->
     cfg = jaxkv.RunnerConfig(
         layers=[jaxkv.LayerConfig(name="l", spec=spec, backend=backend)]
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=num_blocks)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    bound = jaxkv.bind_kv_caches(views, ["l"], kv, cfg, groups)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+    bound = jaxkv.vllm.bind_kv_caches(views, ["l"], kv, cfg, groups)
     return groups, kv, pools, bound["l"]
 
 
@@ -147,7 +149,7 @@ def test_paged_attention_matches_dense_reference(batch):
     ranges_arr = np.zeros((4, 1, 2), np.int32)
     for r, rs in enumerate(ranges):
         ranges_arr[r, 0] = rs[0]
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         groups,
         len(reqs),
         num_tokens,
@@ -229,7 +231,7 @@ def test_the_layer_s_own_cap_and_local_chunk_reach_the_kernel():
         plan.allocate(), layer.view, k, v, (table[0][pos // 8] * 8 + pos % 8)
     )
     q = rng.standard_normal((q_len, 6, 4)).astype(np.float32) * 3
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         1,
         q_len,

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import jaxkv
-import jaxkv.attention
+import jaxkv._attention
 from tests.test_attention import _reference
 
 FUSED = jaxkv.AttentionBackend(
     name="FusedKV",
     layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED,
-    supported_kernel_block_sizes=(jaxkv.MultipleOf(1),),
+    supported_kernel_block_sizes=(jaxkv.vllm.MultipleOf(1),),
 )
 SPLIT8 = jaxkv.AttentionBackend(
     name="Split8",
@@ -134,7 +134,7 @@ def test_attention_on_every_layout_matches_numpy(case):
     max_reqs, max_tokens = 6, num_tokens + 4
     q = rng.standard_normal((max_tokens, 2 * heads_kv, d)).astype(np.float32)
     n_groups = len(plan.attn_groups)
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         len(reqs),
         num_tokens,
@@ -175,7 +175,7 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
     view = plan.views[name]
     pools = plan.allocate()
     table = np.arange(1, 65, dtype=np.int32)[None, :]  # 64 pages, 1024 tokens
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         1,
         1,
@@ -189,13 +189,13 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
         plan.kv_cache_config,
     )[name]
     read: list[np.ndarray] = []
-    real_gather = jaxkv.attention.gather_kv_pages
+    real_gather = jaxkv._attention.gather_kv_pages
 
     def counting_gather(pools, view, block_table, **kwargs):
         read.append(np.asarray(block_table))
         return real_gather(pools, view, block_table, **kwargs)
 
-    monkeypatch.setattr(jaxkv.attention, "gather_kv_pages", counting_gather)
+    monkeypatch.setattr(jaxkv._attention, "gather_kv_pages", counting_gather)
     q = jnp.ones((1, 4, 8), jnp.float32)
     with jax.disable_jit():  # the loop runs in Python, one gather per chunk
         jaxkv.paged_attention(

@@ -55,14 +55,14 @@ def test_backend_is_static_pytree_and_dict_key():
 
 def test_fast_prefill_wrapper_is_distinct_with_same_flags():
     fa = jaxkv.get_backend("FLASH_ATTN")
-    w = jaxkv.create_fast_prefill_custom_backend("FastPrefill", fa)
+    w = jaxkv.vllm.create_fast_prefill_custom_backend("FastPrefill", fa)
     assert w != fa
     assert hash(w) != hash(fa)
     assert w.class_name == "FastPrefillFlashAttentionBackend"
     assert w.supported_kernel_block_sizes == fa.supported_kernel_block_sizes
     assert w.cudagraph_support == fa.cudagraph_support
     # Wrapping twice is a no-op.
-    assert jaxkv.create_fast_prefill_custom_backend("FastPrefill", w) == w
+    assert jaxkv.vllm.create_fast_prefill_custom_backend("FastPrefill", w) == w
 
 
 def test_query_lens_mismatch_default_is_not_ssm():
@@ -102,4 +102,4 @@ def test_bad_backends():
     with pytest.raises(TypeError, match="KVCacheLayout"):
         jaxkv.AttentionBackend(name="B", layout="blocks_first")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="base must be positive"):
-        jaxkv.MultipleOf(0)
+        jaxkv.vllm.MultipleOf(0)

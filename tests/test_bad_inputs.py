@@ -88,14 +88,16 @@ OTHER = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=64)
 def _group_disagrees() -> Any:
     s8, s16 = _full(head_size=8), _full(head_size=16)
     cfg = _cfg(layers=[_layer(spec=s16)])
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=4 * s8.page_size_bytes, shared_by=["a"])
+            jaxkv.vllm.KVCacheTensor(size=4 * s8.page_size_bytes, shared_by=["a"])
         ],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=s8)],
+        kv_cache_groups=[
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=s8)
+        ],
     )
-    return jaxkv.init_attn_backend(kv, cfg)
+    return jaxkv.vllm.init_attn_backend(kv, cfg)
 
 
 def _pools() -> Any:
@@ -372,7 +374,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "init_attn_backend device",
-        lambda: jaxkv.init_attn_backend(
+        lambda: jaxkv.vllm.init_attn_backend(
             PLAN.kv_cache_config, PLAN.runner_config, "cpu"
         ),
         ValueError,
@@ -380,7 +382,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "kernel_block_sizes empty",
-        lambda: jaxkv.init_kv_cache(
+        lambda: jaxkv.vllm.init_kv_cache(
             PLAN.kv_cache_config, PLAN.runner_config, [], PLAN.attn_groups
         ),
         ValueError,
@@ -388,7 +390,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "kernel_block_sizes not a divisor",
-        lambda: jaxkv.init_kv_cache(
+        lambda: jaxkv.vllm.init_kv_cache(
             PLAN.kv_cache_config, PLAN.runner_config, [7, 7, 7], PLAN.attn_groups
         ),
         ValueError,
@@ -396,7 +398,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "bind a bare string",
-        lambda: jaxkv.bind_kv_caches(
+        lambda: jaxkv.vllm.bind_kv_caches(
             PLAN.views, "layers.0.self_attn", PLAN.kv_cache_config, PLAN.runner_config
         ),
         TypeError,
@@ -901,28 +903,33 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "request 'a' holds blocks for 32 tokens in group 0; the step computes up to 40",
     ),
     # --- block manager and scheduler -------------------------------------------
-    ("allocator 0 blocks", lambda: jaxkv.BlockAllocator(0), ValueError, "num_blocks"),
+    (
+        "allocator 0 blocks",
+        lambda: jaxkv.cache.BlockAllocator(0),
+        ValueError,
+        "num_blocks",
+    ),
     (
         "allocator negative count",
-        lambda: jaxkv.BlockAllocator(3).allocate(-1),
+        lambda: jaxkv.cache.BlockAllocator(3).allocate(-1),
         ValueError,
         "n must be >= 0, got -1",
     ),
     (
         "allocator float count",
-        lambda: jaxkv.BlockAllocator(3).allocate(1.0),  # pyright: ignore[reportArgumentType]
+        lambda: jaxkv.cache.BlockAllocator(3).allocate(1.0),
         TypeError,
         "n must be an int",
     ),
     (
         "allocator double free",
-        lambda: jaxkv.BlockAllocator(3).free([1]),
+        lambda: jaxkv.cache.BlockAllocator(3).free([1]),
         ValueError,
         "not held",
     ),
     (
         "allocator null block",
-        lambda: jaxkv.BlockAllocator(3).touch([0]),
+        lambda: jaxkv.cache.BlockAllocator(3).touch([0]),
         ValueError,
         "Block id 0",
     ),

@@ -22,10 +22,10 @@ def _model(backend="FLASH_ATTN", block_size=32):
 
 def test_bind_worked_example():
     cfg, kv = _model()
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    views = jaxkv.build_kv_cache_views(kv, cfg, sizes, groups)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    views = jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
     without_b = {k: v for k, v in views.items() if k != "b"}
-    bound = jaxkv.bind_kv_caches(
+    bound = jaxkv.vllm.bind_kv_caches(
         without_b, {"a": object(), "b": object()}, kv, cfg, groups
     )
     assert dict(bound) == {"a": views["a"], "b": views["a"]}
@@ -49,10 +49,10 @@ def test_bind_kernel_split_binds_kernel_view_for_sharing_layer():
         ]
     )
     kv = single_group_config(["a"], s, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert groups[0][0].kernel_block_size == 16
-    _, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    bound: Any = jaxkv.bind_kv_caches(views, ["a", "b"], kv, cfg, groups)
+    _, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+    bound: Any = jaxkv.vllm.bind_kv_caches(views, ["a", "b"], kv, cfg, groups)
     assert bound["a"].num_blocks == 8
     assert bound["a"].block_size == 16
     assert bound["b"] is bound["a"]
@@ -60,23 +60,23 @@ def test_bind_kernel_split_binds_kernel_view_for_sharing_layer():
 
 def test_uncached_forward_context_layers_are_reported():
     cfg, kv = _model()
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    _, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    bound = jaxkv.bind_kv_caches(views, ["a", "encoder.0"], kv, cfg, groups)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    _, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+    bound = jaxkv.vllm.bind_kv_caches(views, ["a", "encoder.0"], kv, cfg, groups)
     assert bound.uncached_layers == ("encoder.0",)
     with pytest.raises(KeyError, match="has no KV cache"):
         bound["encoder.0"]
     assert hash(bound) == hash(
-        jaxkv.bind_kv_caches(views, ["a", "encoder.0"], kv, cfg, groups)
+        jaxkv.vllm.bind_kv_caches(views, ["a", "encoder.0"], kv, cfg, groups)
     )
 
 
 def test_yoco_pools_donated_once():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
-    bound = jaxkv.bind_kv_caches(
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+    bound = jaxkv.vllm.bind_kv_caches(
         views, [layer.name for layer in cfg.layers], kv, cfg, groups
     )
     # Eight layers, two pools: sharing layers alias their target's view.
@@ -88,9 +88,9 @@ def test_yoco_pools_donated_once():
 def test_build_slot_mappings_by_layer():
     cfg, kv = _model()
     rows = [np.arange(4, dtype=np.int32)]
-    got = jaxkv.build_slot_mappings_by_layer(rows, kv)
+    got = jaxkv.cache.build_slot_mappings_by_layer(rows, kv)
     assert set(got) == {"a", "c"}
     assert got["a"] is rows[0]
-    got = jaxkv.build_slot_mappings_by_layer(rows, kv, vllm_config=cfg)
+    got = jaxkv.cache.build_slot_mappings_by_layer(rows, kv, runner_config=cfg)
     assert got["b"] is rows[0]
-    assert jaxkv.build_slot_mappings_by_layer([], kv) == {}
+    assert jaxkv.cache.build_slot_mappings_by_layer([], kv) == {}

@@ -7,7 +7,7 @@ import pytest
 import jaxkv
 from tests.helpers import count_compiles
 
-S = jaxkv.AttentionCGSupport
+S = jaxkv.vllm.AttentionCGSupport
 
 
 def _dispatcher(**kw):
@@ -23,15 +23,17 @@ def test_smallest_bucket_and_no_padding_above_largest():
     assert d.dispatch(num_reqs=3, num_tokens=5).num_tokens == 8
     assert d.dispatch(num_reqs=1, num_tokens=16).num_tokens == 16
     above = d.dispatch(num_reqs=1, num_tokens=17)
-    assert (above.num_tokens, above.cg_mode) == (17, jaxkv.CompileMode.NONE)
+    assert (above.num_tokens, above.cg_mode) == (17, jaxkv.vllm.CompileMode.NONE)
     cold = jaxkv.BucketDispatcher(token_buckets=(8,), max_num_tokens=8, max_num_reqs=8)
-    assert cold.dispatch(num_reqs=1, num_tokens=3).cg_mode == jaxkv.CompileMode.NONE
+    assert (
+        cold.dispatch(num_reqs=1, num_tokens=3).cg_mode == jaxkv.vllm.CompileMode.NONE
+    )
 
 
 def test_request_padding():
     d = _dispatcher(request_buckets=(2, 4))
     assert d.dispatch(num_reqs=3, num_tokens=3).num_reqs == 4
-    assert d.dispatch(num_reqs=5, num_tokens=5).cg_mode == jaxkv.CompileMode.NONE
+    assert d.dispatch(num_reqs=5, num_tokens=5).cg_mode == jaxkv.vllm.CompileMode.NONE
     assert _dispatcher().dispatch(num_reqs=3, num_tokens=5).num_reqs == 8
 
 
@@ -73,8 +75,8 @@ def test_programs_compile_every_bucket_from_shapes_without_allocating():
     for desc in d.executables():
         progs.compile(
             (desc.num_tokens, desc.num_reqs),
-            jaxkv.shape_struct((desc.num_tokens,), jnp.int32),
-            jaxkv.shape_struct((desc.num_reqs,), jnp.int32),
+            jaxkv.step.shape_struct((desc.num_tokens,), jnp.int32),
+            jaxkv.step.shape_struct((desc.num_reqs,), jnp.int32),
         )
     assert len(jax.live_arrays()) <= live
     # FULL and PIECEWISE buckets of equal sizes are one program.

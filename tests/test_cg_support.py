@@ -3,7 +3,7 @@ import pytest
 import jaxkv
 from tests.helpers import full_spec
 
-S = jaxkv.AttentionCGSupport
+S = jaxkv.vllm.AttentionCGSupport
 
 
 def _group(name, support=S.ALWAYS, layers=None, bound=None, mismatch=None, ssm=False):
@@ -14,7 +14,7 @@ def _group(name, support=S.ALWAYS, layers=None, bound=None, mismatch=None, ssm=F
         varlen_cudagraph_max_query_len=bound,
         supports_query_lens_mismatch=mismatch,
     )
-    return jaxkv.AttentionGroup(
+    return jaxkv.vllm.AttentionGroup(
         backend=backend,
         layer_names=tuple(layers or [name.lower()]),
         kv_cache_spec=full_spec(),
@@ -23,13 +23,13 @@ def _group(name, support=S.ALWAYS, layers=None, bound=None, mismatch=None, ssm=F
 
 
 def test_narrow_worked_example():
-    info = jaxkv.AttentionCGSupportInfo()
-    assert info == jaxkv.AttentionCGSupportInfo(S.ALWAYS, None)
+    info = jaxkv.vllm.AttentionCGSupportInfo()
+    assert info == jaxkv.vllm.AttentionCGSupportInfo(S.ALWAYS, None)
     x = info.narrow(S.UNIFORM_BATCH, "X")
-    assert x == jaxkv.AttentionCGSupportInfo(S.UNIFORM_BATCH, "X")
+    assert x == jaxkv.vllm.AttentionCGSupportInfo(S.UNIFORM_BATCH, "X")
     assert x.narrow(S.UNIFORM_BATCH, "Y") is x
     assert x.narrow(S.ALWAYS, "Z") is x
-    assert x.narrow(S.NEVER, None) == jaxkv.AttentionCGSupportInfo(S.NEVER, None)
+    assert x.narrow(S.NEVER, None) == jaxkv.vllm.AttentionCGSupportInfo(S.NEVER, None)
 
 
 def test_get_attn_cg_support_worked_example():
@@ -40,30 +40,34 @@ def test_get_attn_cg_support_worked_example():
             _group("D", S.UNIFORM_SINGLE_TOKEN_DECODE),
         ],
     ]
-    assert jaxkv.get_attn_cg_support(groups) == jaxkv.AttentionCGSupportInfo(
+    assert jaxkv.vllm.get_attn_cg_support(groups) == jaxkv.vllm.AttentionCGSupportInfo(
         S.UNIFORM_SINGLE_TOKEN_DECODE, "C"
     )
-    assert jaxkv.get_attn_cg_support([]) == jaxkv.AttentionCGSupportInfo()
+    assert jaxkv.vllm.get_attn_cg_support([]) == jaxkv.vllm.AttentionCGSupportInfo()
     assert (
-        jaxkv.get_attn_cg_support(groups, None, {"a", "b"}).min_cg_attn_backend == "B"
+        jaxkv.vllm.get_attn_cg_support(groups, None, {"a", "b"}).min_cg_attn_backend
+        == "B"
     )
     assert (
-        jaxkv.get_attn_cg_support(groups, None, set()) == jaxkv.AttentionCGSupportInfo()
+        jaxkv.vllm.get_attn_cg_support(groups, None, set())
+        == jaxkv.vllm.AttentionCGSupportInfo()
     )
 
 
 def test_query_lens_mismatch_worked_example():
     t = _group("T", layers=["target"])
     s = _group("S", layers=["mamba"], ssm=True)
-    assert jaxkv.get_query_lens_mismatch_unsupported_backend([[t, s]]) == "S"
+    assert jaxkv.vllm.get_query_lens_mismatch_unsupported_backend([[t, s]]) == "S"
     assert (
-        jaxkv.get_query_lens_mismatch_unsupported_backend([[t, s]], {"target"}) is None
+        jaxkv.vllm.get_query_lens_mismatch_unsupported_backend([[t, s]], {"target"})
+        is None
     )
     s2 = _group("S", layers=["mamba", "target"], ssm=True)
     assert (
-        jaxkv.get_query_lens_mismatch_unsupported_backend([[t, s2]], {"target"}) == "S"
+        jaxkv.vllm.get_query_lens_mismatch_unsupported_backend([[t, s2]], {"target"})
+        == "S"
     )
-    assert jaxkv.get_query_lens_mismatch_unsupported_backend([]) is None
+    assert jaxkv.vllm.get_query_lens_mismatch_unsupported_backend([]) is None
 
 
 @pytest.mark.parametrize(
@@ -77,7 +81,7 @@ def test_varlen_worked_example(max_query_len, checked, expected):
             _group("_DraftBackend", S.UNIFORM_BATCH, layers=["draft"], bound=8),
         ]
     ]
-    got = jaxkv.get_varlen_cudagraph_unsupported_backend(
+    got = jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(
         groups, None, max_query_len, checked
     )
     assert got == expected
@@ -85,12 +89,12 @@ def test_varlen_worked_example(max_query_len, checked, expected):
 
 def test_varlen_never_ignores_bound_and_none_bound_fails():
     never = [[_group("_DraftBackend", S.NEVER, bound=8)]]
-    assert jaxkv.get_varlen_cudagraph_unsupported_backend(never, None, 1) == (
+    assert jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(never, None, 1) == (
         "_DraftBackend",
         None,
     )
     unbounded = [[_group("U", S.UNIFORM_BATCH)]]
-    assert jaxkv.get_varlen_cudagraph_unsupported_backend(unbounded, None, 1) == (
+    assert jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(unbounded, None, 1) == (
         "U",
         None,
     )

@@ -76,7 +76,7 @@ def test_paged_attention_honours_a_per_request_mask():
         vs.append(v)
     qsl = np.array([0, 5, 11], i32)
     q = rng.standard_normal((11, 4, 4)).astype(np.float32)
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         2,
         11,
@@ -127,7 +127,7 @@ def _fast_prefill_groups():
     groups, kv = _groups_2_16()
     wrapped = dataclasses.replace(
         groups[0][1],
-        backend=jaxkv.create_fast_prefill_custom_backend(
+        backend=jaxkv.vllm.create_fast_prefill_custom_backend(
             "FastPrefill", groups[0][1].backend
         ),
         fast_prefill=True,
@@ -138,13 +138,13 @@ def _fast_prefill_groups():
 def test_reduced_record_carries_the_host_query_start_loc():
     """Spec §2.17.1: qsl = [0, 15, 20, 28], idx = [14, 18, 19, 27] -> [0, 1, 3, 4]."""
     groups, kv = _fast_prefill_groups()
-    fp = jaxkv.FastPrefillBatchMetadata(
+    fp = jaxkv.vllm.FastPrefillBatchMetadata(
         logits_indices_padded=jnp.array([14, 18, 19, 27, 27, 27, 27, 27], jnp.int32),
         num_logits_indices=jnp.int32(4),
         max_logits_per_req=jnp.int32(2),
     )
     qsl = np.array([0, 15, 20, 28], i32)
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         groups,
         3,
         28,
@@ -166,9 +166,9 @@ def test_reduced_record_carries_the_host_query_start_loc():
 def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
     d = jaxkv.BucketDispatcher(token_buckets=(4, 8), max_num_tokens=32, max_num_reqs=4)
     d.mark_ready()
-    helper = jaxkv.FastPrefillHelper(d, 32)
-    desc = jaxkv.BatchDescriptor(
-        num_tokens=32, num_reqs=4, cg_mode=jaxkv.CompileMode.PIECEWISE
+    helper = jaxkv.vllm.FastPrefillHelper(d, 32)
+    desc = jaxkv.vllm.BatchDescriptor(
+        num_tokens=32, num_reqs=4, cg_mode=jaxkv.vllm.CompileMode.PIECEWISE
     )
     fp = helper.prepare(
         np.array([14, 18, 19, 27]), 3, np.array([0, 1, 3, 4]), True, desc
@@ -187,7 +187,7 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         logits_indices_cpu=fp.logits_indices_cpu,
         fast_prefill=True,
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(m)
     assert _host(r.query_start_loc_cpu) == [0, 1, 3, 4]
     # A one-token request whose logits index is its first token (the boundary
     # of the query ranges): qsl = [0, 15, 16, 20], idx = [14, 15, 19].
@@ -200,7 +200,7 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         max_logits_per_req=jnp.int32(1),
         logits_indices_cpu=np.array([14, 15, 19]),
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(mixed)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(mixed)
     assert _host(r.query_start_loc_cpu) == [0, 1, 2, 3]
     assert r.query_start_loc.tolist() == [0, 1, 2, 3]
     # Pure decode: vLLM keeps the record, so the host copy is the original.
@@ -211,7 +211,7 @@ def test_reduced_record_host_copy_from_the_helper_and_pure_decode():
         max_query_len=jnp.int32(1),
         logits_indices_cpu=np.array([0, 1, 2]),
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(decode)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(decode)
     assert _host(r.query_start_loc_cpu) == [0, 1, 2, 3]
     assert r.query_start_loc.tolist() == [0, 1, 2, 3]
 
@@ -247,7 +247,7 @@ def _hybrid(block_size: int = 16, backend: Any = "FLASH_ATTN") -> jaxkv.RunnerCo
 
 def test_hybrid_alignment_worked_example():
     """Spec §1.9: a1 = 4096, m = 275968, B = 16 * cdiv(275968, 65536) = 80."""
-    a = jaxkv.align_hybrid_block_size(_hybrid())
+    a = jaxkv.cache.align_hybrid_block_size(_hybrid())
     assert (a.mamba_page_size_bytes, a.block_size, a.page_size_bytes) == (
         275968,
         80,
@@ -259,16 +259,19 @@ def test_hybrid_alignment_worked_example():
     assert _spec(cfg, "mamba0").page_size_bytes == 327680
     assert _spec(cfg, "mamba0").real_page_size_bytes == 275968
     # A larger starting block size is the alignment unit: 32 * cdiv(m, 131072).
-    assert jaxkv.align_hybrid_block_size(_hybrid(block_size=32)).block_size == 96
+    assert jaxkv.cache.align_hybrid_block_size(_hybrid(block_size=32)).block_size == 96
     # FlashInfer declares 16, 32, 64: its smallest (16) sets the unit.
-    assert jaxkv.align_hybrid_block_size(_hybrid(backend="FLASHINFER")).block_size == 80
+    assert (
+        jaxkv.cache.align_hybrid_block_size(_hybrid(backend="FLASHINFER")).block_size
+        == 80
+    )
     # A backend of 64-token kernels only: align = 64, 64 * cdiv(m, 262144) = 128.
     k64 = jaxkv.AttentionBackend(
         name="K64",
         layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
         supported_kernel_block_sizes=(64,),
     )
-    assert jaxkv.align_hybrid_block_size(_hybrid(backend=k64)).block_size == 128
+    assert jaxkv.cache.align_hybrid_block_size(_hybrid(backend=k64)).block_size == 128
 
 
 def test_planner_aligns_a_hybrid_model_when_asked():
@@ -291,7 +294,7 @@ def test_alignment_rejects_attention_layers_that_cannot_share_one_page():
     )
     layers = [*cfg.layers[:3], dataclasses.replace(cfg.layers[2], name="x", spec=other)]
     with pytest.raises(ValueError, match="share bytes per token"):
-        jaxkv.align_hybrid_block_size(dataclasses.replace(cfg, layers=layers))
+        jaxkv.cache.align_hybrid_block_size(dataclasses.replace(cfg, layers=layers))
 
 
 # --- 4. spec kinds without per-layer views ------------------------------------------
@@ -312,8 +315,8 @@ def test_a_spec_kind_without_views_gets_no_attention_group_and_raw_pages():
         ],
         max_model_len=64,
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert [[g.layer_names for g in gs] for gs in groups] == [[("a0", "a1")], []]
     assert sizes == [16, 16]  # a kind without views keeps its block size
     plan = jaxkv.make_plan(cfg, num_blocks=4)
@@ -332,7 +335,7 @@ def test_a_spec_kind_without_views_gets_no_attention_group_and_raw_pages():
     pools = jaxkv.zero_blocks(pools, (view,), jnp.array([1], jnp.int32))
     assert jaxkv.read_view(pools, view).shape == (4, 2048)
     # Metadata skips the group (no attention group), as vLLM does.
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         1,
         1,
@@ -369,8 +372,8 @@ def test_a_kind_of_ones_own_registers_by_subclassing():
             )
         ]
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=2)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=2)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert groups == [[]]
     assert sizes == [16]
 
@@ -389,17 +392,17 @@ def test_a_group_layer_in_no_tensor_is_named(kind):
     cfg = jaxkv.RunnerConfig(
         layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=fa) for n in "ab"]
     )
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=2,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=2 * spec.page_size_bytes, shared_by=["a"])
+            jaxkv.vllm.KVCacheTensor(size=2 * spec.page_size_bytes, shared_by=["a"])
         ],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=spec)
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=spec)
         ],
     )
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     with pytest.raises(
         ValueError, match="'b' of KV-cache group 0 is in no KVCacheTensor"
     ):
-        jaxkv.build_kv_cache_views(kv, cfg, sizes, groups)
+        jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 import jaxkv
 from tests.helpers import count_compiles, examples
 
-PIECEWISE = jaxkv.BatchDescriptor(
-    num_tokens=16, num_reqs=3, cg_mode=jaxkv.CompileMode.PIECEWISE
+PIECEWISE = jaxkv.vllm.BatchDescriptor(
+    num_tokens=16, num_reqs=3, cg_mode=jaxkv.vllm.CompileMode.PIECEWISE
 )
 
 
@@ -18,7 +18,7 @@ def _helper(buckets=(1, 2, 4, 8, 16), max_num_tokens=16):
         token_buckets=buckets, max_num_tokens=max_num_tokens, max_num_reqs=16
     )
     d.mark_ready()
-    return jaxkv.FastPrefillHelper(d, max_num_tokens)
+    return jaxkv.vllm.FastPrefillHelper(d, max_num_tokens)
 
 
 def test_worked_example():
@@ -43,12 +43,15 @@ def test_arming_rules():
     helper = _helper()
     args = (np.array([3]), 1, np.array([0, 1]))
     assert helper.prepare(*args, False, PIECEWISE) is None
-    full = jaxkv.BatchDescriptor(
-        num_tokens=4, num_reqs=1, cg_mode=jaxkv.CompileMode.FULL
+    full = jaxkv.vllm.BatchDescriptor(
+        num_tokens=4, num_reqs=1, cg_mode=jaxkv.vllm.CompileMode.FULL
     )
     assert helper.prepare(*args, True, full) is None
-    ubatched = jaxkv.BatchDescriptor(
-        num_tokens=4, num_reqs=1, num_ubatches=2, cg_mode=jaxkv.CompileMode.PIECEWISE
+    ubatched = jaxkv.vllm.BatchDescriptor(
+        num_tokens=4,
+        num_reqs=1,
+        num_ubatches=2,
+        cg_mode=jaxkv.vllm.CompileMode.PIECEWISE,
     )
     assert helper.prepare(*args, True, ubatched) is None
     assert helper.prepare(*args, True, PIECEWISE) is not None
@@ -56,7 +59,7 @@ def test_arming_rules():
 
 def test_before_warm_up_and_above_largest_no_padding_and_cap():
     d = jaxkv.BucketDispatcher(token_buckets=(4,), max_num_tokens=16, max_num_reqs=16)
-    helper = jaxkv.FastPrefillHelper(d, 16)  # dispatcher not ready: padded = n
+    helper = jaxkv.vllm.FastPrefillHelper(d, 16)  # dispatcher not ready: padded = n
     m = helper.prepare(np.array([1, 2, 5]), 2, np.array([0, 1, 3]), True, PIECEWISE)
     assert m is not None
     assert m.logits_indices_padded.tolist() == [1, 2, 5]
@@ -94,30 +97,30 @@ def test_bad_input():
     with pytest.raises(
         ValueError, match="strictly ascending; logits_indices\\[2\\] = 3"
     ):
-        jaxkv.validate_logits_indices(np.array([1, 4, 3]), np.array([0, 8]))
+        jaxkv.step.validate_logits_indices(np.array([1, 4, 3]), np.array([0, 8]))
     with pytest.raises(ValueError, match="outside the batch"):
-        jaxkv.validate_logits_indices(np.array([-1]), np.array([0, 8]))
+        jaxkv.step.validate_logits_indices(np.array([-1]), np.array([0, 8]))
     with pytest.raises(ValueError, match="exceed the staging buffer of 2"):
-        jaxkv.validate_logits_indices(
+        jaxkv.step.validate_logits_indices(
             np.array([0, 1, 2]), np.array([0, 8]), buffer_size=2
         )
     with pytest.raises(ValueError, match="starting at 0"):
-        jaxkv.validate_query_start_loc(np.array([1, 4]))
+        jaxkv.step.validate_query_start_loc(np.array([1, 4]))
 
 
 def test_staging_never_writes_outside_and_clamps():
     buf = jnp.zeros(8, jnp.int32)
-    buf, out = jaxkv.stage_logits_indices(
+    buf, out = jaxkv.step.stage_logits_indices(
         buf, jnp.array([5, 6, 7, 9], jnp.int32), jnp.int32(99)
     )
     assert out.tolist() == [5, 6, 7, 9]
     assert buf.tolist() == [5, 6, 7, 9, 9, 9, 9, 9]
-    buf, out = jaxkv.stage_logits_indices(
+    buf, out = jaxkv.step.stage_logits_indices(
         buf, jnp.array([5, 6], jnp.int32), jnp.int32(0)
     )
     assert out.tolist() == [5, 5]
     with pytest.raises(ValueError, match="exceeds the staging buffer"):
-        jaxkv.stage_logits_indices(buf, jnp.zeros(9, jnp.int32), jnp.int32(1))
+        jaxkv.step.stage_logits_indices(buf, jnp.zeros(9, jnp.int32), jnp.int32(1))
 
 
 def _loop_reference(buffer_len, indices, n):
@@ -138,7 +141,7 @@ def test_staging_matches_loop_reference(data):
     idx = np.full(padded, -1, np.int32)  # sentinel padding
     idx[:n] = real
     buf = jnp.asarray(np.random.default_rng(n).integers(0, 9, 16), jnp.int32)  # stale
-    buf, out = jaxkv.stage_logits_indices(buf, idx, np.int32(n))
+    buf, out = jaxkv.step.stage_logits_indices(buf, idx, np.int32(n))
     want = _loop_reference(16, real, n)
     np.testing.assert_array_equal(buf, want)
     np.testing.assert_array_equal(out, want[:padded])

@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxkv
 import jaxkv.demo
-import jaxkv.serve.loop as loop_module
+import jaxkv.serve._loop as loop_module
 
 
 class Fault(Exception):
@@ -41,7 +41,7 @@ def _requests():
     rng = np.random.default_rng(7)
     shared = rng.integers(1, 64, 40).tolist()
     return [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             req_id=f"r{i}",
             prompt=shared + rng.integers(1, 64, int(rng.integers(2, 30))).tolist(),
             max_new_tokens=6,

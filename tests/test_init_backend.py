@@ -29,7 +29,7 @@ def _summary(groups):
 
 def test_grouping_worked_example_fast_prefill_on():
     cfg, kv = _worked_example(True)
-    groups, info, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert _summary(groups) == [
         [
             ("FlashAttentionBackend", 32, ["l0"]),
@@ -38,10 +38,12 @@ def test_grouping_worked_example_fast_prefill_on():
         ]
     ]
     assert sizes == [16]
-    assert info == jaxkv.AttentionCGSupportInfo()
+    assert info == jaxkv.vllm.AttentionCGSupportInfo()
     # The input config is not mutated; the augmented one has l2.
     assert kv.kv_cache_groups[0].layer_names == ("l0", "l1")
-    assert jaxkv.with_kv_sharing_layers(kv, cfg).kv_cache_groups[0].layer_names == (
+    assert jaxkv.groups.with_kv_sharing_layers(kv, cfg).kv_cache_groups[
+        0
+    ].layer_names == (
         "l0",
         "l1",
         "l2",
@@ -50,7 +52,7 @@ def test_grouping_worked_example_fast_prefill_on():
 
 def test_grouping_worked_example_fast_prefill_off_and_idempotent():
     cfg, kv = _worked_example(False)
-    groups, _, _ = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert _summary(groups) == [
         [
             ("FlashAttentionBackend", 32, ["l0", "l2"]),
@@ -58,7 +60,9 @@ def test_grouping_worked_example_fast_prefill_off_and_idempotent():
         ]
     ]
     # Passing an already augmented config does not duplicate l2.
-    again, _, _ = jaxkv.init_attn_backend(jaxkv.with_kv_sharing_layers(kv, cfg), cfg)
+    again, _, _ = jaxkv.vllm.init_attn_backend(
+        jaxkv.groups.with_kv_sharing_layers(kv, cfg), cfg
+    )
     assert _summary(again) == _summary(groups)
 
 
@@ -73,13 +77,13 @@ def test_active_layer_names_preserve_group_order_and_drafts_join():
         ]
     )
     kv = single_group_config(["b", "a", "d.x", "d.y"], s)
-    groups, _, _ = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert [g.layer_names for g in groups[0]] == [("b", "a", "d.x"), ("d.y",)]
-    groups, _, _ = jaxkv.init_attn_backend(
+    groups, _, _ = jaxkv.vllm.init_attn_backend(
         kv, cfg, active_layer_names={"d.y", "a", "b"}
     )
     assert [g.layer_names for g in groups[0]] == [("b", "a"), ("d.y",)]
-    groups, _, _ = jaxkv.init_attn_backend(kv, cfg, active_layer_names=set())
+    groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg, active_layer_names=set())
     assert groups == [[]]
 
 
@@ -104,23 +108,25 @@ def test_kernel_block_sizes_hybrid_and_encoder_only():
         ]
     )
     page = attn.page_size_bytes
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
-        kv_cache_tensors=[jaxkv.KVCacheTensor(size=4 * page, shared_by=["a", "m"])],
+        kv_cache_tensors=[
+            jaxkv.vllm.KVCacheTensor(size=4 * page, shared_by=["a", "m"])
+        ],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=attn),
-            jaxkv.KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=mamba),
-            jaxkv.KVCacheGroupSpec(layer_names=["e"], kv_cache_spec=enc),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=attn),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=mamba),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["e"], kv_cache_spec=enc),
         ],
     )
-    groups, info, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert sizes == [16, 80]
     assert groups[0][0].kernel_block_size == 16
     assert groups[0][0].kernel_block_stride == 0
     assert groups[1][0].kernel_block_size is None
     assert groups[2][0].kernel_block_size is None
-    assert info == jaxkv.AttentionCGSupportInfo(
-        jaxkv.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "FlashInferBackend"
+    assert info == jaxkv.vllm.AttentionCGSupportInfo(
+        jaxkv.vllm.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "FlashInferBackend"
     )
 
 
@@ -130,11 +136,13 @@ def test_packed_group_keeps_block_size_but_group_refines_with_stride():
         layers=[layer("a", s, "FLASHINFER"), layer("b", s, "FLASH_ATTN")]
     )
     stride = 2 * s.page_size_bytes
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=4 * stride, shared_by=["a"], block_stride=stride),
-            jaxkv.KVCacheTensor(
+            jaxkv.vllm.KVCacheTensor(
+                size=4 * stride, shared_by=["a"], block_stride=stride
+            ),
+            jaxkv.vllm.KVCacheTensor(
                 size=4 * stride,
                 shared_by=["b"],
                 offset=s.page_size_bytes,
@@ -142,11 +150,11 @@ def test_packed_group_keeps_block_size_but_group_refines_with_stride():
             ),
         ],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=s)
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=s)
         ],
     )
     # FlashInfer accepts 32 exactly, so nothing splits.
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert sizes == [32]
     assert groups[0][0].kernel_block_size is None
     # A backend that only takes 16 splits inside the packed pool: s = 4096 / 1024.
@@ -158,7 +166,7 @@ def test_packed_group_keeps_block_size_but_group_refines_with_stride():
     cfg = dataclasses.replace(
         cfg, layers=(jaxkv.LayerConfig(name="a", spec=s, backend=only16), cfg.layers[1])
     )
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg, slot_mapped_layers={"a"})
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg, slot_mapped_layers={"a"})
     assert sizes == [32]
     a = groups[0][0]
     assert (a.kernel_block_size, a.kernel_block_stride, a.maps_slot_mapping) == (
@@ -175,11 +183,11 @@ def test_bad_configs():
     with pytest.raises(
         ValueError, match="lists layer 'zz', which is not an attention-like"
     ):
-        jaxkv.init_attn_backend(single_group_config(["a", "zz"], s), cfg)
+        jaxkv.vllm.init_attn_backend(single_group_config(["a", "zz"], s), cfg)
     with pytest.raises(
         ValueError, match="lists layer 'nospec', which has no KV-cache spec"
     ):
-        jaxkv.init_attn_backend(single_group_config(["a", "nospec"], s), cfg)
+        jaxkv.vllm.init_attn_backend(single_group_config(["a", "nospec"], s), cfg)
     only32 = jaxkv.AttentionBackend(
         name="Only32",
         layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
@@ -189,12 +197,12 @@ def test_bad_configs():
         layers=[jaxkv.LayerConfig(name="a", spec=s, backend=only32)]
     )
     with pytest.raises(ValueError, match="No kernel block size divides block_size=16"):
-        jaxkv.init_attn_backend(single_group_config(["a"], s), cfg2)
+        jaxkv.vllm.init_attn_backend(single_group_config(["a"], s), cfg2)
     cfg3 = jaxkv.RunnerConfig(
         layers=[layer("a", s, "FLASHINFER")], batch_invariant=True
     )
     with pytest.raises(RuntimeError, match="does not support batch invariance"):
-        jaxkv.init_attn_backend(single_group_config(["a"], s), cfg3)
+        jaxkv.vllm.init_attn_backend(single_group_config(["a"], s), cfg3)
 
 
 def _hybrid_40_layers():
@@ -240,17 +248,19 @@ def _hybrid_40_layers():
 def test_40_layer_hybrid_compiles_nothing():
     with count_compiles() as compiles:
         cfg = _hybrid_40_layers()
-        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=64)
-        groups, info, sizes = jaxkv.init_attn_backend(kv, cfg)
-        jaxkv.get_varlen_cudagraph_unsupported_backend(groups, cfg, 4)
-        jaxkv.get_query_lens_mismatch_unsupported_backend(groups)
+        kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=64)
+        groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+        jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(groups, cfg, 4)
+        jaxkv.vllm.get_query_lens_mismatch_unsupported_backend(groups)
     assert compiles == []
     assert set(sizes) == {16, 80}
     flat = [g for gs in groups for g in gs]
     names = [n for g in flat for n in g.layer_names]
     assert len(names) == len(set(names)) == 40  # grouping is a partition (I11)
     assert any(g.backend.class_name == "FastPrefillFlashAttentionBackend" for g in flat)
-    assert info.min_cg_support == jaxkv.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert (
+        info.min_cg_support == jaxkv.vllm.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
 
 def test_an_encoder_only_group_before_attention_groups_mis_sizes_no_view():
@@ -270,24 +280,24 @@ def test_an_encoder_only_group_before_attention_groups_mis_sizes_no_view():
             layer("b", b, "FLASH_ATTN"),
         ]
     )
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=4 * enc.page_size_bytes, shared_by=["e"]),
-            jaxkv.KVCacheTensor(size=4 * a.page_size_bytes, shared_by=["a"]),
-            jaxkv.KVCacheTensor(size=4 * b.page_size_bytes, shared_by=["b"]),
+            jaxkv.vllm.KVCacheTensor(size=4 * enc.page_size_bytes, shared_by=["e"]),
+            jaxkv.vllm.KVCacheTensor(size=4 * a.page_size_bytes, shared_by=["a"]),
+            jaxkv.vllm.KVCacheTensor(size=4 * b.page_size_bytes, shared_by=["b"]),
         ],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=["e"], kv_cache_spec=enc),
-            jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=a),
-            jaxkv.KVCacheGroupSpec(layer_names=["b"], kv_cache_spec=b),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["e"], kv_cache_spec=enc),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=a),
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["b"], kv_cache_spec=b),
         ],
     )
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert sizes == [16, 32]
     assert groups[1][0].kernel_block_size == 16
     assert groups[2][0].kernel_block_size is None  # its own block size
-    _, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    _, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
     assert isinstance(views["a"], jaxkv.KVCacheView)
     assert isinstance(views["b"], jaxkv.KVCacheView)
     assert views["a"].block_size == 16  # 80-token blocks split in 5

@@ -16,17 +16,19 @@ from tests.strategies import EXPECTED_ERRORS, hybrid_cases, plan
 
 
 def _views(cfg, kv, **kw) -> tuple[Any, dict[str, Any]]:
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg, **kw)
-    return jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg, **kw)
+    return jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
 
 
 def _one_layer(backend) -> Any:
     s = full_spec()  # B=16, H=8, D=128, bf16, U=65536
     cfg = jaxkv.RunnerConfig(layers=[layer("l", s, backend)])
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=10,
-        kv_cache_tensors=[jaxkv.KVCacheTensor(size=655360, shared_by=["l"])],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["l"], kv_cache_spec=s)],
+        kv_cache_tensors=[jaxkv.vllm.KVCacheTensor(size=655360, shared_by=["l"])],
+        kv_cache_groups=[
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["l"], kv_cache_spec=s)
+        ],
     )
     return _views(cfg, kv)[1]["l"]
 
@@ -60,12 +62,12 @@ def test_v3_page_aligned_when_sharing_with_mamba():
     cfg = jaxkv.RunnerConfig(
         layers=[layer("attn", s, "ROCM_ATTN"), layer("mamba", mamba, "MAMBA2")]
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=10)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    assert jaxkv._kv_first_layers_sharing_pool_with_mamba(
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=10)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    assert jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(
         groups, sizes, "auto", kv
     ) == {"attn"}
-    v: Any = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)[1]["attn"]
+    v: Any = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)[1]["attn"]
     assert v.strides == (16384, 32768, 1024, 128, 1)
     assert v.byte_address((0, 3, 0, 0, 0)) == 196608
     assert v.byte_address((1, 3, 0, 0, 0)) == 229376
@@ -86,47 +88,51 @@ def test_kv_first_layers_sharing_pool_with_mamba_example():
         sliding_window=32,
     )
     g = [
-        jaxkv.AttentionGroup(
+        jaxkv.vllm.AttentionGroup(
             backend=jaxkv.get_backend("ROCM_ATTN"),
             layer_names=("attn.0", "attn.1"),
             kv_cache_spec=s,
             kv_cache_group_id=0,
         ),
-        jaxkv.AttentionGroup(
+        jaxkv.vllm.AttentionGroup(
             backend=jaxkv.get_backend("MAMBA2"),
             layer_names=("mamba.0",),
             kv_cache_spec=mamba,
             kv_cache_group_id=1,
         ),
-        jaxkv.AttentionGroup(
+        jaxkv.vllm.AttentionGroup(
             backend=jaxkv.get_backend("FLASH_ATTN"),
             layer_names=("swa.0",),
             kv_cache_spec=swa,
             kv_cache_group_id=2,
         ),
     ]
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_groups=[],
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(
+            jaxkv.vllm.KVCacheTensor(
                 size=4 * 65536, shared_by=["attn.0", "mamba.0", "swa.0"]
             ),
-            jaxkv.KVCacheTensor(size=4 * 65536, shared_by=["attn.1"]),
+            jaxkv.vllm.KVCacheTensor(size=4 * 65536, shared_by=["attn.1"]),
         ],
     )
-    assert jaxkv._kv_first_layers_sharing_pool_with_mamba(
+    assert jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(
         g, [16, 16, 16], "auto", kv
     ) == {"attn.0"}
     assert (
-        jaxkv._kv_first_layers_sharing_pool_with_mamba([g], [16, 16, 16], "auto", None)
+        jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(
+            [g], [16, 16, 16], "auto", None
+        )
         == set()
     )
     # The group-id guard: with one kernel size only group 0 is considered.
-    assert jaxkv._kv_first_layers_sharing_pool_with_mamba(g, [16], "auto", kv) == {
+    assert jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(g, [16], "auto", kv) == {
         "attn.0"
     }
-    assert jaxkv._kv_first_layers_sharing_pool_with_mamba(g, [], "auto", kv) == set()
+    assert (
+        jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(g, [], "auto", kv) == set()
+    )
 
 
 def _encoder_decoder(cross_backend: str | jaxkv.AttentionBackend = "FLASH_ATTN"):
@@ -148,7 +154,7 @@ def _encoder_decoder(cross_backend: str | jaxkv.AttentionBackend = "FLASH_ATTN")
             ),
         ]
     )
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
     return cfg, kv
 
 
@@ -176,10 +182,12 @@ def test_single_layer_example_and_bad_pool_size():
     assert v.num_blocks == 10
     s = full_spec()
     cfg = jaxkv.RunnerConfig(layers=[layer("l", s)])
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=10,
-        kv_cache_tensors=[jaxkv.KVCacheTensor(size=655361, shared_by=["l"])],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["l"], kv_cache_spec=s)],
+        kv_cache_tensors=[jaxkv.vllm.KVCacheTensor(size=655361, shared_by=["l"])],
+        kv_cache_groups=[
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["l"], kv_cache_spec=s)
+        ],
     )
     with pytest.raises(ValueError, match="not a multiple of its page of 65536"):
         _views(cfg, kv)
@@ -213,11 +221,11 @@ def test_padded_kv_first_and_padded_split_raise():
 def test_layer_in_no_tensor():
     s = full_spec()
     cfg = jaxkv.RunnerConfig(layers=[layer("a", s), layer("b", s)])
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=1,
-        kv_cache_tensors=[jaxkv.KVCacheTensor(size=65536, shared_by=["a"])],
+        kv_cache_tensors=[jaxkv.vllm.KVCacheTensor(size=65536, shared_by=["a"])],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=s)
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=s)
         ],
     )
     with pytest.raises(ValueError, match="Layer 'b' of KV-cache group 0 is in no"):
@@ -244,30 +252,38 @@ def test_kernel_split_views_and_packed_kernel_view():
         ]
     )
     kv = single_group_config(["a"], s, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg16)
-    views: dict[str, Any] = jaxkv.plan_kv_cache(kv, cfg16, sizes, groups)[1]
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg16)
+    views: dict[str, Any] = jaxkv.cache.pool_layout(kv, cfg16, sizes, groups)[1]
     assert views["a"].shape == (8, 2, 16, 1, 8)
     assert views["a"].block_stride_bytes == 1024
-    bound: Any = jaxkv.bind_kv_caches(views, ["a", "b"], kv, cfg16, groups)
+    bound: Any = jaxkv.vllm.bind_kv_caches(views, ["a", "b"], kv, cfg16, groups)
     assert bound["a"] is bound["b"]
     assert bound["a"].shape == (8, 2, 16, 1, 8)
     # Same in a packed pool: views stay at manager granularity, binding re-views.
     stride = 2 * s.page_size_bytes
-    packed = jaxkv.KVCacheConfig(
+    packed = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_tensors=[
-            jaxkv.KVCacheTensor(size=4 * stride, shared_by=["a"], block_stride=stride)
+            jaxkv.vllm.KVCacheTensor(
+                size=4 * stride, shared_by=["a"], block_stride=stride
+            )
         ],
-        kv_cache_groups=[jaxkv.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=s)],
+        kv_cache_groups=[
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=s)
+        ],
     )
-    groups, _, sizes = jaxkv.init_attn_backend(packed, cfg16)
-    views = jaxkv.plan_kv_cache(packed, cfg16, sizes, groups)[1]
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(packed, cfg16)
+    views = jaxkv.cache.pool_layout(packed, cfg16, sizes, groups)[1]
     assert views["a"].shape == (4, 2, 32, 1, 8)
     with pytest.raises(ValueError, match="slot mappings are not mapped"):
-        jaxkv.bind_kv_caches(views, ["a"], packed, cfg16, groups)
-    groups, _, sizes = jaxkv.init_attn_backend(packed, cfg16, maps_slot_mapping=True)
-    views = jaxkv.plan_kv_cache(packed, cfg16, sizes, groups)[1]
-    kview: Any = jaxkv.bind_kv_caches(views, ["a", "b"], packed, cfg16, groups)["b"]
+        jaxkv.vllm.bind_kv_caches(views, ["a"], packed, cfg16, groups)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(
+        packed, cfg16, maps_slot_mapping=True
+    )
+    views = jaxkv.cache.pool_layout(packed, cfg16, sizes, groups)[1]
+    kview: Any = jaxkv.vllm.bind_kv_caches(views, ["a", "b"], packed, cfg16, groups)[
+        "b"
+    ]
     # s = 4096 / 1024 = 4 kernel pages per manager block; (N-1)*s + r ids.
     assert kview.shape == (3 * 4 + 2, 2, 16, 1, 8)
     assert kview.block_stride_bytes == 1024
@@ -278,17 +294,17 @@ def test_kernel_split_views_and_packed_kernel_view():
 def test_planning_compiles_nothing():
     cfg = jaxkv.tiny_hybrid_config()
     with count_compiles() as compiles:
-        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=64, packed=True)
-        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-        jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+        kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=64, packed=True)
+        groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+        jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
     assert compiles == []
 
 
 def test_carrier_word_choice():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, _ = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    pools, _ = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
     assert [p.word for p in pools] == [4, 4]
     odd = jaxkv.FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=3, dtype="float8_e4m3fn"

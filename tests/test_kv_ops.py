@@ -40,8 +40,8 @@ def _read_bits(values):
 
 
 def _setup(cfg, kv, **kw) -> tuple[Any, Any, Any, dict[str, Any]]:
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg, **kw)
-    pools, views = jaxkv.init_kv_cache(kv, cfg, sizes, groups)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg, **kw)
+    pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
     return groups, sizes, pools, views
 
 
@@ -87,9 +87,9 @@ def test_row_pools_match_the_oracle_byte_for_byte(case, seed):
 def test_row_pools_hold_packed_and_hybrid_pools():
     for packed in (False, True):
         cfg = jaxkv.tiny_hybrid_config()
-        kv = jaxkv.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
-        groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-        specs, _ = jaxkv.plan_kv_cache(kv, cfg, sizes, groups, max_flat_words=0)
+        kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
+        groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+        specs, _ = jaxkv.cache.pool_layout(kv, cfg, sizes, groups, max_flat_words=0)
         assert all(p.rows == 6 for p in specs), specs
         assert all(p.shape == (6, p.size_bytes // p.word // 6) for p in specs)
 
@@ -101,7 +101,7 @@ def _check_against_oracle(case, seed, **plan_kw):
         assume(not any(m in str(err) for m in EXPECTED_ERRORS))
         raise
     rng = np.random.default_rng(seed)
-    pools = jaxkv.allocate_pools(pool_specs)
+    pools = jaxkv.cache.allocate_pools(pool_specs)
     oracle = Oracle(case.kv, case.cfg, sizes, groups)
     group_of = {n: g for gs in groups for g in gs for n in g.layer_names}
     for step in range(2):
@@ -244,7 +244,7 @@ def _check_no_pool_copy(fn, pools, *args, reads_only=False):
 
 def test_write_and_read_never_copy_a_pool():
     cfg = jaxkv.tiny_hybrid_config(head_size=64, num_kv_heads=4)
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=512)  # 2 x 32 MiB pools
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=512)  # 2 x 32 MiB pools
     groups, _, pools, views = _setup(cfg, kv)
     attn, mamba = views["layers.0.self_attn"], views["layers.2.mixer"]
     k = jnp.ones((256, 4, 64), jnp.float32)
@@ -336,7 +336,7 @@ def test_validators_name_layer_and_first_bad_index():
 
 def test_hybrid_pool_shared_by_attention_and_mamba_without_duplication():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=8)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
     _, _, pools, views = _setup(cfg, kv)
     assert len(pools) == 2
     assert sum(p.nbytes for p in pools) == sum(t.size for t in kv.kv_cache_tensors)
@@ -356,9 +356,9 @@ def test_hybrid_pool_shared_by_attention_and_mamba_without_duplication():
 
 def test_allocation_with_sharding():
     cfg, kv = _bf16_layer(num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pools, _ = jaxkv.init_kv_cache(kv, cfg, sizes, groups, sharding=sharding)
+    pools, _ = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups, sharding=sharding)
     assert pools[0].sharding == sharding
     assert pools[0].dtype == jnp.uint32
     assert not np.asarray(pools[0]).any()
@@ -371,7 +371,7 @@ def test_reads_and_writes_keep_every_bit():
     back as signed zeros on XLA:CPU (see `_read_bits`), never as other values.
     """
     cfg = jaxkv.tiny_hybrid_config(dtype="bfloat16", num_kv_heads=4)
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
     _, _, pools, views = _setup(cfg, kv)
     bits = np.array([0x0044, 0x8001, 0x7FC1, 0xFFFF, 0x0001, 0x3F80], np.uint16)
     conv = np.resize(bits, (1, 3, 128)).view(jnp.bfloat16)

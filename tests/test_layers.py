@@ -24,7 +24,7 @@ def test_get_kv_cache_spec_worked_example():
             layer("draft.attn0", s, is_draft=True),
         ]
     )
-    specs = jaxkv.get_kv_cache_spec(cfg)
+    specs = jaxkv.vllm.get_kv_cache_spec(cfg)
     assert list(specs) == ["attn0", "mamba0", "draft.attn0"]
     assert specs["draft.attn0"].is_draft
     assert specs["draft.attn0"] == specs["attn0"]
@@ -33,27 +33,32 @@ def test_get_kv_cache_spec_worked_example():
 
 def test_eligible_layers_worked_example():
     cfg = _model({"L3": "L1", "L4": "L2", "L5": "L1"})
-    assert jaxkv.get_kv_sharing_fast_prefill_eligible_layers(cfg, {"L4"}) == {
+    assert jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(cfg, {"L4"}) == {
         "L3",
         "L5",
     }
-    assert jaxkv.get_kv_sharing_fast_prefill_eligible_layers(cfg) == {"L3", "L4", "L5"}
+    assert jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(cfg) == {
+        "L3",
+        "L4",
+        "L5",
+    }
 
 
 def test_eligible_layers_edge_cases():
     # Switch off, no sharing, and a non-sharing last layer all give the empty set.
     assert (
-        jaxkv.get_kv_sharing_fast_prefill_eligible_layers(
+        jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(
             _model({"L5": "L1"}, fast_prefill=False)
         )
         == set()
     )
-    assert jaxkv.get_kv_sharing_fast_prefill_eligible_layers(_model({})) == set()
+    assert jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(_model({})) == set()
     assert (
-        jaxkv.get_kv_sharing_fast_prefill_eligible_layers(_model({"L3": "L1"})) == set()
+        jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(_model({"L3": "L1"}))
+        == set()
     )
     # The walk stops at the first non-sharing layer: L2 shares but L3 does not.
-    assert jaxkv.get_kv_sharing_fast_prefill_eligible_layers(
+    assert jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(
         _model({"L2": "L0", "L4": "L1", "L5": "L1"})
     ) == {"L4", "L5"}
 
@@ -61,7 +66,7 @@ def test_eligible_layers_edge_cases():
 def test_eligible_set_is_a_suffix_of_sharing_layers():
     for mask in range(1, 64):
         share = {f"L{i}": "L0" for i in range(1, 6) if mask >> i & 1}
-        got = jaxkv.get_kv_sharing_fast_prefill_eligible_layers(_model(share))
+        got = jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(_model(share))
         names = [f"L{i}" for i in range(6)]
         suffix = []
         for n in reversed(names):

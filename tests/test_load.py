@@ -6,7 +6,7 @@ Time per step and memory are measured by the benchmark, never asserted here.
 
 import pytest
 
-from jaxkv.sched.scheduler import MAX_REJECTED_KEPT
+from jaxkv.sched._scheduler import MAX_REJECTED_KEPT
 from tests.helpers import load_benchmark
 
 

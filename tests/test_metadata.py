@@ -40,24 +40,24 @@ def _groups_2_16():
     fa, tri, m2 = (
         jaxkv.get_backend(k) for k in ("FLASH_ATTN", "TRITON_ATTN", "MAMBA2")
     )
-    g0a = jaxkv.AttentionGroup(
+    g0a = jaxkv.vllm.AttentionGroup(
         backend=fa, layer_names=("a",), kv_cache_spec=attn, kv_cache_group_id=0
     )
-    g0b = jaxkv.AttentionGroup(
+    g0b = jaxkv.vllm.AttentionGroup(
         backend=tri, layer_names=("b",), kv_cache_spec=attn, kv_cache_group_id=0
     )
-    gm2 = jaxkv.AttentionGroup(
+    gm2 = jaxkv.vllm.AttentionGroup(
         backend=m2, layer_names=("m2",), kv_cache_spec=mamba, kv_cache_group_id=2
     )
-    gm3 = jaxkv.AttentionGroup(
+    gm3 = jaxkv.vllm.AttentionGroup(
         backend=m2, layer_names=("m3",), kv_cache_spec=mamba, kv_cache_group_id=3
     )
     groups = [[g0a, g0b], [], [gm2], [gm3]]
-    kv = jaxkv.KVCacheConfig(
+    kv = jaxkv.vllm.KVCacheConfig(
         num_blocks=4,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            jaxkv.KVCacheGroupSpec(layer_names=n, kv_cache_spec=s)
+            jaxkv.vllm.KVCacheGroupSpec(layer_names=n, kv_cache_spec=s)
             for n, s in (
                 (["a", "b"], attn),
                 (["x"], attn),
@@ -73,7 +73,7 @@ def _build(groups, kv, **kw):
     tables = [i32([[g + 1, 0], [g + 5, g + 6]]) for g in range(4)]
     slots = [i32([16 * (g + 1) + t for t in range(5)] + [-1, -1, -1]) for g in range(4)]
     return (
-        jaxkv.build_attn_metadata(
+        jaxkv.vllm.build_attn_metadata(
             groups,
             i32(2),
             i32(5),
@@ -116,7 +116,7 @@ def test_build_attn_metadata_worked_example():
 def test_kernel_block_table_of_split_group():
     groups, kv = _groups_2_16()
     spec = full_spec(block_size=32, heads=1, head=8, dtype="float32")
-    split = jaxkv.AttentionGroup(
+    split = jaxkv.vllm.AttentionGroup(
         backend=jaxkv.get_backend("JAX_PAGED"),
         layer_names=("a",),
         kv_cache_spec=spec,
@@ -131,12 +131,12 @@ def test_fast_prefill_fields_attached_and_wrapped_group_reduced():
     groups, kv = _groups_2_16()
     wrapped = dataclasses.replace(
         groups[0][1],
-        backend=jaxkv.create_fast_prefill_custom_backend(
+        backend=jaxkv.vllm.create_fast_prefill_custom_backend(
             "FastPrefill", groups[0][1].backend
         ),
         fast_prefill=True,
     )
-    fp = jaxkv.FastPrefillBatchMetadata(
+    fp = jaxkv.vllm.FastPrefillBatchMetadata(
         logits_indices_padded=i32([3, 4, 4, 4]),
         num_logits_indices=i32(2),
         max_logits_per_req=i32(1),
@@ -165,7 +165,7 @@ def test_reduction_worked_example_and_decode_passthrough():
         max_logits_per_req=i32(2),
         fast_prefill=True,
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(m)
     assert r.query_start_loc.tolist() == [0, 1, 3, 4]
     assert int(r.num_actual_tokens) == 4
     assert int(r.max_query_len) == 2
@@ -177,11 +177,13 @@ def test_reduction_worked_example_and_decode_passthrough():
         max_query_len=i32(1),
         num_actual_tokens=i32(3),
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(decode)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(decode)
     assert r.query_start_loc.tolist() == [0, 1, 2, 3]
     assert int(r.num_actual_tokens) == 3
     unarmed = dataclasses.replace(m, fast_prefill=False)
-    assert jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(unarmed) is unarmed
+    assert (
+        jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(unarmed) is unarmed
+    )
 
 
 def _reduce_reference(qsl, idx):
@@ -234,7 +236,7 @@ def test_reduction_matches_loop_reference(batch, pad):
         max_logits_per_req=i32(max_per_req),
         fast_prefill=True,
     )
-    r = jaxkv.make_kv_sharing_fast_prefill_common_attn_metadata(m)
+    r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(m)
     want, _ = _reduce_reference(qsl_padded, idx)
     if int(np.diff(qsl).max()) == 1:
         want = qsl_padded.tolist()
@@ -246,10 +248,10 @@ def test_reduction_matches_loop_reference(batch, pad):
 
 
 def test_pack_unpack_round_trip_and_padding():
-    layout = jaxkv.StepLayout(
+    layout = jaxkv.step.StepLayout(
         max_reqs=4, max_tokens=8, block_table_widths=(3, 2), max_mm_ranges=1
     )
-    packed = jaxkv.pack_step(
+    packed = jaxkv.step.pack_step(
         layout,
         query_start_loc=np.array([0, 3, 4]),
         seq_lens=np.array([3, 9]),
@@ -260,7 +262,7 @@ def test_pack_unpack_round_trip_and_padding():
     )
     assert packed.dtype == np.int32
     assert packed.size == layout.size
-    f = jaxkv.unpack_step(jnp.asarray(packed), layout)
+    f = jaxkv.step.unpack_step(jnp.asarray(packed), layout)
     assert f["scalars"].tolist() == [2, 4, 3, 9]
     assert f["query_start_loc"].tolist() == [0, 3, 4, 4, 4]
     assert f["seq_lens"].tolist() == [3, 9, 0, 0]
@@ -271,7 +273,7 @@ def test_pack_unpack_round_trip_and_padding():
     assert f["mm_prefix_ranges"][1].tolist() == [[0, 5]]
     assert f["mm_num_ranges"].tolist() == [0, 1, 0, 0]
     with pytest.raises(ValueError, match="does not fit the layout's capacity"):
-        jaxkv.pack_step(
+        jaxkv.step.pack_step(
             layout,
             query_start_loc=np.array([0, 9]),
             seq_lens=np.array([9]),
@@ -280,7 +282,7 @@ def test_pack_unpack_round_trip_and_padding():
             slot_mappings=[np.arange(9)] * 2,
         )
     with pytest.raises(ValueError, match="one per KV-cache group"):
-        jaxkv.pack_step(
+        jaxkv.step.pack_step(
             layout,
             query_start_loc=np.array([0, 1]),
             seq_lens=np.array([1]),
@@ -296,7 +298,7 @@ def test_mamba_state_blocks_come_from_the_group_not_the_caller():
         n for n, v in plan.views.items() if not isinstance(v, jaxkv.KVCacheView)
     )
     bs = plan.block_sizes[2]
-    meta = jaxkv.build_attn_metadata(
+    meta = jaxkv.vllm.build_attn_metadata(
         plan.attn_groups,
         1,
         1,

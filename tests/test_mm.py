@@ -2,7 +2,7 @@ import pytest
 
 import jaxkv
 
-P, F = jaxkv.PlaceholderRange, jaxkv.MultiModalFeatureSpec
+P, F = jaxkv.vllm.PlaceholderRange, jaxkv.vllm.MultiModalFeatureSpec
 
 
 def _features():
@@ -23,18 +23,21 @@ def _features():
 
 
 def test_worked_example():
-    got = jaxkv.compute_mm_prefix_ranges(
+    got = jaxkv.vllm.compute_mm_prefix_ranges(
         ["a", "b", "c"], _features(), sliding_window=256
     )
     assert got == {0: [(2, 6), (11, 12)], 1: [], 2: [(400, 655)]}
-    got = jaxkv.compute_mm_prefix_ranges(["a", "b", "c"], _features())
+    got = jaxkv.vllm.compute_mm_prefix_ranges(["a", "b", "c"], _features())
     assert got[2] == [(0, 299), (400, 655)]
 
 
 def test_equal_length_kept_and_keys_are_positions():
     feats = {"x": [F(modality="image", mm_position=P(offset=5, length=8))]}
-    assert jaxkv.compute_mm_prefix_ranges(["y", "x"], feats, 8) == {0: [], 1: [(5, 12)]}
-    assert jaxkv.compute_mm_prefix_ranges(["x"], feats, 7) == {0: []}
+    assert jaxkv.vllm.compute_mm_prefix_ranges(["y", "x"], feats, 8) == {
+        0: [],
+        1: [(5, 12)],
+    }
+    assert jaxkv.vllm.compute_mm_prefix_ranges(["x"], feats, 7) == {0: []}
 
 
 def test_is_embed_runs():
@@ -46,10 +49,12 @@ def test_is_embed_runs():
 
 def test_extensions():
     feats = {"c": [F(modality="image", mm_position=P(offset=0, length=300))]}
-    assert jaxkv.compute_mm_prefix_ranges(
+    assert jaxkv.vllm.compute_mm_prefix_ranges(
         ["c"], feats, 256, clamp_sliding_window=True
     ) == {0: [(0, 299)]}
     feats = {"c": [F(modality="image", mm_position=P(offset=37, length=10))]}
-    assert jaxkv.compute_mm_prefix_ranges(["c"], feats, span_pad=16) == {0: [(47, 46)]}
+    assert jaxkv.vllm.compute_mm_prefix_ranges(["c"], feats, span_pad=16) == {
+        0: [(47, 46)]
+    }
     with pytest.raises(ValueError, match="sliding_window must be positive"):
-        jaxkv.compute_mm_prefix_ranges(["c"], feats, 0)
+        jaxkv.vllm.compute_mm_prefix_ranges(["c"], feats, 0)

@@ -25,10 +25,10 @@ def test_core_import_loads_no_demo_libraries():
 def test_plan_matches_the_seed_functions():
     cfg = jaxkv.tiny_hybrid_config(max_model_len=256)
     plan = jaxkv.make_plan(cfg, num_blocks=8)
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=8)
-    groups, info, sizes = jaxkv.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
-    bound = jaxkv.bind_kv_caches(
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    pools, views = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
+    bound = jaxkv.vllm.bind_kv_caches(
         views, [layer.name for layer in cfg.layers], kv, cfg, groups
     )
     assert plan.kernel_block_sizes == tuple(sizes)
@@ -38,7 +38,7 @@ def test_plan_matches_the_seed_functions():
     assert [[g.layer_names for g in gs] for gs in plan.attn_groups] == [
         [g.layer_names for g in gs] for gs in groups
     ]
-    assert plan.kv_cache_config == jaxkv.with_kv_sharing_layers(kv, cfg)
+    assert plan.kv_cache_config == jaxkv.groups.with_kv_sharing_layers(kv, cfg)
     # 256 tokens in blocks of 32: 8 columns; the Mamba group holds one block.
     assert plan.block_table_widths == (8, 8, 8)
     assert hash(plan) == hash(plan)
@@ -75,15 +75,15 @@ def test_plan_allocates_its_pools():
 
 def test_equal_bindings_are_equal_and_hash_equal():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-    groups, _, sizes = jaxkv.init_attn_backend(kv, cfg)
-    _, views = jaxkv.plan_kv_cache(kv, cfg, sizes, groups)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    _, views = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
     names = [layer.name for layer in cfg.layers]
-    a = jaxkv.bind_kv_caches(views, names, kv, cfg, groups)
-    b = jaxkv.bind_kv_caches(views, list(reversed(names)), kv, cfg, groups)
+    a = jaxkv.vllm.bind_kv_caches(views, names, kv, cfg, groups)
+    b = jaxkv.vllm.bind_kv_caches(views, list(reversed(names)), kv, cfg, groups)
     assert a == b
     assert hash(a) == hash(b)
-    c = jaxkv.bind_kv_caches(views, [*names, "encoder.attn"], kv, cfg, groups)
+    c = jaxkv.vllm.bind_kv_caches(views, [*names, "encoder.attn"], kv, cfg, groups)
     assert c != a
 
 
@@ -138,29 +138,31 @@ def test_unsupported_spec_fields_raise_instead_of_being_ignored(make, field):
 
 def test_init_attn_backend_rejects_a_device_it_would_ignore():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
     with pytest.raises(ValueError, match="device=.*not used by jaxkv"):
-        jaxkv.init_attn_backend(kv, cfg, "cuda:0")
+        jaxkv.vllm.init_attn_backend(kv, cfg, "cuda:0")
 
 
 def test_capability_checks_reject_groups_of_another_model():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.make_kv_cache_config(cfg, num_blocks=4)
-    groups, _, _ = jaxkv.init_attn_backend(kv, cfg)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     other = jaxkv.RunnerConfig(layers=[cfg.layers[0]])
     with pytest.raises(ValueError, match="'layers.3.self_attn' is not a layer"):
-        jaxkv.get_attn_cg_support(groups, other)
+        jaxkv.vllm.get_attn_cg_support(groups, other)
     with pytest.raises(ValueError, match="is not a layer"):
-        jaxkv.get_varlen_cudagraph_unsupported_backend(groups, other, 4)
+        jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(groups, other, 4)
 
 
 def test_build_attn_metadata_rejects_a_config_with_fewer_groups():
     cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
     plan = jaxkv.make_plan(cfg, num_blocks=4)
-    small = jaxkv.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[])
+    small = jaxkv.vllm.KVCacheConfig(
+        num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[]
+    )
     i32 = np.int32
     with pytest.raises(ValueError, match="3 attention-group lists for a KVCacheConfig"):
-        jaxkv.build_attn_metadata(
+        jaxkv.vllm.build_attn_metadata(
             plan.attn_groups,
             i32(1),
             i32(1),
@@ -246,7 +248,7 @@ def test_unified_pages_pad_a_smaller_mamba_state():
         name="mixer", spec=state, backend=jaxkv.get_backend("MAMBA2"), num_heads=1
     )
     cfg = dataclasses.replace(cfg, layers=(*cfg.layers, mixer))
-    out = jaxkv.unify_page_sizes(cfg).layer("mixer").spec
+    out = jaxkv.vllm.unify_page_sizes(cfg).layer("mixer").spec
     assert out is not None
     assert (state.page_size_bytes, out.page_size_bytes) == (1024, 2048)
 

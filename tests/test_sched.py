@@ -14,7 +14,7 @@ import jaxkv.demo
 
 
 def test_allocator_counts_references_and_evicts_cached_blocks_lru():
-    a = jaxkv.BlockAllocator(5)
+    a = jaxkv.cache.BlockAllocator(5)
     x, y = a.allocate(2)
     a.touch([x])  # a second request shares x
     a.cache(x, key="kx")
@@ -43,13 +43,13 @@ def test_allocator_counts_references_and_evicts_cached_blocks_lru():
 
 
 def test_block_hashes_chain_and_salt():
-    h = jaxkv.hash_token_blocks(list(range(10)), 4)
+    h = jaxkv.sched.hash_token_blocks(list(range(10)), 4)
     assert len(h) == 2
-    assert jaxkv.hash_token_blocks(list(range(4, 10)), 4, parent=h[0]) == h[1:]
+    assert jaxkv.sched.hash_token_blocks(list(range(4, 10)), 4, parent=h[0]) == h[1:]
     # Same second block, different first block: different hash (chained).
-    other = jaxkv.hash_token_blocks([9, 9, 9, 9, 4, 5, 6, 7], 4)
+    other = jaxkv.sched.hash_token_blocks([9, 9, 9, 9, 4, 5, 6, 7], 4)
     assert other[1] != h[1]
-    assert jaxkv.hash_token_blocks(list(range(8)), 4, salt="t")[0] != h[0]
+    assert jaxkv.sched.hash_token_blocks(list(range(8)), 4, salt="t")[0] != h[0]
 
 
 def _spec(kind, bs=4):
@@ -85,7 +85,7 @@ def _spec(kind, bs=4):
     ],
 )
 def test_longest_cache_hit_rules(kind, cached, want):
-    got = jaxkv.longest_cache_hit(
+    got = jaxkv.sched.longest_cache_hit(
         _spec(kind), num_blocks=5, is_cached=cached.__contains__
     )
     assert got == want
@@ -321,7 +321,9 @@ def _serve(engine, requests, **reset):
 
 def _fresh(requests):
     return [
-        jaxkv.demo.Request(r.req_id, prompt=r.prompt, max_new_tokens=r.max_new_tokens)
+        jaxkv.demo.EngineRequest(
+            r.req_id, prompt=r.prompt, max_new_tokens=r.max_new_tokens
+        )
         for r in requests
     ]
 
@@ -330,7 +332,7 @@ def test_engine_preempts_instead_of_aborting_and_matches_the_dense_model(served)
     model, engine = served
     rng = np.random.default_rng(0)
     requests = [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             f"r{i}",
             prompt=rng.integers(0, 64, int(rng.integers(90, 130))).tolist(),
             max_new_tokens=24,
@@ -352,7 +354,7 @@ def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, 64, 256).tolist()
     requests = [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             f"p{i}", prompt=prefix + rng.integers(0, 64, 16).tolist(), max_new_tokens=3
         )
         for i in range(32)
@@ -380,12 +382,14 @@ def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
 def test_engine_rejects_bad_requests_and_serves_the_others(served):
     model, engine = served
     good = [
-        jaxkv.demo.Request("g0", prompt=[1, 2, 3], max_new_tokens=4),
-        jaxkv.demo.Request("g1", prompt=[4, 5], max_new_tokens=2, arrival_step=10**9),
+        jaxkv.demo.EngineRequest("g0", prompt=[1, 2, 3], max_new_tokens=4),
+        jaxkv.demo.EngineRequest(
+            "g1", prompt=[4, 5], max_new_tokens=2, arrival_step=10**9
+        ),
     ]
     bad = [
-        jaxkv.demo.Request("long", prompt=[1] * 300, max_new_tokens=30),
-        jaxkv.demo.Request("oov", prompt=[1, 99], max_new_tokens=1),
+        jaxkv.demo.EngineRequest("long", prompt=[1] * 300, max_new_tokens=30),
+        jaxkv.demo.EngineRequest("oov", prompt=[1, 99], max_new_tokens=1),
     ]
     engine.reset(num_blocks=30)
     steps, generated = engine.run([bad[0], good[0], bad[1], good[1]])

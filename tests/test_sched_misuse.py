@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.sched.scheduler import MAX_REJECTED_KEPT
+from jaxkv.sched._scheduler import MAX_REJECTED_KEPT
 from tests.helpers import one_layer_config
 
 

@@ -13,7 +13,9 @@ def _backend(kernel=None):
     return jaxkv.AttentionBackend(
         name=f"K{kernel}",
         layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
-        supported_kernel_block_sizes=(kernel,) if kernel else (jaxkv.MultipleOf(1),),
+        supported_kernel_block_sizes=(kernel,)
+        if kernel
+        else (jaxkv.vllm.MultipleOf(1),),
     )
 
 
@@ -36,7 +38,7 @@ def _engine(fast_prefill=True, kernel=None, record_logits=False):
 def _requests(seed=0, n=8):
     rng = np.random.default_rng(seed)
     return [
-        jaxkv.demo.Request(
+        jaxkv.demo.EngineRequest(
             req_id=f"r{i}",
             prompt=rng.integers(1, 96, int(rng.integers(3, 60))).tolist(),
             max_new_tokens=int(rng.integers(4, 12)),
@@ -143,7 +145,7 @@ def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
     def serve(free_skipped: bool):
         rng = np.random.default_rng(3)
         requests = [
-            jaxkv.demo.Request(
+            jaxkv.demo.EngineRequest(
                 req_id=f"r{i}",
                 prompt=rng.integers(1, 64, int(rng.integers(30, 70))).tolist(),
                 max_new_tokens=int(rng.integers(10, 24)),
@@ -183,7 +185,7 @@ def test_sliding_window_blocks_are_freed_and_outputs_still_match(kernel):
 
 
 def test_get_num_skipped_tokens_follows_vllm():
-    get_num_skipped_tokens = jaxkv.get_num_skipped_tokens
+    get_num_skipped_tokens = jaxkv.vllm.get_num_skipped_tokens
     common = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": "float32"}
     swa = jaxkv.SlidingWindowSpec(**common, sliding_window=128)
     local = jaxkv.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
@@ -205,7 +207,7 @@ def test_get_num_skipped_tokens_follows_vllm():
 
 
 def test_allocator_errors():
-    a = jaxkv.BlockAllocator(3)
+    a = jaxkv.cache.BlockAllocator(3)
     a.allocate(2)
     with pytest.raises(RuntimeError, match="need 1, 0 free"):
         a.allocate(1)

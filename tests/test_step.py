@@ -123,7 +123,7 @@ def test_full_and_piecewise_buckets_share_one_program():
     builder = _builder()
     descs = builder.dispatcher.executables()
     modes = {d.cg_mode for d in descs}
-    assert modes == {jaxkv.CompileMode.FULL, jaxkv.CompileMode.PIECEWISE}
+    assert modes == {jaxkv.vllm.CompileMode.FULL, jaxkv.vllm.CompileMode.PIECEWISE}
     programs = builder.abstract_inputs()
     keys = [p.program for p in programs]
     assert len(keys) == len(set(keys))

@@ -7,7 +7,7 @@ import pytest
 
 import jaxkv
 
-L = jaxkv.TensorLayout
+L = jaxkv.vllm.TensorLayout
 
 
 def _view(plan, name) -> jaxkv.KVCacheView:
@@ -33,7 +33,9 @@ SPEC = jaxkv.FullAttentionSpec(
     ],
 )
 def test_layout_strides_follow_the_permutation(layout, strides):
-    shape, got = jaxkv.layout_strides(SPEC, num_blocks=4, num_layers=2, layout=layout)
+    shape, got = jaxkv.vllm.layout_strides(
+        SPEC, num_blocks=4, num_layers=2, layout=layout
+    )
     assert shape == (2, 4, 8, 16, 512)
     assert got == strides
 
@@ -46,16 +48,18 @@ def test_padded_pages_round_the_page_grid_and_refuse_kernel_splits():
         dtype="float32",
         page_size_padded=2048,
     )  # a 1024-byte page padded to 2048
-    _, strides = jaxkv.layout_strides(spec, num_blocks=3, num_layers=2, layout=L.LBNHC)
+    _, strides = jaxkv.vllm.layout_strides(
+        spec, num_blocks=3, num_layers=2, layout=L.LBNHC
+    )
     assert strides[:2] == (6144, 2048)
     with pytest.raises(ValueError, match="dense, unpadded pages"):
-        jaxkv.layout_strides(
+        jaxkv.vllm.layout_strides(
             spec, num_blocks=3, num_layers=2, layout=L.LBNHC, kernel_block_size=8
         )
     dense = jaxkv.FullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
     )
-    shape, strides = jaxkv.layout_strides(
+    shape, strides = jaxkv.vllm.layout_strides(
         dense,
         num_blocks=3,
         num_layers=1,
@@ -71,16 +75,16 @@ def test_resolve_layout_as_vllm_does():
     small = jaxkv.FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16"
     )
-    assert jaxkv.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC]) == L.LHBNC
+    assert jaxkv.vllm.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC]) == L.LHBNC
     # Mixed (H, N, page) shapes alias pages only in a block-compact layout.
-    assert jaxkv.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC, small]) == L.LBNHC
+    assert jaxkv.vllm.resolve_layout([[L.LHBNC, L.LBNHC]], [SPEC, small]) == L.LBNHC
     with pytest.raises(ValueError, match="block-compact"):
-        jaxkv.resolve_layout([[L.LHBNC, L.BHLNC]], [SPEC, small])
+        jaxkv.vllm.resolve_layout([[L.LHBNC, L.BHLNC]], [SPEC, small])
     with pytest.raises(ValueError, match="disagree"):
-        jaxkv.resolve_layout([[L.LBNHC], [L.LBHNC]])
+        jaxkv.vllm.resolve_layout([[L.LBNHC], [L.LBHNC]])
     with pytest.raises(ValueError, match="not a valid layout"):
-        jaxkv.resolve_layout([[L.LBNHC]], requested=L.BLNHC)
-    assert jaxkv.resolve_layout([[L.LBNHC, L.BLNHC]], requested=L.BLNHC) == L.BLNHC
+        jaxkv.vllm.resolve_layout([[L.LBNHC]], requested=L.BLNHC)
+    assert jaxkv.vllm.resolve_layout([[L.LBNHC, L.BLNHC]], requested=L.BLNHC) == L.BLNHC
 
 
 def _kv(rng, n, h, d):
@@ -92,12 +96,14 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
     # 0.33's LBNHC views of one flat backing give identical bytes.
     cfg = jaxkv.llama_like_config(num_layers=3, num_kv_heads=2, head_size=16)
     plan = jaxkv.make_plan(cfg, num_blocks=5, storage="stacked")
-    (tensor,) = jaxkv.plan_tensors(plan)
+    (tensor,) = jaxkv.vllm.plan_tensors(plan)
     assert tensor.layers == tuple(f"layers.{i}.self_attn" for i in range(3))
     spec = cfg.layers[0].spec
     assert isinstance(spec, jaxkv.AttentionSpec)
-    views = jaxkv.tensor_views(tensor, spec, num_blocks=5, layout=L.LBNHC)
-    backing = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=tensor.size, word=4)])
+    views = jaxkv.vllm.tensor_views(tensor, spec, num_blocks=5, layout=L.LBNHC)
+    backing = jaxkv.cache.allocate_pools(
+        [jaxkv.cache.PoolSpec(size_bytes=tensor.size, word=4)]
+    )
     pools = plan.allocate()
     rng = np.random.default_rng(0)
     slots = np.array([3, 17, 40, 79, -1])
@@ -105,7 +111,7 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
         k, v = _kv(rng, 5, 2, 16)
         pools = jaxkv.write_kv(pools, plan.views[name], k, v, slots)
         backing = jaxkv.write_kv(backing, views[name], k, v, slots)
-        assert jaxkv.layout_of_view(_view(plan, name)) == L.LBNHC
+        assert jaxkv.vllm.layout_of_view(_view(plan, name)) == L.LBNHC
     np.testing.assert_array_equal(
         np.asarray(pools[0]).reshape(-1).view(np.uint32), np.asarray(backing[0])
     )
@@ -122,11 +128,13 @@ def test_block_outermost_tensor_views_address_vllm_s_bytes():
         block_size=4, num_kv_heads=2, head_size=2, dtype="float32"
     )
     page = 4 * 2 * 4 * 4
-    tensor = jaxkv.LayerTensor(
+    tensor = jaxkv.vllm.LayerTensor(
         size=3 * 2 * page, layers=("a", "b"), layer_stride=page, block_stride=2 * page
     )
-    views = jaxkv.tensor_views(tensor, spec, num_blocks=3, layout=L.BLNHC)
-    pools = jaxkv.allocate_pools([jaxkv.PoolSpec(size_bytes=tensor.size, word=4)])
+    views = jaxkv.vllm.tensor_views(tensor, spec, num_blocks=3, layout=L.BLNHC)
+    pools = jaxkv.cache.allocate_pools(
+        [jaxkv.cache.PoolSpec(size_bytes=tensor.size, word=4)]
+    )
     k = jnp.full((1, 2, 2), 7.0)
     pools = jaxkv.write_kv(pools, views["b"], k, k + 1, jnp.array([2 * 4 + 1]))
     raw = np.asarray(pools[0]).view(np.float32)
@@ -139,10 +147,10 @@ def test_block_outermost_tensor_views_address_vllm_s_bytes():
 
 def test_the_seeds_layouts_are_not_described_as_vllm_0_33_tensors():
     plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
-    assert jaxkv.layout_of_view(_view(plan, "layers.0.self_attn")) is None
-    assert jaxkv.plan_tensors(plan) == ()
+    assert jaxkv.vllm.layout_of_view(_view(plan, "layers.0.self_attn")) is None
+    assert jaxkv.vllm.plan_tensors(plan) == ()
     with pytest.raises(TypeError, match="KVCachePlan"):
-        jaxkv.plan_tensors(plan.views)
+        jaxkv.vllm.plan_tensors(plan.views)
 
 
 def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
@@ -151,16 +159,16 @@ def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
     )
     page = spec.page_size_bytes
     tensors = [
-        jaxkv.LayerTensor(
+        jaxkv.vllm.LayerTensor(
             size=2 * 4 * page, layers=names, layer_stride=4 * page, block_stride=page
         )
         for names in (("full.0", "full.1"), ("swa.0", "swa.1"))
     ]
     specs = dict.fromkeys(["full.0", "full.1", "swa.0", "swa.1"], spec)
-    pool_specs, views = jaxkv.allocate_layer_tensors(
+    pool_specs, views = jaxkv.vllm.allocate_layer_tensors(
         tensors, specs, num_blocks=4, layout=L.LBNHC
     )
-    pools = jaxkv.allocate_pools(pool_specs)
+    pools = jaxkv.cache.allocate_pools(pool_specs)
     k = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
     pools = jaxkv.write_kv(pools, views["full.1"], k, -k, jnp.array([2 * 16 + 5]))
     kp, vp = jaxkv.gather_kv_pages(pools, views["swa.1"], jnp.array([[2]]))
@@ -169,10 +177,10 @@ def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
     kp0, _ = jaxkv.gather_kv_pages(pools, views["swa.0"], jnp.array([[2]]))
     assert not np.asarray(kp0).any()  # layer 0 is another layer's region
     with pytest.raises(ValueError, match="one backing"):
-        jaxkv.allocate_layer_tensors(
+        jaxkv.vllm.allocate_layer_tensors(
             [
                 tensors[0],
-                jaxkv.LayerTensor(
+                jaxkv.vllm.LayerTensor(
                     size=1, layers=("x",), layer_stride=1, block_stride=1
                 ),
             ],

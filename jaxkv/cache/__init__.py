@@ -1,1 +1,138 @@
-"""cache."""
+"""cache: the plan, the pools, every layer's view of them, reads and writes.
+
+Data flow inside: ``_grouping`` (layers into groups and pools, vLLM's hybrid
+page alignment) -> ``_pools`` (carrier-word or typed storage, allocation) ->
+``_layer_views`` / ``_kernel_views`` / ``_views`` (each layer's bytes) ->
+``_bind`` (views bound to attention layers) -> ``_plan`` (all of it as one
+static, hashable :class:`KVCachePlan`) and ``_shard`` (on a mesh);
+``_ops`` reads and writes through views inside jit (``_strided`` for word
+pools, ``_typed`` for typed pools); ``_vllm_layout`` is vLLM 0.33's
+description of the same storage; ``_blocks`` a block allocator.
+"""  # noqa: D205
+
+from jaxkv.cache._bind import (
+    AttentionLayer,
+    BoundKVCaches,
+    bind_kv_caches,
+    build_slot_mappings_by_layer,
+    local_attention,
+)
+from jaxkv.cache._blocks import BlockAllocator, get_num_skipped_tokens
+from jaxkv.cache._grouping import (
+    HybridBlockAlignment,
+    align_hybrid_block_size,
+    make_kv_cache_config,
+    unify_page_sizes,
+)
+from jaxkv.cache._layer_views import (
+    _align_mixed_attention_kv_cache_views,  # noqa: F401  (vLLM's name)
+    _kv_first_layers_sharing_pool_with_mamba,  # noqa: F401  (vLLM's name)
+    build_kv_cache_views,
+)
+from jaxkv.cache._ops import (
+    Pools,
+    any_deleted,
+    check_layer,
+    check_pools_alive,
+    gather_kv_pages,
+    kernel_cache,
+    put_kernel_cache,
+    read_mamba_state,
+    read_view,
+    validate_block_ids,
+    validate_slot_mapping,
+    write_kv,
+    write_mamba_state,
+    zero_blocks,
+)
+from jaxkv.cache._plan import (
+    KVCacheBudget,
+    KVCachePlan,
+    LayerStack,
+    kv_cache_budget,
+    make_plan,
+)
+from jaxkv.cache._pools import (
+    KVCacheInit,
+    PoolLayout,
+    PoolSpec,
+    allocate_pools,
+    init_kv_cache,
+    pool_layout,
+    resolve_storage,
+)
+from jaxkv.cache._shard import (
+    ShardedPlan,
+    local_kv_heads,
+    local_runner_config,
+    shard_plan,
+)
+from jaxkv.cache._views import KVCacheView, LayerView, MambaView
+from jaxkv.cache._vllm_layout import (
+    LayerTensor,
+    TensorLayout,
+    allocate_layer_tensors,
+    hnc_shape,
+    layout_of_view,
+    layout_strides,
+    plan_tensors,
+    resolve_layout,
+    tensor_views,
+)
+
+__all__ = [
+    "AttentionLayer",
+    "BlockAllocator",
+    "BoundKVCaches",
+    "HybridBlockAlignment",
+    "KVCacheBudget",
+    "KVCacheInit",
+    "KVCachePlan",
+    "KVCacheView",
+    "LayerStack",
+    "LayerTensor",
+    "LayerView",
+    "MambaView",
+    "PoolLayout",
+    "PoolSpec",
+    "Pools",
+    "ShardedPlan",
+    "TensorLayout",
+    "align_hybrid_block_size",
+    "allocate_layer_tensors",
+    "allocate_pools",
+    "any_deleted",
+    "bind_kv_caches",
+    "build_kv_cache_views",
+    "build_slot_mappings_by_layer",
+    "check_layer",
+    "check_pools_alive",
+    "gather_kv_pages",
+    "get_num_skipped_tokens",
+    "hnc_shape",
+    "init_kv_cache",
+    "kernel_cache",
+    "kv_cache_budget",
+    "layout_of_view",
+    "layout_strides",
+    "local_attention",
+    "local_kv_heads",
+    "local_runner_config",
+    "make_kv_cache_config",
+    "make_plan",
+    "plan_tensors",
+    "pool_layout",
+    "put_kernel_cache",
+    "read_mamba_state",
+    "read_view",
+    "resolve_layout",
+    "resolve_storage",
+    "shard_plan",
+    "tensor_views",
+    "unify_page_sizes",
+    "validate_block_ids",
+    "validate_slot_mapping",
+    "write_kv",
+    "write_mamba_state",
+    "zero_blocks",
+]

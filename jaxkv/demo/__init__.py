@@ -1,18 +1,20 @@
 """The demo: a small Flax NNX hybrid model served through jaxkv.
 
 Not imported by ``import jaxkv``: the core needs jax and numpy only; this
-subpackage brings flax. ``python -m jaxkv`` runs :func:`jaxkv.demo.cli.main`.
+subpackage brings flax. ``python -m jaxkv`` runs :func:`jaxkv.demo.main`.
 """
 
-from jaxkv.demo.engine import Engine, Request
-from jaxkv.demo.model import TinyHybridModel, forward_dense, forward_paged
-from jaxkv.demo.oracle import generate_dense
+from jaxkv.demo._cli import main
+from jaxkv.demo._engine import Engine, EngineRequest
+from jaxkv.demo._model import TinyHybridModel, forward_dense, forward_paged
+from jaxkv.demo._oracle import generate_dense
 
 __all__ = [
     "Engine",
-    "Request",
+    "EngineRequest",
     "TinyHybridModel",
     "forward_dense",
     "forward_paged",
     "generate_dense",
+    "main",
 ]

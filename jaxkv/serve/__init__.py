@@ -1,4 +1,20 @@
-"""Serving your own model: a loop over the scheduler, the step builder and a
-step function of yours, with sampling, stop tokens, streaming, warm-up and
-fault resumption.
+"""serve: a loop over the scheduler, the step builder and a step function of
+yours, with sampling, stop tokens, streaming, warm-up and fault resumption.
 """  # noqa: D205
+
+from jaxkv.serve._loop import Forward, ServingLoop
+from jaxkv.serve._sampling import (
+    SamplingParams,
+    request_seed,
+    sample_tokens,
+    sample_tokens_per_row,
+)
+
+__all__ = [
+    "Forward",
+    "SamplingParams",
+    "ServingLoop",
+    "request_seed",
+    "sample_tokens",
+    "sample_tokens_per_row",
+]

@@ -1,0 +1,332 @@
+"""Planning a KV-cache config for a model, and hybrid attention/Mamba page alignment."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxkv._backends import AttentionBackend, MultipleOf
+from jaxkv._config import RunnerConfig
+from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from jaxkv._layer_queries import get_kv_cache_spec
+from jaxkv._specs import (
+    AttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+)
+from jaxkv._util import cdiv, check_positive_int
+
+
+def make_kv_cache_config(
+    runner_config: RunnerConfig, num_blocks: int, *, packed: bool = False
+) -> KVCacheConfig:
+    """Plans groups and pools the way vLLM's hybrid allocator does.
+
+    Layers with equal specs form groups of ``n`` layers, ``n`` being the smallest
+    number of layers of any spec; pool ``i`` is shared by the ``i``-th layer of
+    every group, so a hybrid model has no memory per layer type, only per pool.
+    With a single spec every layer gets its own pool in one group. Encoder-only
+    layers get a group and no memory.
+
+    Args:
+      runner_config: The runner configuration.
+      num_blocks: Blocks per pool.
+      packed: Pack the pools block-outermost into one backing (block ``b`` of
+        pool ``i`` at ``b*block_stride + i*P``) instead of one array per pool.
+
+    Returns:
+      The KV-cache configuration (without KV-sharing layers; see
+      :func:`with_kv_sharing_layers`).
+
+    Raises:
+      ValueError: If several specs have different page sizes (pad the smaller
+        pages with ``page_size_padded``, or align a hybrid model with
+        :func:`align_hybrid_block_size`), or the model has no cache layer.
+
+    Example:
+      >>> import jaxkv
+      >>> kv = jaxkv.cache.make_kv_cache_config(jaxkv.tiny_hybrid_config(), num_blocks=8)
+      >>> [g.layer_names for g in kv.kv_cache_groups]
+      [('layers.0.self_attn', 'layers.3.self_attn'), ('layers.1.self_attn', 'layers.4.self_attn'), ('layers.2.mixer', 'layers.5.mixer')]
+      >>> [t.shared_by for t in kv.kv_cache_tensors]
+      [('layers.0.self_attn', 'layers.1.self_attn', 'layers.2.mixer'), ('layers.3.self_attn', 'layers.4.self_attn', 'layers.5.mixer')]
+    """  # noqa: E501
+    check_positive_int("make_kv_cache_config", "num_blocks", num_blocks)
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    encoder_only: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in get_kv_cache_spec(runner_config).items():
+        target = encoder_only if isinstance(spec, EncoderOnlyAttentionSpec) else by_spec
+        target.setdefault(spec, []).append(name)
+    if not by_spec:
+        raise ValueError(
+            "make_kv_cache_config: the model has no layer with a KV cache."
+        )
+    pages = {spec.page_size_bytes for spec in by_spec}
+    if len(pages) > 1:
+        detail = ", ".join(
+            f"{names[0]}: {s.page_size_bytes}" for s, names in by_spec.items()
+        )
+        raise ValueError(
+            "make_kv_cache_config: hybrid layers must have equal page sizes, got "
+            f"{detail}; plan with make_plan, which unifies attention pages "
+            "(unify_page_sizes), set page_size_padded on the smaller pages, or "
+            "plan with make_plan(..., align_hybrid=True) (align_hybrid_block_size)."
+        )
+    page = pages.pop()
+    if len(by_spec) == 1:
+        ((spec, names),) = by_spec.items()
+        groups = [(spec, names)]
+        columns = [[name] for name in names]
+    else:
+        size = min(len(names) for names in by_spec.values())
+        groups = [
+            (spec, names[i : i + size])
+            for spec, names in by_spec.items()
+            for i in range(0, len(names), size)
+        ]
+        columns = [
+            [names[i] for _, names in groups if i < len(names)] for i in range(size)
+        ]
+    if packed:
+        stride = len(columns) * page
+        tensors = [
+            KVCacheTensor(
+                size=num_blocks * stride,
+                shared_by=tuple(c),
+                offset=i * page,
+                block_stride=stride,
+            )
+            for i, c in enumerate(columns)
+        ]
+    else:
+        tensors = [
+            KVCacheTensor(size=num_blocks * page, shared_by=tuple(c)) for c in columns
+        ]
+    group_specs = [
+        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s) for s, n in groups
+    ]
+    group_specs += [
+        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
+        for s, n in encoder_only.items()
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tuple(tensors),
+        kv_cache_groups=tuple(group_specs),
+    )
+
+
+def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
+    """Gives every cache layer the largest attention page, as vLLM's
+    ``unify_kv_cache_spec_page_size`` does (vLLM 0.32).
+
+    With ``P`` the largest page of any attention layer, a layer with a smaller
+    page gets ``block_size * P / page`` tokens per block when its page divides
+    ``P`` (an attention layer with half the bytes per token holds twice the
+    tokens), else its page padded to ``P`` (``page_size_padded``; non-MLA
+    attention and Mamba layers). KV-sharing layers follow their target. A
+    model whose largest page is a Mamba state is returned unchanged: align it
+    with :func:`align_hybrid_block_size` first.
+
+    Args:
+      runner_config: The model's layers.
+
+    Returns:
+      The config with equal pages (the same object if they already were).
+
+    Raises:
+      ValueError: If an MLA layer's page neither divides nor may be padded to
+        ``P``, naming the layers and the two ways out.
+
+    Example (full layers of head size 8 beside sliding-window layers of 16):
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=1, dtype="float32")
+      >>> full = jaxkv.FullAttentionSpec(head_size=8, **kw)
+      >>> swa = jaxkv.SlidingWindowSpec(head_size=16, sliding_window=32, **kw)
+      >>> be = jaxkv.get_backend("JAX_PAGED")
+      >>> cfg = jaxkv.RunnerConfig(layers=[
+      ...     jaxkv.LayerConfig(name=f"l{i}", spec=s, backend=be)
+      ...     for i, s in enumerate([full, swa])])
+      >>> [l.spec.block_size for l in jaxkv.vllm.unify_page_sizes(cfg).layers]
+      [32, 16]
+    """  # noqa: D205
+    specs = {
+        layer.spec
+        for layer in runner_config.layers
+        if layer.spec is not None
+        and not isinstance(layer.spec, EncoderOnlyAttentionSpec)
+    }
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) <= 1:
+        return runner_config
+    attn_pages = [s.page_size_bytes for s in specs if isinstance(s, AttentionSpec)]
+    top = max(pages)
+    if not attn_pages or max(attn_pages) < top:
+        return runner_config  # a Mamba page is the largest: align_hybrid's case
+    new: dict[KVCacheSpec, KVCacheSpec] = {}
+    for spec in specs:
+        page = spec.page_size_bytes
+        if page == top:
+            continue
+        if isinstance(spec, MambaSpec):
+            new[spec] = dataclasses.replace(spec, page_size_padded=top)
+        elif (
+            isinstance(spec, AttentionSpec)
+            and top % page == 0
+            and spec.page_size_padded is None
+        ):
+            new[spec] = dataclasses.replace(
+                spec, block_size=spec.block_size * (top // page)
+            )
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            new[spec] = dataclasses.replace(spec, page_size_padded=top)
+        else:
+            names = [layer.name for layer in runner_config.layers if layer.spec == spec]
+            widest = [
+                layer.name
+                for layer in runner_config.layers
+                if layer.spec is not None and layer.spec.page_size_bytes == top
+            ]
+            raise ValueError(
+                f"make_plan: the pages of {names} ({page} bytes) cannot be unified "
+                f"with the {top}-byte pages of {widest}: {top} is not a multiple of "
+                f"{page} and MLA pages cannot be padded. Give those layers a block "
+                "size whose page divides the largest, or give every layer the same "
+                "bytes per token."
+            )
+    if not new:
+        return runner_config
+    layers = [
+        dataclasses.replace(layer, spec=new[layer.spec]) if layer.spec in new else layer
+        for layer in runner_config.layers
+    ]
+    return dataclasses.replace(runner_config, layers=layers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridBlockAlignment:
+    """The outcome of :func:`align_hybrid_block_size`.
+
+    Attributes:
+      runner_config: The config with every attention spec at ``block_size`` and
+        every Mamba spec padded to ``page_size_bytes``.
+      block_size: The attention block size.
+      page_size_bytes: The common page of attention and Mamba layers.
+      mamba_page_size_bytes: The largest unpadded Mamba page (``m``).
+    """
+
+    runner_config: RunnerConfig
+    block_size: int
+    page_size_bytes: int
+    mamba_page_size_bytes: int
+
+
+def _smallest_kernel_size(backend: AttentionBackend) -> int:
+    return min(
+        s.base if isinstance(s, MultipleOf) else s
+        for s in backend.supported_kernel_block_sizes
+    )
+
+
+def align_hybrid_block_size(runner_config: RunnerConfig) -> HybridBlockAlignment:
+    """Raises the attention block size until an attention page holds a Mamba state.
+
+    vLLM's hybrid planning (spec §1.9): with ``a1`` the attention bytes per
+    token and ``m`` the largest unpadded Mamba page, ``align = max(smallest
+    kernel block size of the first attention backend, block_size)`` (at least
+    128 with MLA), ``B = align * ceil(m / (align * a1))`` rounded up to a
+    multiple of the lcm of every attention backend's smallest kernel size; the
+    block size becomes ``B`` if it was smaller; the attention page is ``P =
+    block_size * a1`` and every Mamba page is padded to ``P``. A config without
+    both attention and Mamba layers is returned unchanged.
+
+    Args:
+      runner_config: The model's layers.
+
+    Returns:
+      The aligned config, block size and pages.
+
+    Raises:
+      ValueError: If attention layers differ in bytes per token or block size
+        (their pages could not all equal a Mamba page).
+
+    Example (spec §1.9: H=8, D=128, bf16, FlashAttention; Mamba states
+    ``(3, 2304)`` bf16 and ``(8, 64, 128)`` fp32):
+      >>> import jaxkv
+      >>> attn = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=8,
+      ...     head_size=128, dtype="bfloat16")
+      >>> mamba = jaxkv.MambaSpec(block_size=16, shapes=((3, 2304), (8, 64, 128)),
+      ...     dtypes=("bfloat16", "float32"))
+      >>> cfg = jaxkv.RunnerConfig(layers=[
+      ...     jaxkv.LayerConfig(name="attn", spec=attn,
+      ...                       backend=jaxkv.get_backend("FLASH_ATTN")),
+      ...     jaxkv.LayerConfig(name="mamba", spec=mamba,
+      ...                       backend=jaxkv.get_backend("MAMBA2"))])
+      >>> a = jaxkv.cache.align_hybrid_block_size(cfg)
+      >>> a.mamba_page_size_bytes, a.block_size, a.page_size_bytes
+      (275968, 80, 327680)
+      >>> a.runner_config.layer("mamba").spec.page_size_bytes
+      327680
+    """
+    attn = [
+        (layer, layer.spec)
+        for layer in runner_config.layers
+        if isinstance(layer.spec, AttentionSpec)
+    ]
+    mamba_pages = [
+        layer.spec.real_page_size_bytes
+        for layer in runner_config.layers
+        if isinstance(layer.spec, MambaSpec)
+    ]
+    m = max(mamba_pages, default=0)
+    if not attn or not mamba_pages:
+        return HybridBlockAlignment(
+            runner_config=runner_config,
+            block_size=attn[0][1].block_size if attn else 0,
+            page_size_bytes=attn[0][1].page_size_bytes if attn else m,
+            mamba_page_size_bytes=m,
+        )
+    per_token = {spec.real_page_size_bytes // spec.block_size for _, spec in attn}
+    block_sizes = {spec.block_size for _, spec in attn}
+    if len(per_token) > 1 or len(block_sizes) > 1:
+        detail = ", ".join(
+            f"{layer.name}: {spec.real_page_size_bytes // spec.block_size} "
+            f"bytes/token, block {spec.block_size}"
+            for layer, spec in attn
+        )
+        raise ValueError(
+            "align_hybrid_block_size: attention layers must share bytes per token "
+            f"and block size to share pages with Mamba layers, got {detail}."
+        )
+    (a1,) = per_token
+    (block_size,) = block_sizes
+    align = max(_smallest_kernel_size(attn[0][0].backend), block_size)
+    if any(isinstance(spec, MLAAttentionSpec) for _, spec in attn):
+        align = max(align, 128)
+    aligned = align * cdiv(m, align * a1)
+    step = math.lcm(*(_smallest_kernel_size(layer.backend) for layer, _ in attn))
+    aligned = cdiv(aligned, step) * step
+    block_size = max(block_size, aligned)
+    page = block_size * a1
+
+    def aligned_spec(spec: KVCacheSpec) -> KVCacheSpec:
+        if isinstance(spec, AttentionSpec):
+            return dataclasses.replace(spec, block_size=block_size)
+        if isinstance(spec, MambaSpec) and page > spec.real_page_size_bytes:
+            return dataclasses.replace(spec, page_size_padded=page)
+        return spec
+
+    layers = [
+        layer
+        if layer.spec is None
+        else dataclasses.replace(layer, spec=aligned_spec(layer.spec))
+        for layer in runner_config.layers
+    ]
+    return HybridBlockAlignment(
+        runner_config=dataclasses.replace(runner_config, layers=layers),
+        block_size=block_size,
+        page_size_bytes=page,
+        mamba_page_size_bytes=m,
+    )

@@ -1,0 +1,581 @@
+"""The block manager: per-group block tables over one shared free queue, with
+prefix caching, window freeing and Mamba state blocks.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxkv._specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from jaxkv._util import cdiv
+from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
+from jaxkv.sched._prefix import hash_token_blocks, longest_cache_hit
+from jaxkv.sched._request import Request
+
+
+class StepBlocks(NamedTuple):
+    """A batch's block tables and slot mappings, one array per KV-cache group.
+
+    Attributes:
+      block_tables: ``(num_reqs, width)`` int32 per group, 0-padded.
+      slot_mappings: ``(num_tokens,)`` int32 per group (``-1`` for Mamba
+        groups, whose state is written through the block table).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+      >>> m = jaxkv.KVCacheManager(plan)
+      >>> r = jaxkv.Request("r", prompt=[1, 2, 3], max_new_tokens=1)
+      >>> m.allocate(r, 3)
+      True
+      >>> out = m.step_blocks([(r, 3)])
+      >>> out.slot_mappings[0].tolist(), out.block_tables[2][0, :2].tolist()
+      ([32, 33, 34], [3, 0])
+    """
+
+    block_tables: list[np.ndarray]
+    slot_mappings: list[np.ndarray]
+
+
+class KVCacheManager:
+    """Block tables for requests over one :class:`BlockAllocator`.
+
+    Each request holds, per KV-cache group, one block id per ``block_size``
+    tokens (0, the null block, where nothing needs to be kept):
+
+    - attention groups hold every block of the sequence; sliding-window and
+      chunked-local groups give back the blocks no future query sees
+      (:func:`get_num_skipped_tokens`) when every layer reading the group has
+      its window;
+    - Mamba groups hold the block of the request's last computed token, whose
+      page holds the state after it: a step reads the state from column
+      ``(num_computed - 1) // block_size`` and writes it to column
+      ``(seq_len - 1) // block_size`` (:func:`mamba_state_blocks`); earlier
+      columns are given back. A step that ends on a block boundary leaves in
+      that block the state after exactly its tokens (vLLM's "align" mode).
+
+    With prefix caching, each block a step fills is registered when it is
+    allocated (vLLM's ``allocate_slots``) under the chained hash of its tokens
+    (:func:`hash_token_blocks`) and its group, so a request admitted later in
+    the same step shares it (a Mamba state only from the next step, once it is
+    written); a new request reuses the longest prefix every group can reuse
+    (:func:`longest_cache_hit`, iterated to a length all groups agree on; at
+    least one token is always computed). Freed blocks stay cached until
+    allocation evicts them (:class:`BlockAllocator`: uncached blocks are
+    reused first, cached ones evicted least recently freed first; copies of
+    one prefix all stay cached). Models with cross-attention or encoder-only
+    caches (not a function of the tokens) cannot enable it.
+
+    Args:
+      plan: The model's plan (its groups, block sizes and block count).
+      enable_prefix_caching: Reuse cached prefixes.
+      num_blocks: Blocks to manage (default: the plan's).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+      >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+      >>> a = jaxkv.Request("a", prompt=list(range(70)), max_new_tokens=1)
+      >>> m.allocate(a, 70), m.blocks_of(a)
+      (True, [[1, 2, 3], [4, 5, 6], [0, 0, 7]])
+      >>> a.num_computed = 70; m.commit(a)  # blocks 0, 1 full: cached
+      >>> b = jaxkv.Request("b", prompt=list(range(64)) + [9] * 6, max_new_tokens=1)
+      >>> m.find_cache_hit(b)  # two full blocks (the Mamba state after 64 not kept)
+      0
+    """
+
+    def __init__(
+        self,
+        plan: KVCachePlan,
+        *,
+        enable_prefix_caching: bool = False,
+        num_blocks: int | None = None,
+    ) -> None:
+        """Reads the groups from `plan`; all blocks start free."""
+        groups = plan.kv_cache_config.kv_cache_groups
+        self.plan = plan
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.widths = list(plan.block_table_widths)
+        self.is_mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
+        # The spec that decides what a group keeps: its own when every layer
+        # reading it (KV-sharing layers included) has it; None (keep all) else.
+        kinds = plan.group_kinds
+        self.specs: list[KVCacheSpec | None] = [
+            g.kv_cache_spec if kind in ("window", "mamba") else None
+            for g, kind in zip(groups, kinds, strict=True)
+        ]
+        # Groups that give blocks back before a request ends: windows and
+        # Mamba states (full attention keeps every block).
+        self._freeing_groups = [
+            g for g, kind in enumerate(kinds) if kind in ("window", "mamba")
+        ]
+        if num_blocks is not None and not 2 <= num_blocks <= plan.num_blocks:
+            raise ValueError(
+                f"KVCacheManager: num_blocks={num_blocks!r} must be in "
+                f"[2, {plan.num_blocks}] (the plan's pools hold {plan.num_blocks})."
+            )
+        self.allocator = BlockAllocator(
+            plan.num_blocks if num_blocks is None else num_blocks
+        )
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        if self.enable_prefix_caching:
+            reason = prefix_caching_unsupported(plan)
+            if reason:
+                raise ValueError(f"enable_prefix_caching: {reason}")
+        self._tables: dict[str, list[list[int]]] = {}
+        # The same tables as rows of one array per group, kept in step with
+        # the lists, so a batch's block table is one gather (no per-step
+        # rebuild from Python lists); rows are recycled, zeroed.
+        self._mirror = [np.zeros((0, w), np.int32) for w in self.widths]
+        self._row: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._hashes: dict[str, dict[int, list[bytes]]] = {}
+        self._registered: dict[str, list[int]] = {}
+        # Blocks registered at allocation whose step has not been committed
+        # yet, per request; the Mamba ones among them: their state is written
+        # only at the end of that step.
+        self._uncommitted: dict[str, list[int]] = {}
+        self._pending_states: set[int] = set()
+
+    # --- queries ----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.allocator.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """All blocks but the null block."""
+        return self.allocator.num_blocks - 1
+
+    def blocks_of(self, req: Request) -> list[list[int]]:
+        """`req`'s block ids per group (a copy; 0 where nothing is kept)."""
+        return [list(t) for t in self._tables.get(req.req_id, [])]
+
+    def max_blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """An upper bound on the blocks one request of `num_tokens` holds at once.
+
+        Windowed groups hold at most the window plus one chunk of `chunk`
+        tokens; Mamba groups two blocks (the state read and the state written).
+        """
+        total = 0
+        for g, spec in enumerate(self.specs):
+            full = cdiv(num_tokens, self.block_sizes[g])
+            if self.is_mamba[g]:
+                total += min(full, 2)
+            elif isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+                total += min(
+                    full, cdiv(spec.sliding_window - 1 + chunk, spec.block_size) + 1
+                )
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                total += min(
+                    full, cdiv(spec.attention_chunk_size + chunk, spec.block_size) + 1
+                )
+            else:
+                total += full
+        return total
+
+    def _block_hashes(self, req: Request, block_size: int) -> list[bytes]:
+        """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
+        per = self._hashes.setdefault(req.req_id, {})
+        have = per.setdefault(block_size, [])
+        # Placeholders of tokens still on the device are never hashed.
+        known = req.num_known_tokens
+        if known // block_size > len(have):
+            start = len(have) * block_size
+            have += hash_token_blocks(
+                req.token_range(start, known),
+                block_size,
+                parent=have[-1] if have else None,
+                salt=req.cache_salt,
+            )
+        return have
+
+    def find_cache_hit(self, req: Request) -> int:
+        """Tokens of `req` every group can take from the prefix cache (no effect).
+
+        A multiple of every group's block size, below ``len(req.tokens)`` (the
+        last token is always computed: its logits are sampled).
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hit = req.num_known_tokens - 1
+        while True:
+            agreed = hit
+            for g, spec in enumerate(self.specs):
+                bs = self.block_sizes[g]
+                hashes = self._block_hashes(req, bs)
+                k = longest_cache_hit(
+                    spec,
+                    num_blocks=min(agreed // bs, len(hashes)),
+                    is_cached=lambda j, g=g, h=hashes: (
+                        self.allocator.lookup((g, h[j])) is not None
+                    ),
+                )
+                agreed = k * bs
+            if agreed == hit:
+                return hit
+            hit = agreed
+
+    def _hit_columns(self, g: int, num_tokens: int) -> list[int]:
+        """Columns group `g` reuses for a hit of `num_tokens` (others null)."""
+        bs = self.block_sizes[g]
+        k = num_tokens // bs
+        if k == 0:
+            return []
+        if self.is_mamba[g]:
+            return [k - 1]
+        spec = self.specs[g]
+        first = 0 if spec is None else get_num_skipped_tokens(spec, num_tokens) // bs
+        return list(range(first, k))
+
+    # --- changes ----------------------------------------------------------------
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, *, num_cached: int = 0
+    ) -> bool:
+        """Holds the blocks `req` needs to compute `num_new_tokens` more tokens.
+
+        For a request with nothing computed yet, `num_cached` tokens (from
+        :meth:`find_cache_hit`) are taken from the prefix cache first, and
+        ``req.num_computed`` set to them. With prefix caching, the blocks this
+        step fills are registered here (vLLM's ``allocate_slots``), so a request
+        admitted later in the same step shares them: attention reads them after
+        this step's writes. A Mamba state is only written at the end of the
+        step that computes it, so a hit whose Mamba state block is still being
+        computed (registered by another request not yet committed) is refused
+        for now, as vLLM defers it to the next step.
+
+        All or nothing: returns ``False`` and changes nothing when too few
+        blocks are free or a hit's Mamba state is not computed yet.
+        """
+        if num_new_tokens == 1 and not num_cached and type(num_new_tokens) is int:
+            done = self._allocate_decode(req)
+            if done is not None:
+                return done
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_cached", num_cached),
+        ):
+            if not isinstance(value, int | np.integer):
+                raise TypeError(
+                    f"allocate: {name} must be an int, got {value!r} for request "
+                    f"{req.req_id!r}."
+                )
+            if isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"allocate: {name} must be a non-negative int, got {value!r} for "
+                    f"request {req.req_id!r}."
+                )
+        if num_cached and (req.num_computed or req.req_id in self._tables):
+            raise ValueError(
+                f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
+                "is only taken at admission."
+            )
+        tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
+        hits: list[list[int]] = []
+        if num_cached:
+            hits = [[] for _ in self.block_sizes]
+            tables = [list(t) for t in tables]
+            for g in range(len(tables)):
+                bs = self.block_sizes[g]
+                hashes = self._block_hashes(req, bs)
+                cols = self._hit_columns(g, num_cached)
+                tables[g] = [0] * (num_cached // bs)
+                for j in cols:
+                    block = self.allocator.lookup((g, hashes[j]))
+                    if block is None:
+                        raise ValueError(
+                            f"allocate: num_cached={num_cached} is not a cache hit of "
+                            f"request {req.req_id!r} (group {g}, block {j})."
+                        )
+                    if block in self._pending_states:
+                        return False
+                    tables[g][j] = block
+                    hits[g].append(block)
+        start = num_cached or req.num_computed
+        end = start + num_new_tokens
+        new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
+        need = sum(map(len, new))
+        touched_free = (
+            sum(
+                self.allocator.ref_count(b) == 0 for blocks in hits for b in set(blocks)
+            )
+            if hits
+            else 0
+        )
+        if need + touched_free > self.allocator.num_free:
+            return False
+        for blocks in hits:
+            self.allocator.touch(blocks)
+        if need:
+            ids = iter(self.allocator.allocate(need))
+            for g, cols in enumerate(new):
+                for j in cols:
+                    tables[g] += [0] * (j + 1 - len(tables[g]))
+                    tables[g][j] = next(ids)
+        self._tables[req.req_id] = tables
+        row = self._row_of(req.req_id)
+        for g, cols in enumerate(new):
+            self._mirror_set(g, row, cols, tables[g])
+        for g, blocks in enumerate(hits):
+            if blocks:
+                self._mirror_set(g, row, range(len(tables[g])), tables[g])
+        registered = self._registered.setdefault(req.req_id, [0] * len(tables))
+        if num_cached:
+            registered[:] = [num_cached // bs for bs in self.block_sizes]
+            req.num_computed = num_cached
+            req.num_cached_tokens += num_cached
+        if self.enable_prefix_caching:
+            self._register(req, tables, registered, min(end, req.num_known_tokens))
+        return True
+
+    def _row_of(self, req_id: str) -> int:
+        row = self._row.get(req_id)
+        if row is None:
+            if not self._free_rows:
+                have = len(self._mirror[0])
+                grow = max(16, have)
+                self._mirror = [
+                    np.concatenate([m, np.zeros((grow, m.shape[1]), np.int32)])
+                    for m in self._mirror
+                ]
+                self._free_rows = list(range(have + grow - 1, have - 1, -1))
+            row = self._row[req_id] = self._free_rows.pop()
+        return row
+
+    def _mirror_set(
+        self, g: int, row: int, cols: Sequence[int], table: list[int]
+    ) -> None:
+        width = self.widths[g]
+        for j in cols:
+            if j < width:  # past the width: step_blocks refuses the request
+                self._mirror[g][row, j] = table[j]
+
+    def _allocate_decode(self, req: Request) -> bool | None:
+        """One more token where every group has its block already.
+
+        Most decode steps; ``None`` when a block is needed (the general path
+        decides).
+        """
+        tables = self._tables.get(req.req_id)
+        if tables is None:
+            return None
+        pos = req.num_computed
+        for table, bs in zip(tables, self.block_sizes, strict=True):
+            j = pos // bs
+            if j >= len(table) or not table[j]:
+                return None
+        if self.enable_prefix_caching:
+            # Blocks whose tokens are all known: with async scheduling the
+            # decode token itself may still be on the device (registered by
+            # the next step, when it is known).
+            n = min(pos + 1, req.num_known_tokens)
+            if any(n % bs == 0 for bs in self.block_sizes):
+                self._register(req, tables, self._registered[req.req_id], n)
+        return True
+
+    def _register(
+        self,
+        req: Request,
+        tables: list[list[int]],
+        registered: list[int],
+        n: int,
+    ) -> None:
+        """Caches the blocks that are full once `req`'s first `n` tokens are in."""
+        for g, table in enumerate(tables):
+            bs = self.block_sizes[g]
+            full = n // bs
+            if full <= registered[g]:
+                continue
+            hashes = self._block_hashes(req, bs)
+            if self.is_mamba[g]:
+                # Only a step ending on a block boundary leaves in that block
+                # the state after exactly its tokens.
+                cols = [full - 1] if n % bs == 0 else []
+            else:
+                cols = range(registered[g], full)
+            for j in cols:
+                block = table[j]
+                if block and self.allocator.key_of(block) is None:
+                    self.allocator.cache(block, key=(g, hashes[j]))
+                    self._uncommitted.setdefault(req.req_id, []).append(block)
+                    if self.is_mamba[g]:
+                        self._pending_states.add(block)
+            registered[g] = full
+
+    def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
+        """Columns of group `g` that need a new block to compute ``[start, end)``."""
+        if end <= start:
+            return []
+        bs = self.block_sizes[g]
+        if self.is_mamba[g] or end - start == 1:  # a Mamba state, or a decode
+            dst = (end - 1) // bs
+            return [] if dst < len(table) and table[dst] else [dst]
+        return [
+            j
+            for j in range(start // bs, cdiv(end, bs))
+            if j >= len(table) or not table[j]
+        ]
+
+    def commit(self, req: Request) -> None:
+        """After a step: frees what `req` no longer needs (blocks no window of a
+        future query reaches, Mamba states before its last) and marks the Mamba
+        states it computed as ready for hits; ``req.num_computed`` must already
+        count the step's tokens.
+
+        vLLM frees these blocks at the request's next ``allocate_slots``; jaxkv
+        frees them as soon as the step ran, so they are free for the next
+        step's admissions.
+        """  # noqa: D205
+        tables = self._tables_of(req, "commit")
+        n = req.num_computed
+        if self._uncommitted:
+            for block in self._uncommitted.pop(req.req_id, ()):
+                self._pending_states.discard(block)
+        for g in self._freeing_groups:
+            table = tables[g]
+            bs = self.block_sizes[g]
+            spec = self.specs[g]
+            if self.is_mamba[g]:
+                keep = max(0, (n - 1) // bs)
+            elif spec is None:
+                keep = 0
+            else:
+                keep = min(get_num_skipped_tokens(spec, n) // bs, len(table))
+            gone = [b for b in table[:keep] if b]
+            if gone:
+                self.allocator.free(gone[::-1])
+                table[:keep] = [0] * keep
+                self._mirror[g][self._row[req.req_id], :keep] = 0
+
+    def free(self, req: Request) -> None:
+        """Gives back every block `req` holds (finished, rejected or preempted);
+        cached ones stay reusable until evicted, the last blocks first.
+        """  # noqa: D205
+        tables = self._tables.pop(req.req_id, None)
+        # Blocks registered for a step that was never committed may never have
+        # been computed: they leave the cache (losing an entry is safe).
+        for block in self._uncommitted.pop(req.req_id, ()):
+            self._pending_states.discard(block)
+            self.allocator.uncache(block)
+        self._registered.pop(req.req_id, None)
+        self._hashes.pop(req.req_id, None)
+        for table in tables or []:
+            self.allocator.free([b for b in table[::-1] if b])
+        row = self._row.pop(req.req_id, None)
+        if row is not None:
+            for m in self._mirror:
+                m[row] = 0
+            self._free_rows.append(row)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
+        the pools' contents are gone. Only possible with no block held;
+        returns whether it was reset.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+          >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+          >>> m.reset_prefix_cache(), m.allocator.num_cached
+          (True, 0)
+        """  # noqa: D205
+        if self._tables or self.allocator.num_free != self.num_usable_blocks:
+            return False
+        self.allocator = BlockAllocator(self.allocator.num_blocks)
+        self._hashes.clear()
+        self._registered.clear()
+        self._uncommitted.clear()
+        self._pending_states.clear()
+        return True
+
+    def _tables_of(self, req: Request, caller: str) -> list[list[int]]:
+        tables = self._tables.get(getattr(req, "req_id", ""))
+        if tables is None:
+            raise ValueError(
+                f"{caller}: request {getattr(req, 'req_id', req)!r} holds no blocks "
+                "(never allocated, or freed: finished, aborted or preempted)."
+            )
+        return tables
+
+    def step_blocks(self, batch: Sequence[tuple[Request, int]]) -> StepBlocks:
+        """Block tables and slot mappings of a scheduled batch.
+
+        Each entry is ``(request, tokens this step)``, the request's tokens from
+        ``num_computed`` on (its blocks allocated with :meth:`allocate`).
+        """
+        num_tokens = sum(n for _, n in batch)
+        rows = [self._tables_of(req, "step_blocks") for req, _ in batch]
+        index = np.fromiter((self._row[req.req_id] for req, _ in batch), np.int64)
+        tables, slots = [], []
+        for g, width in enumerate(self.widths):
+            longest = max((len(t[g]) for t in rows), default=0)
+            if longest > width:
+                req = next(
+                    r
+                    for (r, _), t in zip(batch, rows, strict=True)
+                    if len(t[g]) > width
+                )
+                raise ValueError(
+                    f"Request {req.req_id!r} holds {longest} blocks in group {g}, "
+                    f"more than its block table's {width} columns "
+                    f"(max_model_len={self.plan.runner_config.max_model_len})."
+                )
+            tables.append(self._mirror[g][index])
+            slot = np.full(num_tokens, -1, np.int32)
+            if not self.is_mamba[g]:
+                bs = self.block_sizes[g]
+                for (req, n), t in zip(batch, rows, strict=True):
+                    if len(t[g]) * bs < req.num_computed + n:
+                        raise ValueError(
+                            f"step_blocks: request {req.req_id!r} holds blocks for "
+                            f"{len(t[g]) * bs} tokens in group {g}; the step "
+                            f"computes up to {req.num_computed + n} (allocate() "
+                            "them first)."
+                        )
+                t0 = 0
+                for (req, n), t in zip(batch, rows, strict=True):
+                    ids, start = t[g], req.num_computed
+                    if n == 1:  # a decode: no arrays
+                        slot[t0] = ids[start // bs] * bs + start % bs
+                    else:
+                        pos = np.arange(start, start + n)
+                        slot[t0 : t0 + n] = (
+                            np.asarray(ids, np.int32)[pos // bs] * bs + pos % bs
+                        )
+                    t0 += n
+            slots.append(slot)
+        return StepBlocks(block_tables=tables, slot_mappings=slots)
+
+
+def prefix_caching_unsupported(plan: KVCachePlan) -> str | None:
+    """Why `plan`'s model cannot use prefix caching, or ``None`` if it can.
+
+    Example:
+      >>> import jaxkv
+      >>> print(jaxkv.sched.prefix_caching_unsupported(
+      ...     jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)))
+      None
+    """
+    for group in plan.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+            return (
+                f"group of {group.layer_names[0]!r} holds {type(spec).__name__} K/V, "
+                "computed from encoder inputs, not from the tokens a prefix hash "
+                "covers."
+            )
+    return None

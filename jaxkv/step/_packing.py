@@ -1,0 +1,222 @@
+"""One step's host inputs packed into one int32 buffer, and unpacked on device."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepLayout:
+    """Capacities of a step and where each host field sits in the packed buffer.
+
+    One int32 host buffer holds every per-step field of every group, so a step
+    costs one host-to-device transfer; :func:`unpack_step` slices it on device.
+
+    Args:
+      max_reqs: Request capacity (the request bucket).
+      max_tokens: Token capacity (the token bucket).
+      block_table_widths: Block-table columns per KV-cache group.
+      max_mm_ranges: Multimodal prefix ranges per request (0: none).
+      num_samples: Room for the model's inputs too: ``token_ids``
+        (``max_tokens``) and ``sample_idx`` (``num_samples``) when positive.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.step import StepLayout
+      >>> layout = StepLayout(max_reqs=4, max_tokens=8, block_table_widths=(2,))
+      >>> layout.size
+      61
+    """
+
+    max_reqs: int
+    max_tokens: int
+    block_table_widths: tuple[int, ...]
+    max_mm_ranges: int = 0
+    num_samples: int = 0
+
+    def fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every packed field, in buffer order."""
+        r, t = self.max_reqs, self.max_tokens
+        out = [
+            ("scalars", (4,)),  # num_reqs, num_tokens, max_query_len, max_seq_len
+            ("query_start_loc", (r + 1,)),
+            ("seq_lens", (r,)),
+            ("positions", (t,)),
+            ("is_prefilling", (r,)),
+            ("token_to_req", (t,)),
+            ("encoder_seq_lens", (r,)),
+            ("mm_prefix_ranges", (r, self.max_mm_ranges, 2)),
+            ("mm_num_ranges", (r,)),
+            ("request_causal", (r,)),
+        ]
+        for g, width in enumerate(self.block_table_widths):
+            out.append((f"block_table.{g}", (r, width)))
+            out.append((f"slot_mapping.{g}", (t,)))
+        if self.num_samples:
+            out.append(("token_ids", (t,)))
+            out.append(("sample_idx", (self.num_samples,)))
+        return out
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        out, pos = {}, 0
+        for name, shape in self.fields():
+            out[name] = (pos, shape)
+            pos += math.prod(shape)
+        return out
+
+    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """``name -> (offset, shape)`` in the packed buffer (computed once)."""
+        return self._offsets
+
+    @property
+    def size(self) -> int:
+        """Int32 entries of the packed buffer."""
+        return sum(math.prod(s) for _, s in self.fields())
+
+
+def pack_step(
+    layout: StepLayout,
+    *,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    positions: np.ndarray,
+    block_tables: Sequence[np.ndarray],
+    slot_mappings: Sequence[np.ndarray],
+    is_prefilling: np.ndarray | None = None,
+    encoder_seq_lens: np.ndarray | None = None,
+    mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    request_causal: np.ndarray | None = None,
+    token_ids: np.ndarray | None = None,
+    sample_idx: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Packs one step's host arrays into a single int32 buffer (NumPy only).
+
+    Per-request arrays are padded to ``max_reqs`` (``query_start_loc`` repeats
+    its last value), per-token arrays to ``max_tokens`` (slots with ``-1``),
+    block tables with the null block ``0``.
+
+    Args:
+      layout: The capacities.
+      query_start_loc: ``(num_reqs + 1,)`` cumulative query lengths.
+      seq_lens: ``(num_reqs,)`` context lengths after this step.
+      positions: ``(num_tokens,)`` token positions.
+      block_tables: Per KV-cache group ``(num_reqs, cols)`` manager block ids.
+      slot_mappings: Per KV-cache group ``(num_tokens,)`` slots.
+      is_prefilling: ``(num_reqs,)`` bools (default: query length > 1).
+      encoder_seq_lens: ``(num_reqs,)`` encoder lengths (default zeros).
+      mm_prefix_ranges: ``request -> inclusive ranges`` from
+        :func:`compute_mm_prefix_ranges`.
+      request_causal: ``(num_reqs,)`` bools, ``False`` for a request that
+        attends to its whole context (default all ``True``).
+      token_ids: ``(num_tokens,)`` model inputs (layouts with ``num_samples``).
+      sample_idx: Token indices whose logits are sampled; padded with the last.
+      out: A preallocated buffer of ``layout.size`` int32 to fill (reused across
+        steps to avoid allocation).
+
+    Returns:
+      The packed buffer.
+
+    Raises:
+      ValueError: If a field does not fit its capacity.
+    """
+    qsl = np.asarray(query_start_loc, np.int64)
+    num_reqs = qsl.size - 1
+    num_tokens = int(qsl[-1])
+    if num_reqs > layout.max_reqs or num_tokens > layout.max_tokens:
+        raise ValueError(
+            f"A step of {num_reqs} requests and {num_tokens} tokens does not fit the "
+            f"layout's capacity ({layout.max_reqs} requests, "
+            f"{layout.max_tokens} tokens)."
+        )
+    if len(block_tables) != len(layout.block_table_widths) or len(slot_mappings) != len(
+        layout.block_table_widths
+    ):
+        raise ValueError(
+            f"Expected {len(layout.block_table_widths)} block tables and slot mappings "
+            f"(one per KV-cache group), got {len(block_tables)} and "
+            f"{len(slot_mappings)}."
+        )
+    buf = np.zeros(layout.size, np.int32) if out is None else out
+    offs = layout.offsets()
+
+    def put(name: str, values: np.ndarray, fill: int = 0) -> None:
+        off, shape = offs[name]
+        view = buf[off : off + math.prod(shape)].reshape(shape)
+        view[...] = fill
+        values = np.asarray(values)
+        if any(v > s for v, s in zip(values.shape, shape, strict=True)):
+            raise ValueError(f"{name}.shape={values.shape} does not fit {shape}.")
+        view[tuple(slice(0, n) for n in values.shape)] = values
+
+    q_lens = np.diff(qsl)
+    put(
+        "scalars",
+        np.array(
+            [num_reqs, num_tokens, q_lens.max(initial=0), np.max(seq_lens, initial=0)]
+        ),
+    )
+    put("query_start_loc", qsl, fill=num_tokens)
+    put("seq_lens", seq_lens)
+    put("positions", positions)
+    put("is_prefilling", q_lens > 1 if is_prefilling is None else is_prefilling)
+    put("token_to_req", np.repeat(np.arange(num_reqs), q_lens))
+    put(
+        "encoder_seq_lens",
+        np.zeros(num_reqs) if encoder_seq_lens is None else encoder_seq_lens,
+    )
+    ranges = np.zeros((num_reqs, layout.max_mm_ranges, 2), np.int32)
+    counts = np.zeros(num_reqs, np.int32)
+    for req, rs in (mm_prefix_ranges or {}).items():
+        if len(rs) > layout.max_mm_ranges:
+            raise ValueError(
+                f"Request {req} has {len(rs)} multimodal ranges; the layout holds "
+                f"{layout.max_mm_ranges}."
+            )
+        counts[req] = len(rs)
+        if rs:
+            ranges[req, : len(rs)] = rs
+    put("mm_prefix_ranges", ranges)
+    put("mm_num_ranges", counts)
+    put(
+        "request_causal",
+        np.ones(0, np.int32) if request_causal is None else request_causal,
+        fill=1,
+    )
+    for g, (table, slots) in enumerate(zip(block_tables, slot_mappings, strict=True)):
+        put(f"block_table.{g}", table)
+        put(f"slot_mapping.{g}", slots, fill=-1)
+    if layout.num_samples:
+        put("token_ids", np.zeros(0, np.int32) if token_ids is None else token_ids)
+        samples = (
+            np.zeros(0, np.int32) if sample_idx is None else np.asarray(sample_idx)
+        )
+        put("sample_idx", samples, fill=int(samples[-1]) if samples.size else 0)
+    return buf
+
+
+def unpack_step(packed: jax.Array, layout: StepLayout) -> dict[str, jax.Array]:
+    """Slices a packed step buffer into its fields (jittable; static slices).
+
+    Empty fields (no multimodal ranges, say) are fresh zero-size arrays, not
+    reshaped slices: under ``vmap`` over a buffer sharded on an Explicit mesh
+    axis, JAX refuses to reshape a zero-size sharded slice.
+    """
+    out = {}
+    for name, (off, shape) in layout.offsets().items():
+        size = math.prod(shape)
+        out[name] = (
+            packed[off : off + size].reshape(shape)
+            if size
+            else jnp.zeros(shape, packed.dtype)
+        )
+    return out
