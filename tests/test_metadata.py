@@ -263,15 +263,19 @@ def test_pack_unpack_round_trip_and_padding():
     assert packed.dtype == np.int32
     assert packed.size == layout.size
     f = jaxkv.step.unpack_step(jnp.asarray(packed), layout)
-    assert f["scalars"].tolist() == [2, 4, 3, 9]
-    assert f["query_start_loc"].tolist() == [0, 3, 4, 4, 4]
-    assert f["seq_lens"].tolist() == [3, 9, 0, 0]
-    assert f["is_prefilling"].tolist() == [1, 0, 0, 0]
-    assert f["token_to_req"].tolist()[:4] == [0, 0, 0, 1]
-    assert f["block_table.0"].tolist() == [[1, 0, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert f["slot_mapping.1"].tolist() == [1, 2, 3, 4, -1, -1, -1, -1]
-    assert f["mm_prefix_ranges"][1].tolist() == [[0, 5]]
-    assert f["mm_num_ranges"].tolist() == [0, 1, 0, 0]
+    scalars = [f.num_reqs, f.num_tokens, f.max_query_len, f.max_seq_len]
+    assert [int(s) for s in scalars] == [2, 4, 3, 9]
+    assert f.query_start_loc.tolist() == [0, 3, 4, 4, 4]
+    assert f.seq_lens.tolist() == [3, 9, 0, 0]
+    assert f.is_prefilling.tolist() == [True, False, False, False]
+    assert f.token_to_req.tolist()[:4] == [0, 0, 0, 1]
+    assert f.block_tables[0].tolist() == [[1, 0, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert f.slot_mappings[1].tolist() == [1, 2, 3, 4, -1, -1, -1, -1]
+    assert f.mm_prefix_ranges[1].tolist() == [[0, 5]]
+    assert f.mm_num_ranges.tolist() == [0, 1, 0, 0]
+    assert f.request_causal.tolist() == [True] * 4
+    assert f.token_ids is None
+    assert f.sample_idx is None
     with pytest.raises(ValueError, match="does not fit the layout's capacity"):
         jaxkv.step.pack_step(
             layout,

@@ -25,7 +25,7 @@ from jaxkv.step._fast_prefill import (
     validate_logits_indices,
     validate_query_start_loc,
 )
-from jaxkv.step._packing import StepLayout, pack_step, unpack_step
+from jaxkv.step._packing import StepFields, StepLayout, pack_step, unpack_step
 from jaxkv.step._programs import Programs
 from jaxkv.step._step_builder import PreparedStep, StepInputs, StepMetadataBuilder
 from jaxkv.step._validate import validate_step
@@ -39,6 +39,7 @@ __all__ = [
     "FastPrefillHelper",
     "PreparedStep",
     "Programs",
+    "StepFields",
     "StepInputs",
     "StepLayout",
     "StepMetadataBuilder",

@@ -1,4 +1,10 @@
-"""Building every attention group's metadata for a step (spec §2.15-§2.16)."""
+"""Building every attention group's metadata for a step (spec §2.15-§2.16).
+
+:func:`build_attn_metadata_from_step` is the one builder: a step's named
+fields (:class:`StepFields`) in, one record per attention group out.
+:func:`build_attn_metadata` is vLLM's signature over it: its positional
+arguments become a :class:`StepFields` (defaults filled in) first.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +21,48 @@ from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv._specs import MambaSpec
 from jaxkv.groups import AttentionGroup
 from jaxkv.step._common_metadata import CommonAttentionMetadata
-from jaxkv.step._fast_prefill import make_kv_sharing_fast_prefill_common_attn_metadata
+from jaxkv.step._fast_prefill import (
+    FastPrefillBatchMetadata,
+    make_kv_sharing_fast_prefill_common_attn_metadata,
+)
+from jaxkv.step._packing import StepFields
 
 
 def build_attn_metadata_from_step(
     attn_groups: Sequence[Sequence[AttentionGroup]],
-    fields: Mapping[str, jax.Array],
+    fields: StepFields,
     kv_cache_config: KVCacheConfig,
     *,
     causal: bool | Mapping[int, bool] = True,
-    fast_prefill: Any = None,
+    fast_prefill: FastPrefillBatchMetadata | None = None,
+    query_start_loc_cpu: np.ndarray | None = None,
 ) -> dict[str, CommonAttentionMetadata]:
-    """:func:`build_attn_metadata` from the fields of :func:`unpack_step`.
+    """Every layer's metadata from a step's named fields (jittable).
+
+    Per KV-cache group: causality from `causal` (a bool, or ``gid -> bool``
+    with default ``True``) combined with the per-request
+    ``fields.request_causal``; the group's block table and slot mapping;
+    groups with a kernel block size get the expanded kernel block table;
+    Mamba groups with the same spec and backend reuse the first one's record
+    with their own block table and slot mapping; fast-prefill-wrapped groups
+    get the reduced record
+    (:func:`make_kv_sharing_fast_prefill_common_attn_metadata`).
+
+    Args:
+      attn_groups: Attention groups per KV-cache group.
+      fields: The step, e.g. :func:`unpack_step`'s.
+      kv_cache_config: Pools and groups.
+      causal: A bool for every group, or ``gid -> bool`` (default ``True``).
+      fast_prefill: A :class:`FastPrefillBatchMetadata` attached to every
+        record, or ``None``.
+      query_start_loc_cpu: The host copy to attach, or ``None``.
+
+    Returns:
+      ``layer name -> metadata`` (the same record for every layer of a group).
+
+    Raises:
+      ValueError: If there are fewer block tables or slot mappings than
+        groups, or more groups than the config has.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -44,30 +80,109 @@ def build_attn_metadata_from_step(
       >>> meta["layers.1.self_attn"].slot_mapping.tolist()
       [32, 33, 34, -1, -1, -1, -1, -1]
     """
-    s = fields["scalars"]
+    _check_groups(attn_groups, kv_cache_config, fields)
+    shared = _shared_fields(fields, fast_prefill, query_start_loc_cpu)
+    out: dict[str, CommonAttentionMetadata] = {}
+    mamba_cache: dict[tuple[Any, Any], CommonAttentionMetadata] = {}
+    for gid, groups in enumerate(attn_groups):
+        group_causal = (
+            causal if isinstance(causal, bool) else bool(causal.get(gid, True))
+        )
+        for group in groups:
+            meta = _group_record(
+                group,
+                fields.block_tables[gid],
+                fields.slot_mappings[gid],
+                group_causal,
+                shared,
+                mamba_cache,
+            )
+            for name in group.layer_names:
+                out[name] = meta
+    return out
+
+
+def _check_groups(
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+    kv_cache_config: KVCacheConfig,
+    fields: StepFields,
+) -> None:
     n = len(attn_groups)
-    return build_attn_metadata(
-        attn_groups,
-        s[0],
-        s[1],
-        fields["query_start_loc"],
-        None,
-        s[2],
-        fields["seq_lens"],
-        s[3],
-        [fields[f"block_table.{g}"] for g in range(n)],
-        [fields[f"slot_mapping.{g}"] for g in range(n)],
-        kv_cache_config,
-        positions=fields["positions"],
-        is_prefilling=fields["is_prefilling"],
-        token_to_req=fields["token_to_req"],
-        encoder_seq_lens=fields["encoder_seq_lens"],
-        mm_prefix_ranges=fields["mm_prefix_ranges"],
-        mm_num_ranges=fields["mm_num_ranges"],
-        causal=causal,
-        request_causal=fields["request_causal"],
-        fast_prefill=fast_prefill,
+    if len(fields.block_tables) < n or len(fields.slot_mappings) < n:
+        raise ValueError(
+            f"build_attn_metadata needs one block table and slot mapping per "
+            f"KV-cache group ({n}), got {len(fields.block_tables)} and "
+            f"{len(fields.slot_mappings)}."
+        )
+    if n > len(kv_cache_config.kv_cache_groups):
+        raise ValueError(
+            f"build_attn_metadata: {n} attention-group lists for a "
+            f"KVCacheConfig of {len(kv_cache_config.kv_cache_groups)} KV-cache groups; "
+            "pass the config init_attn_backend grouped (with KV-sharing layers)."
+        )
+
+
+def _shared_fields(
+    fields: StepFields,
+    fp: FastPrefillBatchMetadata | None,
+    query_start_loc_cpu: np.ndarray | None,
+) -> dict[str, Any]:
+    """The record fields every group of a step shares."""
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return dict(
+        request_causal=fields.request_causal,
+        query_start_loc=fields.query_start_loc,
+        seq_lens=fields.seq_lens,
+        num_reqs=fields.num_reqs,
+        num_actual_tokens=fields.num_tokens,
+        max_query_len=fields.max_query_len,
+        max_seq_len=fields.max_seq_len,
+        positions=fields.positions,
+        is_prefilling=fields.is_prefilling,
+        token_to_req=fields.token_to_req,
+        encoder_seq_lens=fields.encoder_seq_lens,
+        mm_prefix_ranges=fields.mm_prefix_ranges,
+        mm_num_ranges=fields.mm_num_ranges,
+        logits_indices_padded=(
+            jnp.zeros(1, jnp.int32) if fp is None else i32(fp.logits_indices_padded)
+        ),
+        num_logits_indices=i32(0) if fp is None else i32(fp.num_logits_indices),
+        max_logits_per_req=i32(0) if fp is None else i32(fp.max_logits_per_req),
+        fast_prefill=fp is not None,
+        query_start_loc_cpu=query_start_loc_cpu,
+        logits_indices_cpu=None if fp is None else fp.logits_indices_cpu,
     )
+
+
+def _group_record(
+    group: AttentionGroup,
+    table: jax.Array,
+    slots: jax.Array,
+    causal: bool,
+    shared: dict[str, Any],
+    mamba_cache: dict[tuple[Any, Any], CommonAttentionMetadata],
+) -> CommonAttentionMetadata:
+    """One attention group's record (a Mamba group may reuse an earlier one)."""
+    group_table = group.map_to_kernel_block_table(table)
+    key = (group.kv_cache_spec, group.backend)
+    is_mamba = isinstance(group.kv_cache_spec, MambaSpec)
+    if is_mamba and group.backend.supports_update_block_table and key in mamba_cache:
+        meta = dataclasses.replace(
+            mamba_cache[key], block_table_tensor=group_table, slot_mapping=slots
+        )
+    else:
+        meta = CommonAttentionMetadata(
+            block_table_tensor=group_table,
+            slot_mapping=slots,
+            causal=causal,
+            block_size=group.kernel_block_size or group.kv_cache_spec.block_size,
+            **shared,
+        )
+        if is_mamba:
+            mamba_cache.setdefault(key, meta)
+    if group.fast_prefill:
+        meta = make_kv_sharing_fast_prefill_common_attn_metadata(meta)
+    return meta
 
 
 def build_attn_metadata(
@@ -91,9 +206,13 @@ def build_attn_metadata(
     mm_num_ranges: Any = None,
     causal: bool | Mapping[int, bool] | Any = True,
     request_causal: Any = None,
-    fast_prefill: Any = None,
+    fast_prefill: FastPrefillBatchMetadata | None = None,
 ) -> dict[str, CommonAttentionMetadata]:
     """Builds one metadata record per attention group; maps every layer to it.
+
+    vLLM's signature: the arguments become a :class:`StepFields` (``None``
+    fields filled with their defaults), then
+    :func:`build_attn_metadata_from_step` builds the records.
 
     Jittable: array arguments may be traced; capacities come from shapes. Per
     KV-cache group: causality from `causal` (a bool, or ``gid -> bool`` with
@@ -153,117 +272,53 @@ def build_attn_metadata(
       >>> meta["layers.2.mixer"].block_table_tensor.tolist()
       [[1], [2]]
     """
-    if len(block_tables) < len(attn_groups) or len(slot_mappings) < len(attn_groups):
-        raise ValueError(
-            f"build_attn_metadata needs one block table and slot mapping per "
-            f"KV-cache group ({len(attn_groups)}), got {len(block_tables)} and "
-            f"{len(slot_mappings)}."
-        )
-    if len(attn_groups) > len(kv_cache_config.kv_cache_groups):
-        raise ValueError(
-            f"build_attn_metadata: {len(attn_groups)} attention-group lists for a "
-            f"KVCacheConfig of {len(kv_cache_config.kv_cache_groups)} KV-cache groups; "
-            "pass the config init_attn_backend grouped (with KV-sharing layers)."
-        )
-    qsl = jnp.asarray(query_start_loc_gpu, jnp.int32)
-    seq = jnp.asarray(seq_lens, jnp.int32)
-    max_reqs = seq.shape[0]
-    max_tokens = jnp.asarray(slot_mappings[0]).shape[0]
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    if token_to_req is None:
-        # Token t belongs to the request whose range [qsl[r], qsl[r+1]) holds it:
-        # qsl = [0, 4, 5] -> tokens [0, 0, 0, 0, 1].
-        token_to_req = jnp.searchsorted(
-            qsl[1:], jnp.arange(max_tokens, dtype=jnp.int32), side="right"
-        ).astype(jnp.int32)
-    ranges = (
-        jnp.zeros((max_reqs, 0, 2), jnp.int32)
-        if mm_prefix_ranges is None
-        else i32(mm_prefix_ranges)
-    )
-    per_request = not isinstance(causal, bool | Mapping)
-    if per_request:
+    if not isinstance(causal, bool | Mapping):  # a per-request array
         if request_causal is not None:
             raise ValueError(
                 "build_attn_metadata: causal is already a per-request array; "
                 "request_causal must be None."
             )
         request_causal, causal = causal, True
-    fp = fast_prefill
-    base: dict[str, Any] = dict(
-        request_causal=_request_causal(request_causal, num_reqs, max_reqs),
-        query_start_loc=qsl,
-        seq_lens=seq,
+    qsl = i32(query_start_loc_gpu)
+    seq = i32(seq_lens)
+    max_reqs = seq.shape[0]
+    max_tokens = jnp.asarray(slot_mappings[0]).shape[0] if slot_mappings else 0
+    if token_to_req is None:
+        # Token t belongs to the request whose range [qsl[r], qsl[r+1]) holds it:
+        # qsl = [0, 4, 5] -> tokens [0, 0, 0, 0, 1].
+        token_to_req = jnp.searchsorted(
+            qsl[1:], jnp.arange(max_tokens, dtype=jnp.int32), side="right"
+        )
+
+    def given(value: Any, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.zeros(shape, jnp.int32) if value is None else i32(value)
+
+    fields = StepFields(
         num_reqs=i32(num_reqs),
-        num_actual_tokens=i32(num_tokens),
+        num_tokens=i32(num_tokens),
         max_query_len=i32(max_query_len),
         max_seq_len=i32(max_seq_len),
-        positions=jnp.zeros(max_tokens, jnp.int32)
-        if positions is None
-        else i32(positions),
-        is_prefilling=(
-            jnp.zeros(max_reqs, jnp.bool_)
-            if is_prefilling is None
-            else jnp.asarray(is_prefilling).astype(jnp.bool_)
-        ),
+        query_start_loc=qsl,
+        seq_lens=seq,
+        positions=given(positions, (max_tokens,)),
+        is_prefilling=given(is_prefilling, (max_reqs,)).astype(jnp.bool_),
         token_to_req=i32(token_to_req),
-        encoder_seq_lens=(
-            jnp.zeros(max_reqs, jnp.int32)
-            if encoder_seq_lens is None
-            else i32(encoder_seq_lens)
-        ),
-        mm_prefix_ranges=ranges,
-        mm_num_ranges=(
-            jnp.zeros(max_reqs, jnp.int32)
-            if mm_num_ranges is None
-            else i32(mm_num_ranges)
-        ),
-        logits_indices_padded=(
-            jnp.zeros(1, jnp.int32) if fp is None else i32(fp.logits_indices_padded)
-        ),
-        num_logits_indices=i32(0) if fp is None else i32(fp.num_logits_indices),
-        max_logits_per_req=i32(0) if fp is None else i32(fp.max_logits_per_req),
-        fast_prefill=fp is not None,
-        query_start_loc_cpu=query_start_loc_cpu,
-        logits_indices_cpu=None if fp is None else fp.logits_indices_cpu,
+        encoder_seq_lens=given(encoder_seq_lens, (max_reqs,)),
+        mm_prefix_ranges=given(mm_prefix_ranges, (max_reqs, 0, 2)),
+        mm_num_ranges=given(mm_num_ranges, (max_reqs,)),
+        request_causal=_request_causal(request_causal, num_reqs, max_reqs),
+        block_tables=tuple(i32(b) for b in block_tables),
+        slot_mappings=tuple(i32(s) for s in slot_mappings),
     )
-    out: dict[str, CommonAttentionMetadata] = {}
-    mamba_cache: dict[tuple[Any, Any], CommonAttentionMetadata] = {}
-    for gid, groups in enumerate(attn_groups):
-        if not groups:
-            continue
-        group_causal = (
-            causal if isinstance(causal, bool) else bool(causal.get(gid, True))
-        )
-        table = i32(block_tables[gid])
-        slots = i32(slot_mappings[gid])
-        for group in groups:
-            group_table = group.map_to_kernel_block_table(table)
-            key = (group.kv_cache_spec, group.backend)
-            if (
-                isinstance(group.kv_cache_spec, MambaSpec)
-                and group.backend.supports_update_block_table
-                and key in mamba_cache
-            ):
-                meta = dataclasses.replace(
-                    mamba_cache[key], block_table_tensor=group_table, slot_mapping=slots
-                )
-            else:
-                meta = CommonAttentionMetadata(
-                    block_table_tensor=group_table,
-                    slot_mapping=slots,
-                    causal=group_causal,
-                    block_size=group.kernel_block_size
-                    or group.kv_cache_spec.block_size,
-                    **base,
-                )
-                if isinstance(group.kv_cache_spec, MambaSpec):
-                    mamba_cache.setdefault(key, meta)
-            if group.fast_prefill:
-                meta = make_kv_sharing_fast_prefill_common_attn_metadata(meta)
-            for name in group.layer_names:
-                out[name] = meta
-    return out
+    return build_attn_metadata_from_step(
+        attn_groups,
+        fields,
+        kv_cache_config,
+        causal=causal,
+        fast_prefill=fast_prefill,
+        query_start_loc_cpu=query_start_loc_cpu,
+    )
 
 
 def _request_causal(values: Any, num_reqs: Any, max_reqs: int) -> jax.Array:

@@ -46,7 +46,10 @@ class StepLayout:
         """``(name, shape)`` of every packed field, in buffer order."""
         r, t = self.max_reqs, self.max_tokens
         out = [
-            ("scalars", (4,)),  # num_reqs, num_tokens, max_query_len, max_seq_len
+            ("num_reqs", ()),
+            ("num_tokens", ()),
+            ("max_query_len", ()),
+            ("max_seq_len", ()),
             ("query_start_loc", (r + 1,)),
             ("seq_lens", (r,)),
             ("positions", (t,)),
@@ -159,12 +162,10 @@ def pack_step(
         view[tuple(slice(0, n) for n in values.shape)] = values
 
     q_lens = np.diff(qsl)
-    put(
-        "scalars",
-        np.array(
-            [num_reqs, num_tokens, q_lens.max(initial=0), np.max(seq_lens, initial=0)]
-        ),
-    )
+    put("num_reqs", np.asarray(num_reqs))
+    put("num_tokens", np.asarray(num_tokens))
+    put("max_query_len", q_lens.max(initial=0))
+    put("max_seq_len", np.max(seq_lens, initial=0))
     put("query_start_loc", qsl, fill=num_tokens)
     put("seq_lens", seq_lens)
     put("positions", positions)
@@ -204,19 +205,108 @@ def pack_step(
     return buf
 
 
-def unpack_step(packed: jax.Array, layout: StepLayout) -> dict[str, jax.Array]:
-    """Slices a packed step buffer into its fields (jittable; static slices).
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "num_reqs",
+        "num_tokens",
+        "max_query_len",
+        "max_seq_len",
+        "query_start_loc",
+        "seq_lens",
+        "positions",
+        "is_prefilling",
+        "token_to_req",
+        "encoder_seq_lens",
+        "mm_prefix_ranges",
+        "mm_num_ranges",
+        "request_causal",
+        "block_tables",
+        "slot_mappings",
+        "token_ids",
+        "sample_idx",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepFields:
+    """One step's fields on the device, by name: what :func:`unpack_step` gives.
+
+    A pytree of arrays sized by the :class:`StepLayout` (padding included);
+    :func:`build_attn_metadata_from_step` turns it into every layer's
+    metadata. Counts are int32 scalars; ``is_prefilling`` and
+    ``request_causal`` are booleans.
+
+    Attributes:
+      num_reqs: Real requests.
+      num_tokens: Real tokens.
+      max_query_len: The longest query of the step.
+      max_seq_len: The longest context after the step.
+      query_start_loc: ``(max_reqs + 1,)`` cumulative query lengths.
+      seq_lens: ``(max_reqs,)`` context lengths.
+      positions: ``(max_tokens,)`` token positions.
+      is_prefilling: ``(max_reqs,)``.
+      token_to_req: ``(max_tokens,)`` each token's request.
+      encoder_seq_lens: ``(max_reqs,)``.
+      mm_prefix_ranges: ``(max_reqs, max_mm_ranges, 2)`` inclusive ranges.
+      mm_num_ranges: ``(max_reqs,)`` valid ranges per request.
+      request_causal: ``(max_reqs,)``; ``False`` attends to the whole context.
+      block_tables: Per KV-cache group ``(max_reqs, width)`` manager block ids.
+      slot_mappings: Per KV-cache group ``(max_tokens,)`` slots (``-1`` pads).
+      token_ids: ``(max_tokens,)`` model inputs, or ``None`` (no model inputs).
+      sample_idx: ``(num_samples,)`` sampled token indices, or ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxkv.step import StepLayout, pack_step, unpack_step
+      >>> layout = StepLayout(max_reqs=2, max_tokens=4, block_table_widths=(1,))
+      >>> packed = pack_step(layout, query_start_loc=np.array([0, 3]),
+      ...     seq_lens=np.array([3]), positions=np.arange(3),
+      ...     block_tables=[np.array([[1]])], slot_mappings=[np.arange(3)])
+      >>> f = unpack_step(jnp.asarray(packed), layout)
+      >>> int(f.num_tokens), f.slot_mappings[0].tolist(), f.is_prefilling.tolist()
+      (3, [0, 1, 2, -1], [True, False])
+    """
+
+    num_reqs: jax.Array
+    num_tokens: jax.Array
+    max_query_len: jax.Array
+    max_seq_len: jax.Array
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    positions: jax.Array
+    is_prefilling: jax.Array
+    token_to_req: jax.Array
+    encoder_seq_lens: jax.Array
+    mm_prefix_ranges: jax.Array
+    mm_num_ranges: jax.Array
+    request_causal: jax.Array
+    block_tables: tuple[jax.Array, ...]
+    slot_mappings: tuple[jax.Array, ...]
+    token_ids: jax.Array | None = None
+    sample_idx: jax.Array | None = None
+
+
+def unpack_step(packed: jax.Array, layout: StepLayout) -> StepFields:
+    """Slices a packed step buffer into its named fields (jittable; static slices).
 
     Empty fields (no multimodal ranges, say) are fresh zero-size arrays, not
     reshaped slices: under ``vmap`` over a buffer sharded on an Explicit mesh
     axis, JAX refuses to reshape a zero-size sharded slice.
     """
-    out = {}
+    raw = {}
     for name, (off, shape) in layout.offsets().items():
         size = math.prod(shape)
-        out[name] = (
+        raw[name] = (
             packed[off : off + size].reshape(shape)
             if size
             else jnp.zeros(shape, packed.dtype)
         )
-    return out
+    groups = range(len(layout.block_table_widths))
+    return StepFields(
+        block_tables=tuple(raw.pop(f"block_table.{g}") for g in groups),
+        slot_mappings=tuple(raw.pop(f"slot_mapping.{g}") for g in groups),
+        is_prefilling=raw.pop("is_prefilling").astype(jnp.bool_),
+        request_causal=raw.pop("request_causal").astype(jnp.bool_),
+        **raw,
+    )

@@ -223,12 +223,14 @@ class StepMetadataBuilder:
                 "inputs; make it with model_inputs=True."
             )
         fields = unpack_step(inputs.packed, inputs.layout)
+        # model_inputs=True layouts hold both (num_samples > 0).
+        token_ids = cast(jax.Array, fields.token_ids)
         sample = (
-            fields["sample_idx"]
+            cast(jax.Array, fields.sample_idx)
             if inputs.fast_prefill is None
             else inputs.fast_prefill.logits_indices_padded
         )
-        return fields["token_ids"], sample
+        return token_ids, sample
 
     def _records_of(self, inputs: StepInputs) -> tuple[CommonAttentionMetadata, ...]:
         meta = self.metadata(inputs)
