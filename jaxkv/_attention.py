@@ -15,7 +15,7 @@ with no visible key produce zeros.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +212,34 @@ def paged_attention(
     )
 
 
+class _Mask(NamedTuple):
+    """The static masking options of one attention call."""
+
+    causal: bool
+    sliding_window: int | None
+    attention_chunk_size: int | None
+    cross_attention: bool
+    use_mm_prefix: bool
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a row's first visible key can be past its request's start."""
+        return not self.cross_attention and (
+            self.sliding_window is not None or self.attention_chunk_size is not None
+        )
+
+
+class _Rows(NamedTuple):
+    """Query rows: each row holds up to `tile` query tokens of one request."""
+
+    req: jax.Array  # (rows,) the row's request
+    tok: jax.Array  # (rows, tile) token ids, -1 = empty slot
+    valid: jax.Array  # (rows, tile)
+    pos: jax.Array  # (rows, tile) the tokens' positions
+    kv_len: jax.Array  # (rows,) keys the row's request has
+    table: jax.Array  # (rows, num_chunks * chunk) the request's pages, padded
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -250,133 +278,170 @@ def _paged_attention(
         )
     if head_dim != (view.head_size or head_dim) and "kv" in view.axes:
         raise ValueError(f"q.shape[-1]={head_dim}, but the keys have {view.head_size}.")
+    opts = _Mask(
+        meta.causal,
+        sliding_window,
+        attention_chunk_size,
+        cross_attention,
+        use_mm_prefix,
+    )
     groups = num_heads // kv_heads
     head_dim_v = _value_dim(view, head_dim)
-    # Rows of `query_tile` query slots, each row within one request, so a row
-    # reads its request's pages once: tok (rows, tile) token ids, -1 = empty.
-    row_req, tok = _query_rows(meta, num_tokens, query_tile)
-    valid = tok >= 0
-    safe_tok = jnp.where(valid, tok, 0)
-    qsl = meta.query_start_loc
-    pos = meta.seq_lens[row_req][:, None] - (qsl[row_req + 1][:, None] - safe_tok)
-    qg = q[safe_tok].reshape(*tok.shape, kv_heads, groups, head_dim).astype(jnp.float32)
-    table = meta.block_table_tensor[row_req]  # (rows, cols): the row's pages
-    cols = table.shape[1]
+    cols = meta.block_table_tensor.shape[1]
     chunk = max(1, min(pages_per_chunk, cols))
     num_chunks = -(-cols // chunk)
-    table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk - cols)))
-    block = view.block_size
-    kv_len = (
-        meta.encoder_seq_lens[row_req] if cross_attention else meta.seq_lens[row_req]
-    )
-    p = pos[:, :, None]  # (rows, tile, 1)
-    span = chunk * block
-    windowed = not cross_attention and (
-        sliding_window is not None or attention_chunk_size is not None
-    )
+    span = chunk * view.block_size
+    rows = _query_rows_of(meta, num_tokens, query_tile, opts, num_chunks * chunk)
+    safe_tok = jnp.where(rows.valid, rows.tok, 0)
+    qg = q[safe_tok].reshape(*rows.tok.shape, kv_heads, groups, head_dim)
+    qg = qg.astype(jnp.float32)
+    first_chunk, trips = _chunk_range(rows, opts, span, num_chunks)
     page_ids = jnp.arange(chunk, dtype=jnp.int32)[None, :]
     key_ids = jnp.arange(span, dtype=jnp.int32)
 
-    def visible(j: jax.Array) -> jax.Array:
-        """(rows, tile, span) mask of the keys at positions `j` (rows or 1, span)."""
-        j = j[:, None, :]
-        mask = (j < kv_len[:, None, None]) & valid[:, :, None]
-        if cross_attention:
-            return mask
-        if meta.causal:
-            # Requests marked non-causal see their whole context.
-            causal = (j <= p) | ~meta.request_causal[row_req][:, None, None]
-            if use_mm_prefix:
-                # Inclusive ranges [s, e]: a query inside one sees the whole range.
-                ranges = meta.mm_prefix_ranges[row_req]  # (rows, max_ranges, 2)
-                count = meta.mm_num_ranges[row_req][:, None]
-                live = jnp.arange(ranges.shape[1], dtype=jnp.int32)[None, :] < count
-                s = ranges[..., 0][:, None, :, None]  # (rows, 1, ranges, 1)
-                e = ranges[..., 1][:, None, :, None]
-                pp = p[:, :, :, None]  # (rows, tile, 1, 1)
-                inside_q = live[:, None, :, None] & (s <= pp) & (pp <= e)
-                inside_k = (s <= j[:, :, None, :]) & (j[:, :, None, :] <= e)
-                causal = causal | jnp.any(inside_q & inside_k, axis=2)
-            mask = mask & causal
-        if sliding_window is not None:
-            mask = mask & (j > p - sliding_window)
-        if attention_chunk_size is not None:
-            mask = mask & (j // attention_chunk_size == p // attention_chunk_size)
-        return mask
-
-    def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        top, denom, acc = carry
+    def body(c: jax.Array | int, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         # Row r reads its chunk first_chunk[r] + c; past its table it re-reads
         # the last chunk, whose keys the mask then hides (j >= kv_len).
-        if windowed:
+        if opts.windowed:
             at = first_chunk + c  # (rows,)
             cols_at = jnp.minimum(at, num_chunks - 1)[:, None] * chunk + page_ids
-            pages = jnp.take_along_axis(table, cols_at, axis=1)
+            pages = jnp.take_along_axis(rows.table, cols_at, axis=1)
             j = at[:, None] * span + key_ids[None, :]  # (rows, span)
         else:  # every row starts at chunk 0: one slice of the table
-            pages = jax.lax.dynamic_slice_in_dim(table, c * chunk, chunk, axis=1)
+            pages = jax.lax.dynamic_slice_in_dim(rows.table, c * chunk, chunk, axis=1)
             j = (c * span + key_ids)[None, :]  # (1, span)
         k_pages, v_pages = gather_kv_pages(pools, view, pages, layer=layer)
         if v_pages is None:  # MLA: the latent is both key and value
             v_pages = k_pages
-        rows = pages.shape[0]
-        k = k_pages.reshape(rows, chunk * block, kv_heads, -1)
-        v = v_pages.reshape(rows, chunk * block, kv_heads, -1)
-        mask = visible(j)  # (rows, tile, span)
-        # Zero invisible keys/values first: a NaN padding page times 0 is NaN.
-        seen = jnp.any(mask, axis=1)[:, :, None, None]
-        # Scores of unseen keys are masked below (a NaN padding key drops out);
-        # unseen values are zeroed, as their weight 0 times NaN is NaN.
-        k = k.astype(jnp.float32)
-        v = jnp.where(seen, v, 0).astype(jnp.float32)
-        scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
-        if logits_soft_cap is not None:
-            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-        m5 = mask[:, :, None, None, :]
-        scores = jnp.where(m5, scores, -jnp.inf)
-        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
-        safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-        weights = jnp.where(m5, jnp.exp(scores - safe[..., None]), 0.0)
-        rescale = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
-        denom = denom * rescale + jnp.sum(weights, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("nqhgl,nlhd->nqhgd", weights, v)
-        return new_top, denom, acc
+        n = pages.shape[0]
+        k = k_pages.reshape(n, span, kv_heads, -1)
+        v = v_pages.reshape(n, span, kv_heads, -1)
+        mask = _visible(rows, meta, opts, j)  # (rows, tile, span)
+        return _online_softmax_step(carry, qg, k, v, mask, scale, logits_soft_cap)
 
-    shape = (*tok.shape, kv_heads, groups)
+    shape = (*rows.tok.shape, kv_heads, groups)
     init = (
         jnp.full(shape, -jnp.inf, jnp.float32),
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim_v), jnp.float32),
     )
-    # Each row visits only the chunks that can hold a key it sees: up to its
-    # context, and from the earliest key its window or local chunk still shows
-    # (older pages may be freed: null-block entries). Rows share the loop, so it
-    # runs as many steps as the row spanning the most chunks.
-    live = jnp.any(valid, axis=1)
-    end_chunk = (kv_len + span - 1) // span  # (rows,) exclusive
-    first_chunk = jnp.zeros_like(end_chunk)
-    if windowed:
-        big = jnp.iinfo(jnp.int32).max
-        row_first = jnp.min(jnp.where(valid, pos, big), axis=1)  # (rows,)
-        lo = jnp.zeros_like(row_first)
-        if sliding_window is not None:
-            lo = jnp.maximum(lo, row_first - sliding_window + 1)
-        if attention_chunk_size is not None:
-            lo = jnp.maximum(
-                lo, row_first // attention_chunk_size * attention_chunk_size
-            )
-        first_chunk = jnp.where(live, lo // span, 0)
-    row_trips = jnp.where(live, jnp.maximum(end_chunk - first_chunk, 0), 0)
-    trips = jnp.minimum(jnp.max(row_trips), num_chunks)
     # Under shard_map (check_vma on) the carry must vary over the mesh axes the
     # body's inputs vary over (the pool's, the queries', the metadata's).
     init = _varying_like(init, (q, pools[view.pool], *jax.tree.leaves(meta)))
     _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
     rows_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    rows_out = rows_out.reshape(*tok.shape, num_heads, head_dim_v)
+    rows_out = rows_out.reshape(*rows.tok.shape, num_heads, head_dim_v)
     out = jnp.zeros((num_tokens, num_heads, head_dim_v), jnp.float32)
-    out = out.at[jnp.where(valid, tok, num_tokens)].set(rows_out, mode="drop")
+    out = out.at[jnp.where(rows.valid, rows.tok, num_tokens)].set(rows_out, mode="drop")
     return out.astype(q.dtype)
+
+
+def _query_rows_of(
+    meta: CommonAttentionMetadata, num_tokens: int, tile: int, opts: _Mask, width: int
+) -> _Rows:
+    """The step's query rows with their positions, key counts and page tables."""
+    row_req, tok = _query_rows(meta, num_tokens, tile)
+    valid = tok >= 0
+    safe_tok = jnp.where(valid, tok, 0)
+    qsl = meta.query_start_loc
+    pos = meta.seq_lens[row_req][:, None] - (qsl[row_req + 1][:, None] - safe_tok)
+    table = meta.block_table_tensor[row_req]  # (rows, cols): the row's pages
+    table = jnp.pad(table, ((0, 0), (0, width - table.shape[1])))
+    kv_len = (
+        meta.encoder_seq_lens[row_req]
+        if opts.cross_attention
+        else meta.seq_lens[row_req]
+    )
+    return _Rows(row_req, tok, valid, pos, kv_len, table)
+
+
+def _chunk_range(
+    rows: _Rows, opts: _Mask, span: int, num_chunks: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(first chunk per row, loop trips)``.
+
+    Each row visits only the chunks that can hold a key it sees: up to its
+    context, and from the earliest key its window or local chunk still shows
+    (older pages may be freed: null-block entries). Rows share the loop, so it
+    runs as many steps as the row spanning the most chunks.
+    """
+    live = jnp.any(rows.valid, axis=1)
+    end_chunk = (rows.kv_len + span - 1) // span  # (rows,) exclusive
+    first_chunk = jnp.zeros_like(end_chunk)
+    if opts.windowed:
+        big = jnp.iinfo(jnp.int32).max
+        row_first = jnp.min(jnp.where(rows.valid, rows.pos, big), axis=1)  # (rows,)
+        lo = jnp.zeros_like(row_first)
+        if opts.sliding_window is not None:
+            lo = jnp.maximum(lo, row_first - opts.sliding_window + 1)
+        if opts.attention_chunk_size is not None:
+            size = opts.attention_chunk_size
+            lo = jnp.maximum(lo, row_first // size * size)
+        first_chunk = jnp.where(live, lo // span, 0)
+    row_trips = jnp.where(live, jnp.maximum(end_chunk - first_chunk, 0), 0)
+    return first_chunk, jnp.minimum(jnp.max(row_trips), num_chunks)
+
+
+def _visible(
+    rows: _Rows, meta: CommonAttentionMetadata, opts: _Mask, j: jax.Array
+) -> jax.Array:
+    """(rows, tile, span) mask of the keys at positions `j` (rows or 1, span)."""
+    j = j[:, None, :]
+    p = rows.pos[:, :, None]  # (rows, tile, 1)
+    mask = (j < rows.kv_len[:, None, None]) & rows.valid[:, :, None]
+    if opts.cross_attention:
+        return mask
+    if opts.causal:
+        # Requests marked non-causal see their whole context.
+        causal = (j <= p) | ~meta.request_causal[rows.req][:, None, None]
+        if opts.use_mm_prefix:
+            # Inclusive ranges [s, e]: a query inside one sees the whole range.
+            ranges = meta.mm_prefix_ranges[rows.req]  # (rows, max_ranges, 2)
+            count = meta.mm_num_ranges[rows.req][:, None]
+            live = jnp.arange(ranges.shape[1], dtype=jnp.int32)[None, :] < count
+            s = ranges[..., 0][:, None, :, None]  # (rows, 1, ranges, 1)
+            e = ranges[..., 1][:, None, :, None]
+            pp = p[:, :, :, None]  # (rows, tile, 1, 1)
+            inside_q = live[:, None, :, None] & (s <= pp) & (pp <= e)
+            inside_k = (s <= j[:, :, None, :]) & (j[:, :, None, :] <= e)
+            causal = causal | jnp.any(inside_q & inside_k, axis=2)
+        mask = mask & causal
+    if opts.sliding_window is not None:
+        mask = mask & (j > p - opts.sliding_window)
+    if opts.attention_chunk_size is not None:
+        size = opts.attention_chunk_size
+        mask = mask & (j // size == p // size)
+    return mask
+
+
+def _online_softmax_step(
+    carry: tuple[jax.Array, ...],
+    qg: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> tuple[jax.Array, ...]:
+    """One chunk of keys folded into ``(running max, denominator, numerator)``."""
+    top, denom, acc = carry
+    # Scores of unseen keys are masked below (a NaN padding key drops out);
+    # unseen values are zeroed, as their weight 0 times NaN is NaN.
+    seen = jnp.any(mask, axis=1)[:, :, None, None]
+    k = k.astype(jnp.float32)
+    v = jnp.where(seen, v, 0).astype(jnp.float32)
+    scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    m5 = mask[:, :, None, None, :]
+    scores = jnp.where(m5, scores, -jnp.inf)
+    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    weights = jnp.where(m5, jnp.exp(scores - safe[..., None]), 0.0)
+    rescale = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
+    denom = denom * rescale + jnp.sum(weights, axis=-1)
+    acc = acc * rescale[..., None] + jnp.einsum("nqhgl,nlhd->nqhgd", weights, v)
+    return new_top, denom, acc
 
 
 def _query_rows(

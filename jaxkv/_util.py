@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeGuard, TypeVar
 
 import jax
 import numpy as np
 
 _T = TypeVar("_T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -31,6 +33,10 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
     leaf: each field is declared once, where it is defined.
     """
     fields = dataclasses.fields(cls)  # pyright: ignore[reportArgumentType]
+    # JAX rebuilds a pytree node with whatever leaves a transformation carries
+    # (tracers, ShapeDtypeStructs, lowering's ArgInfo, None), so its fields'
+    # annotations describe the arrays, and run-time checkers skip __init__.
+    cls.__no_type_check__ = True  # pyright: ignore[reportAttributeAccessIssue]
     return jax.tree_util.register_dataclass(
         cls,
         data_fields=[
@@ -113,3 +119,18 @@ def host_int_array(value: object, name: str) -> np.ndarray:
             "be truncated and NaN would become 0)."
         )
     return arr
+
+
+def checks_own_arguments(fn: F) -> F:
+    """Marks `fn` as validating its arguments itself, with errors naming them.
+
+    Run-time type checkers (jaxtyping's import hook with beartype, switched on
+    for the test suite) skip such a function, so a bad argument gets its own
+    message ("slot_mapping.shape=(3,), expected (4,) ...") rather than a
+    generic type-check error; its annotations still document the shapes and
+    static checkers still read them. Place it directly above ``def``:
+    jaxtyping's hook wraps the bare function and reads the mark on its own
+    wrapper.
+    """
+    fn.__no_type_check__ = True  # pyright: ignore[reportFunctionMemberAccess]
+    return fn

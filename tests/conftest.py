@@ -4,6 +4,21 @@ os.environ.setdefault("MPLBACKEND", "Agg")  # pictures render headless
 
 import jax
 from hypothesis import settings
+from jaxtyping import install_import_hook
+
+# Run-time shape and dtype checks: every function and dataclass of the modules
+# whose signatures carry jaxtyping annotations is checked by beartype on each
+# call (at trace time under jit) for the whole suite. Installed before any
+# test imports jaxkv.
+_TYPECHECKED = (
+    "jaxkv._attention",
+    "jaxkv.cache._ops",
+    "jaxkv.serve._sampling",
+    "jaxkv.step._common_metadata",
+    "jaxkv.step._fast_prefill",
+    "jaxkv.step._step_builder",
+)
+install_import_hook(_TYPECHECKED, "beartype.beartype")
 
 # Deterministic examples by default, so CI is reproducible; set
 # JAXKV_HYPOTHESIS_PROFILE=random to explore new ones locally.

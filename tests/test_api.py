@@ -114,3 +114,32 @@ def test_every_sub_package_name_has_a_docstring():
             elif getattr(jaxkv, name) is not obj:
                 missing.append(f"jaxkv.{name} is not jaxkv.{mod}.{name}")
     assert not missing, missing
+
+
+def test_the_suite_checks_shapes_and_dtypes_at_run_time():
+    # tests/conftest.py switches jaxtyping + beartype on for the annotated
+    # modules: a call whose arrays disagree with the annotations is refused.
+    import jax.numpy as jnp
+    import jaxtyping
+
+    ok = jaxkv.sample_tokens(
+        jnp.zeros((3, 5)),
+        params=jaxkv.SamplingParams(),
+        request_seeds=jnp.zeros(3, jnp.int32),
+        positions=jnp.zeros(3, jnp.int32),
+    )
+    assert ok.shape == (3,)
+    with pytest.raises(jaxtyping.TypeCheckError, match="request_seeds"):
+        jaxkv.sample_tokens(
+            jnp.zeros((3, 5)),
+            params=jaxkv.SamplingParams(),
+            request_seeds=jnp.zeros(2, jnp.int32),
+            positions=jnp.zeros(3, jnp.int32),
+        )
+    with pytest.raises(jaxtyping.TypeCheckError, match="positions"):
+        jaxkv.sample_tokens(
+            jnp.zeros((3, 5)),
+            params=jaxkv.SamplingParams(),
+            request_seeds=jnp.zeros(3, jnp.int32),
+            positions=jnp.zeros(3, jnp.float32),
+        )

@@ -342,3 +342,69 @@ def test_request_token_rows_list_each_request_s_tokens(q_lens):
     for r in range(max_reqs):
         want = list(range(qsl[r], qsl[r + 1])) if r < len(q_lens) else []
         assert rows[r].tolist() == want + [-1] * (6 - len(want))
+
+
+def test_vllm_signature_and_packed_step_give_the_same_records():
+    # build_attn_metadata (vLLM's positional arguments) and the packed path
+    # (pack_step in NumPy, unpack_step, build_attn_metadata_from_step) must
+    # agree on every field of every record when every optional field is given.
+    cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
+    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
+    n = len(groups)
+    layout = jaxkv.step.StepLayout(
+        max_reqs=4, max_tokens=8, block_table_widths=(2,) * n, max_mm_ranges=1
+    )
+    qsl, seq = np.array([0, 4, 5]), np.array([6, 9])
+    positions = np.array([2, 3, 4, 5, 8])
+    tables = [np.array([[1, 2], [3, 4]]) + g for g in range(n)]
+    slots = [np.array([34, 35, 36, 37, 104]) + g for g in range(n)]
+    encoder = np.array([3, 1])
+    causal = np.array([True, False])
+    packed = jaxkv.step.pack_step(
+        layout,
+        query_start_loc=qsl,
+        seq_lens=seq,
+        positions=positions,
+        block_tables=tables,
+        slot_mappings=slots,
+        encoder_seq_lens=encoder,
+        mm_prefix_ranges={0: [(2, 4)]},
+        request_causal=causal,
+    )
+    fields = jaxkv.step.unpack_step(jnp.asarray(packed), layout)
+    want = jaxkv.step.build_attn_metadata_from_step(groups, fields, kv)
+    pad = lambda a, n, fill=0: np.concatenate([a, np.full(n - a.size, fill)])  # noqa: E731
+    ranges = np.zeros((4, 1, 2), np.int32)
+    ranges[0, 0] = (2, 4)
+    got = jaxkv.vllm.build_attn_metadata(
+        groups,
+        2,
+        5,
+        pad(qsl, 5, 5),
+        qsl,
+        4,
+        pad(seq, 4),
+        9,
+        [np.pad(t, ((0, 2), (0, 0))) for t in tables],
+        [pad(s, 8, -1) for s in slots],
+        kv,
+        positions=pad(positions, 8),
+        is_prefilling=np.array([1, 0, 0, 0]),
+        encoder_seq_lens=pad(encoder, 4),
+        mm_prefix_ranges=ranges,
+        mm_num_ranges=np.array([1, 0, 0, 0]),
+        request_causal=causal,
+    )
+    assert set(got) == set(want)
+    for name in want:
+        for f in dataclasses.fields(jaxkv.CommonAttentionMetadata):
+            if f.name == "query_start_loc_cpu":
+                continue
+            a, b = getattr(got[name], f.name), getattr(want[name], f.name)
+            if isinstance(b, jax.Array):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name}.{f.name}")
+            else:
+                assert a == b, (name, f.name)
+    assert want["layers.0.self_attn"].positions.tolist()[:5] == positions.tolist()
+    assert want["layers.0.self_attn"].request_causal.tolist() == [1, 0, 1, 1]

@@ -22,7 +22,7 @@ from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
-from jaxkv._util import host_int_array
+from jaxkv._util import checks_own_arguments, host_int_array
 from jaxkv.cache import _typed as typed
 from jaxkv.cache._strided import (
     access_plan,
@@ -285,6 +285,7 @@ def _check_kv_shapes(
 
 @_checks_host_ids("slot_mapping", view=KVCacheView)
 @functools.partial(jax.jit, donate_argnums=0)
+@checks_own_arguments
 def write_kv(
     pools: Pools,
     view: KVCacheView,
@@ -445,6 +446,7 @@ def _replace(pools: Pools, index: int, new: jax.Array) -> Pools:
 
 @_checks_host_ids("block_table", view=KVCacheView)
 @jax.jit
+@checks_own_arguments
 def gather_kv_pages(
     pools: Pools,
     view: KVCacheView,

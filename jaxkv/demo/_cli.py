@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._backends import AttentionBackend, KVCacheLayout, MultipleOf
+from jaxkv._config import RunnerConfig
 from jaxkv._examples import tiny_hybrid_config
 from jaxkv._monitoring import count_compilations
 from jaxkv.demo._engine import Engine, EngineRequest
@@ -101,6 +102,24 @@ def _make_mesh(data: int, tensor: int) -> jax.sharding.Mesh:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the demo; returns the process exit code (1 if outputs differ)."""
+    args = _parser().parse_args(argv)
+    mesh = None if args.mesh is None else _make_mesh(*args.mesh)
+    cfg = _runner_config(args)
+    model, engine = _engine(args, cfg, mesh)
+    requests = _serve(args, engine)
+    if args.no_check:
+        return 0
+    served = [r for r in requests if r.reject_reason is None]
+    max_len = max(len(r.prompt) for r in requests) + args.max_new_tokens
+    matches = sum(
+        generate_dense(model, r.prompt, r.max_new_tokens, max_len) == r.output
+        for r in served
+    )
+    print(f"greedy outputs match the dense oracle: {matches}/{len(served)} requests")
+    return 0 if matches == len(served) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxkv",
         description="Serve synthetic requests on the built-in hybrid model.",
@@ -144,9 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="serve over a DATAxTENSOR device mesh, e.g. 2x4 (simulated on CPU)",
     )
-    args = p.parse_args(argv)
-    mesh = None if args.mesh is None else _make_mesh(*args.mesh)
+    return p
 
+
+def _runner_config(args: argparse.Namespace) -> RunnerConfig:
+    """The built-in hybrid model's config for the command line's options."""
     backend: str | AttentionBackend = "JAX_PAGED"
     if args.kernel_block_size:
         backend = AttentionBackend(
@@ -176,6 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         token_buckets=args.token_buckets,
         request_buckets=(args.max_num_seqs,),
     )
+    return cfg
+
+
+def _engine(
+    args: argparse.Namespace, cfg: RunnerConfig, mesh: Any
+) -> tuple[TinyHybridModel, Engine]:
+    """The model and its Engine, with a line on the pools (and the mesh)."""
     model = TinyHybridModel(cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(args.seed))
     engine = Engine(
         cfg,
@@ -199,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"mesh {data}x{tensor} (data x tensor): "
             f"{per_device:.2f} MiB of pools per device"
         )
+    return model, engine
+
+
+def _serve(args: argparse.Namespace, engine: Engine) -> list[EngineRequest]:
+    """Warms up, serves the synthetic requests and prints what it measured."""
     warm = engine.warm_up(progress_bar("compiling"))
     rng = np.random.default_rng(args.seed)
     prefix = rng.integers(1, args.vocab_size, args.shared_prefix).tolist()
@@ -234,16 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in requests:
         if r.reject_reason:
             print(f"  rejected {r.req_id}: {r.reject_reason}")
-    if args.no_check:
-        return 0
-    served = [r for r in requests if r.reject_reason is None]
-    max_len = max(len(r.prompt) for r in requests) + args.max_new_tokens
-    matches = sum(
-        generate_dense(model, r.prompt, r.max_new_tokens, max_len) == r.output
-        for r in served
-    )
-    print(f"greedy outputs match the dense oracle: {matches}/{len(served)} requests")
-    return 0 if matches == len(served) else 1
+    return requests
 
 
 def progress_bar(label: str) -> Callable[[int, int], None]:

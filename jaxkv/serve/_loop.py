@@ -164,28 +164,10 @@ class ServingLoop:
         per_request_sampling: bool = False,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
-        if not callable(forward):
-            raise TypeError(
-                f"ServingLoop: forward must be callable, got {type(forward).__name__}."
-            )
+        _check_loop_arguments(plan, forward, sampling, param_specs)
         self.sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(
-                "ServingLoop: sampling must be a SamplingParams, got "
-                f"{type(self.sampling).__name__}."
-            )
-        if not isinstance(plan, KVCachePlan | ShardedPlan):
-            raise TypeError(
-                "ServingLoop: plan must be a KVCachePlan (make_plan) or a "
-                f"ShardedPlan (shard_plan), got {type(plan).__name__}."
-            )
         sharded = plan if isinstance(plan, ShardedPlan) else None
         self.sharded = sharded
-        if self.sharded is None and param_specs is not None:
-            raise ValueError(
-                "ServingLoop: param_specs shard the parameters over a mesh; give "
-                "a ShardedPlan (shard_plan) or leave them out."
-            )
         #: The plan every device runs (a mesh's rank-local plan).
         self.plan: KVCachePlan = sharded.local if sharded else cast(KVCachePlan, plan)
         self.num_ranks = 1 if self.sharded is None else self.sharded.data_parallel
@@ -217,28 +199,7 @@ class ServingLoop:
             )
             for _ in range(self.num_ranks)
         ]
-        if sharded is None:
-            self.params = params
-            self.pools: Pools = self.plan.allocate()
-            self._param_specs = None
-        else:
-            mesh = sharded.mesh
-            if param_specs is not None:
-                _check_param_specs(params, param_specs)
-            self._param_specs = (
-                jax.tree.map(lambda _: P(), params)
-                if param_specs is None
-                else param_specs
-            )
-            self.params = jax.device_put(
-                params,
-                jax.tree.map(
-                    lambda spec: NamedSharding(mesh, spec),
-                    self._param_specs,
-                    is_leaf=lambda x: isinstance(x, P),
-                ),
-            )
-            self.pools = sharded.allocate()
+        self.params, self.pools, self._param_specs = self._place(params, param_specs)
         # On a mesh, fast prefill stages each rank's logits indices inside the
         # step (the jitted staging kernel on its row of a persistent buffer).
         self._yoco = sharded is not None and any(
@@ -266,6 +227,25 @@ class ServingLoop:
             deque()
         )
         self._prev_tokens = self._no_tokens()
+
+    def _place(self, params: Any, param_specs: Any) -> tuple[Any, Pools, Any]:
+        """``(params, pools, param specs)``: on the device, or over the mesh
+        (parameters replicated unless `param_specs` shard them).
+        """  # noqa: D205
+        if self.sharded is None:
+            return params, self.plan.allocate(), None
+        mesh = self.sharded.mesh
+        if param_specs is not None:
+            _check_param_specs(params, param_specs)
+        specs = (
+            jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
+        )
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        return jax.device_put(params, shardings), self.sharded.allocate(), specs
 
     @property
     def scheduler(self) -> Scheduler:
@@ -884,6 +864,31 @@ def _check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[An
             f"sample_idx; got {shape}."
         )
     return new_pools, logits
+
+
+def _check_loop_arguments(
+    plan: object, forward: object, sampling: object, param_specs: object
+) -> None:
+    """Refuses ServingLoop arguments of the wrong kind, naming each."""
+    if not callable(forward):
+        raise TypeError(
+            f"ServingLoop: forward must be callable, got {type(forward).__name__}."
+        )
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(
+            "ServingLoop: sampling must be a SamplingParams, got "
+            f"{type(sampling).__name__}."
+        )
+    if not isinstance(plan, KVCachePlan | ShardedPlan):
+        raise TypeError(
+            "ServingLoop: plan must be a KVCachePlan (make_plan) or a "
+            f"ShardedPlan (shard_plan), got {type(plan).__name__}."
+        )
+    if not isinstance(plan, ShardedPlan) and param_specs is not None:
+        raise ValueError(
+            "ServingLoop: param_specs shard the parameters over a mesh; give "
+            "a ShardedPlan (shard_plan) or leave them out."
+        )
 
 
 def _check_param_specs(params: Any, param_specs: Any) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
-from jaxkv._util import host_field, pytree_dataclass
+from jaxkv._util import checks_own_arguments, host_field, pytree_dataclass
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._programs import Programs
@@ -164,6 +164,7 @@ class FastPrefillHelper:
         for p in self.paddings():
             self.programs.compile(p, buf, jax.ShapeDtypeStruct((p + 2,), jnp.int32))
 
+    @checks_own_arguments
     def prepare(
         self,
         logits_indices: np.ndarray,

@@ -170,7 +170,9 @@ def pack_step(
     put("seq_lens", seq_lens)
     put("positions", positions)
     put("is_prefilling", q_lens > 1 if is_prefilling is None else is_prefilling)
-    put("token_to_req", np.repeat(np.arange(num_reqs), q_lens))
+    # Padding tokens belong to no request: max_reqs, what the searchsorted
+    # of build_attn_metadata gives over the padded query_start_loc.
+    put("token_to_req", np.repeat(np.arange(num_reqs), q_lens), fill=layout.max_reqs)
     put(
         "encoder_seq_lens",
         np.zeros(num_reqs) if encoder_seq_lens is None else encoder_seq_lens,
@@ -246,7 +248,8 @@ class StepFields:
       seq_lens: ``(max_reqs,)`` context lengths.
       positions: ``(max_tokens,)`` token positions.
       is_prefilling: ``(max_reqs,)``.
-      token_to_req: ``(max_tokens,)`` each token's request.
+      token_to_req: ``(max_tokens,)`` each token's request (``max_reqs`` for
+        padding tokens).
       encoder_seq_lens: ``(max_reqs,)``.
       mm_prefix_ranges: ``(max_reqs, max_mm_ranges, 2)`` inclusive ranges.
       mm_num_ranges: ``(max_reqs,)`` valid ranges per request.

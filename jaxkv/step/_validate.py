@@ -74,6 +74,48 @@ def validate_step(
       ...
       ValueError: block_tables[0] has 1 columns; request 0 needs 2 for seq_len 20 (block size 16).
     """  # noqa: E501
+    qsl, seq, num_tokens = _check_requests(query_start_loc, seq_lens, positions)
+    kinds: tuple[str, ...] | None = None
+    if group_kinds is not None:
+        kinds = tuple(group_kinds)
+        if len(kinds) != len(block_sizes) or any(
+            (k == "mamba") != bool(m) for k, m in zip(kinds, is_mamba, strict=False)
+        ):
+            raise ValueError(
+                f"group_kinds={kinds!r} does not match is_mamba={tuple(is_mamba)!r}."
+            )
+    if len(block_tables) != len(block_sizes) or len(slot_mappings) != len(block_sizes):
+        raise ValueError(
+            f"Expected {len(block_sizes)} block tables and slot mappings (one per "
+            f"KV-cache group), got {len(block_tables)} and {len(slot_mappings)}."
+        )
+    for g, (bs, mamba) in enumerate(zip(block_sizes, is_mamba, strict=True)):
+        _check_group(
+            g,
+            _ints(block_tables[g], f"block_tables[{g}]", 2),
+            _ints(slot_mappings[g], f"slot_mappings[{g}]", 1),
+            block_size=bs,
+            is_mamba=mamba,
+            kind=None if kinds is None else kinds[g],
+            num_blocks=num_blocks,
+            qsl=qsl,
+            seq=seq,
+        )
+    if logits_indices is not None:
+        idx = _ints(logits_indices, "logits_indices", 1)
+        if idx.size and (idx.min() < 0 or idx.max() >= num_tokens):
+            raise ValueError(
+                f"logits_indices must be token indices in [0, {num_tokens}), got "
+                f"[{int(idx.min())}, {int(idx.max())}]."
+            )
+        if (np.diff(idx) <= 0).any():
+            raise ValueError("logits_indices must be strictly ascending.")
+
+
+def _check_requests(
+    query_start_loc: object, seq_lens: object, positions: object
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(query_start_loc, seq_lens, num_tokens)`` checked against each other."""
     qsl = _ints(query_start_loc, "query_start_loc", 1)
     if qsl.size == 0 or qsl[0] != 0:
         raise ValueError(
@@ -101,90 +143,92 @@ def validate_step(
     pos = _ints(positions, "positions", 1)
     if pos.shape != (num_tokens,):
         raise ValueError(f"positions.shape={pos.shape}, expected ({num_tokens},).")
-    kinds: tuple[str, ...] | None = None
-    if group_kinds is not None:
-        kinds = tuple(group_kinds)
-        if len(kinds) != len(block_sizes) or any(
-            (k == "mamba") != bool(m) for k, m in zip(kinds, is_mamba, strict=False)
-        ):
+    return qsl, seq, num_tokens
+
+
+def _check_group(
+    g: int,
+    table: np.ndarray,
+    slots: np.ndarray,
+    *,
+    block_size: int,
+    is_mamba: bool,
+    kind: str | None,
+    num_blocks: int,
+    qsl: np.ndarray,
+    seq: np.ndarray,
+) -> None:
+    """Group `g`'s block table and slot mapping against the requests."""
+    bs, q_lens = block_size, np.diff(qsl)
+    num_reqs, num_tokens = q_lens.size, int(qsl[-1])
+    if slots.shape != (num_tokens,):
+        raise ValueError(
+            f"slot_mappings[{g}].shape={slots.shape}, expected ({num_tokens},)."
+        )
+    if table.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_tables[{g}] has {table.shape[0]} rows, expected one per "
+            f"request ({num_reqs})."
+        )
+    need = -(-seq // bs) if not is_mamba else np.maximum(seq - 1, 0) // bs + 1
+    if num_reqs and int(need.max()) > table.shape[1]:
+        r = int(np.argmax(need))
+        raise ValueError(
+            f"block_tables[{g}] has {table.shape[1]} columns; request {r} needs "
+            f"{int(need[r])} for seq_len {int(seq[r])} (block size {bs})."
+        )
+    context = np.arange(table.shape[1])[None, :] < need[:, None]
+    bad = np.argwhere(((table < 0) | (table >= num_blocks)) & context)
+    if bad.size:
+        r, c = (int(i) for i in bad[0])
+        raise ValueError(
+            f"block_tables[{g}][{r}, {c}] is {int(table[r, c])}, outside "
+            f"[0, {num_blocks}) in request {r}'s context."
+        )
+    if kind == "full":
+        null = np.argwhere((table == 0) & context)
+        if null.size:
+            r, c = (int(i) for i in null[0])
             raise ValueError(
-                f"group_kinds={kinds!r} does not match is_mamba={tuple(is_mamba)!r}."
+                f"block_tables[{g}][{r}, {c}] is the null block in request "
+                f"{r}'s context (group {g} keeps every block): the request's "
+                "blocks were freed or never allocated."
             )
+    if kind in ("full", "window") and num_tokens:
+        _check_own_slots(g, table, slots, bs, qsl, seq)
+
+
+def _check_own_slots(
+    g: int,
+    table: np.ndarray,
+    slots: np.ndarray,
+    bs: int,
+    qsl: np.ndarray,
+    seq: np.ndarray,
+) -> None:
+    """Each written slot is its token's own: its request's block for its position."""
+    q_lens = np.diff(qsl)
+    num_tokens = int(qsl[-1])
     # Each token's request and position in its sequence.
-    tok_req = np.repeat(np.arange(num_reqs), q_lens)
+    tok_req = np.repeat(np.arange(q_lens.size), q_lens)
     tok_pos = (
         np.arange(num_tokens)
         - np.repeat(qsl[:-1], q_lens)
         + np.repeat(seq.astype(np.int64) - q_lens, q_lens)
     )
-    if len(block_tables) != len(block_sizes) or len(slot_mappings) != len(block_sizes):
+    block = table[tok_req, tok_pos // bs].astype(np.int64)
+    want = block * bs + tok_pos % bs
+    wrong = (slots != -1) & ((slots != want) | (block == 0))
+    if wrong.any():
+        t = int(np.argmax(wrong))
+        r, p = int(tok_req[t]), int(tok_pos[t])
         raise ValueError(
-            f"Expected {len(block_sizes)} block tables and slot mappings (one per "
-            f"KV-cache group), got {len(block_tables)} and {len(slot_mappings)}."
+            f"slot_mappings[{g}][{t}] is {int(slots[t])} (block "
+            f"{int(slots[t]) // bs}); request {r}'s token at position {p} "
+            f"belongs in block {int(block[t])} (slot {int(want[t])})"
+            + (
+                ", the null block: its block was never allocated."
+                if block[t] == 0
+                else "."
+            )
         )
-    for g, (bs, mamba) in enumerate(zip(block_sizes, is_mamba, strict=True)):
-        table = _ints(block_tables[g], f"block_tables[{g}]", 2)
-        slots = _ints(slot_mappings[g], f"slot_mappings[{g}]", 1)
-        if slots.shape != (num_tokens,):
-            raise ValueError(
-                f"slot_mappings[{g}].shape={slots.shape}, expected ({num_tokens},)."
-            )
-        if table.shape[0] != num_reqs:
-            raise ValueError(
-                f"block_tables[{g}] has {table.shape[0]} rows, expected one per "
-                f"request ({num_reqs})."
-            )
-        need = -(-seq // bs) if not mamba else np.maximum(seq - 1, 0) // bs + 1
-        if num_reqs and int(need.max()) > table.shape[1]:
-            r = int(np.argmax(need))
-            raise ValueError(
-                f"block_tables[{g}] has {table.shape[1]} columns; request {r} needs "
-                f"{int(need[r])} for seq_len {int(seq[r])} (block size {bs})."
-            )
-        cols = np.arange(table.shape[1])[None, :]
-        context = cols < need[:, None]
-        bad_ids = (table < 0) | (table >= num_blocks)
-        if bad_ids.any():
-            bad = np.argwhere(bad_ids & context)
-            if bad.size:
-                r, c = (int(i) for i in bad[0])
-                raise ValueError(
-                    f"block_tables[{g}][{r}, {c}] is {int(table[r, c])}, outside "
-                    f"[0, {num_blocks}) in request {r}'s context."
-                )
-        kind = None if kinds is None else kinds[g]
-        if kind == "full":
-            null = np.argwhere((table == 0) & context)
-            if null.size:
-                r, c = (int(i) for i in null[0])
-                raise ValueError(
-                    f"block_tables[{g}][{r}, {c}] is the null block in request "
-                    f"{r}'s context (group {g} keeps every block): the request's "
-                    "blocks were freed or never allocated."
-                )
-        if kind in ("full", "window") and num_tokens:
-            block = table[tok_req, tok_pos // bs].astype(np.int64)
-            want = block * bs + tok_pos % bs
-            wrong = (slots != -1) & ((slots != want) | (block == 0))
-            if wrong.any():
-                t = int(np.argmax(wrong))
-                r, p = int(tok_req[t]), int(tok_pos[t])
-                raise ValueError(
-                    f"slot_mappings[{g}][{t}] is {int(slots[t])} (block "
-                    f"{int(slots[t]) // bs}); request {r}'s token at position {p} "
-                    f"belongs in block {int(block[t])} (slot {int(want[t])})"
-                    + (
-                        ", the null block: its block was never allocated."
-                        if block[t] == 0
-                        else "."
-                    )
-                )
-    if logits_indices is not None:
-        idx = _ints(logits_indices, "logits_indices", 1)
-        if idx.size and (idx.min() < 0 or idx.max() >= num_tokens):
-            raise ValueError(
-                f"logits_indices must be token indices in [0, {num_tokens}), got "
-                f"[{int(idx.min())}, {int(idx.max())}]."
-            )
-        if (np.diff(idx) <= 0).any():
-            raise ValueError("logits_indices must be strictly ascending.")
