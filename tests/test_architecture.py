@@ -67,6 +67,15 @@ def _violations(path: Path, unit: str, ranks: dict[str, int]) -> list[str]:
                 f"{path.name} ({unit}) imports {module}: another "
                 f"sub-package's private module, not its __init__"
             )
+        if (
+            ranks[unit] > ranks["__init__"]
+            and target.startswith("_")
+            and target not in ("__init__",)
+        ):
+            bad.append(
+                f"{path.name} ({unit}) imports {module}: units above the "
+                "package import its public namespaces only"
+            )
         private = [n for n in names if n.startswith("_") and n not in SEED_PRIVATE]
         if private and target != "_util":
             bad.append(f"{path.name} imports {private} from {target}")
@@ -114,6 +123,11 @@ def test_the_layering_check_sees_a_violation(tmp_path):
     assert "private module" in found[1]
     assert "['_x']" in found[2]
     assert len(_violations(f, "demo", ranks)) == 2  # serve is below demo
+    g = tmp_path / "d.py"
+    g.write_text("from jaxkv._specs import MambaSpec\n")
+    assert _violations(g, "cache", ranks) == []
+    (found,) = _violations(g, "demo", ranks)
+    assert "public namespaces only" in found
 
 
 def test_import_jaxkv_loads_no_flax_and_flax_is_an_extra():

@@ -18,13 +18,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv._backends import AttentionBackend, KVCacheLayout, MultipleOf
-from jaxkv._config import RunnerConfig
-from jaxkv._examples import tiny_hybrid_config
-from jaxkv._monitoring import count_compilations
+from jaxkv import (
+    AttentionBackend,
+    KVCacheLayout,
+    RunnerConfig,
+    count_compilations,
+    tiny_hybrid_config,
+)
 from jaxkv.demo._engine import Engine, EngineRequest
 from jaxkv.demo._model import TinyHybridModel
 from jaxkv.demo._oracle import generate_dense
+from jaxkv.vllm import MultipleOf
 
 
 def _buckets(text: str) -> tuple[int, ...]:

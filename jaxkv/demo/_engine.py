@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxkv.sched as jaxkv_sched
-from jaxkv._config import RunnerConfig
+from jaxkv import RunnerConfig
 from jaxkv.cache import (
     BlockAllocator,
     KVCacheView,

@@ -22,9 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv._attention import paged_attention, token_requests_and_positions
-from jaxkv._config import RunnerConfig
-from jaxkv._specs import AttentionSpec, MambaSpec, SlidingWindowSpec
+from jaxkv import (
+    AttentionSpec,
+    MambaSpec,
+    RunnerConfig,
+    SlidingWindowSpec,
+    paged_attention,
+    token_requests_and_positions,
+)
 from jaxkv.cache import (
     AttentionLayer,
     LayerView,

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv._config import RunnerConfig
+from jaxkv import RunnerConfig
 from jaxkv.cache import local_kv_heads
 from jaxkv.demo._model import AttentionBlock, MambaBlock, TinyHybridModel
 
