@@ -118,7 +118,10 @@ def run(args) -> dict:
 
     @jax.jit
     def naive_build(f, fp):
-        return jaxkv.step.build_attn_metadata_from_step(groups, f, kv, fast_prefill=fp)
+        fields = jaxkv.step.StepFields.of_layout_fields(f, layout)
+        return jaxkv.step.build_attn_metadata_from_step(
+            groups, fields, kv, fast_prefill=fp
+        )
 
     def naive_host():
         packed = jaxkv.step.pack_step(layout, **host_inputs)

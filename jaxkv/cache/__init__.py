@@ -5,8 +5,10 @@ page alignment) -> ``_pools`` (carrier-word or typed storage, allocation) ->
 ``_layer_views`` / ``_kernel_views`` / ``_views`` (each layer's bytes) ->
 ``_bind`` (views bound to attention layers) -> ``_plan`` (all of it as one
 static, hashable :class:`KVCachePlan`) and ``_shard`` (on a mesh);
-``_ops`` reads and writes through views inside jit (``_strided`` for word
-pools, ``_typed`` for typed pools); ``_vllm_layout`` is vLLM 0.33's
+``_ops`` writes and gathers K/V through views inside jit (``_strided`` for
+word pools, ``_typed`` for typed pools), ``_state_ops`` Mamba states, zeroing
+and whole-view reads, ``_kernel_handoff`` a layer's cache as a kernel's array,
+``_checks`` the host-side id checks they share; ``_vllm_layout`` is vLLM 0.33's
 description of the same storage; ``_blocks`` a block allocator.
 """  # noqa: D205
 
@@ -18,33 +20,27 @@ from jaxkv.cache._bind import (
     local_attention,
 )
 from jaxkv.cache._blocks import BlockAllocator, get_num_skipped_tokens
+from jaxkv.cache._checks import (
+    Pools,
+    any_deleted,
+    check_layer,
+    check_pools_alive,
+    validate_block_ids,
+    validate_slot_mapping,
+)
 from jaxkv.cache._grouping import (
     HybridBlockAlignment,
     align_hybrid_block_size,
     make_kv_cache_config,
     unify_page_sizes,
 )
+from jaxkv.cache._kernel_handoff import kernel_cache, put_kernel_cache
 from jaxkv.cache._layer_views import (
     _align_mixed_attention_kv_cache_views,  # noqa: F401  (vLLM's name)
     _kv_first_layers_sharing_pool_with_mamba,  # noqa: F401  (vLLM's name)
     build_kv_cache_views,
 )
-from jaxkv.cache._ops import (
-    Pools,
-    any_deleted,
-    check_layer,
-    check_pools_alive,
-    gather_kv_pages,
-    kernel_cache,
-    put_kernel_cache,
-    read_mamba_state,
-    read_view,
-    validate_block_ids,
-    validate_slot_mapping,
-    write_kv,
-    write_mamba_state,
-    zero_blocks,
-)
+from jaxkv.cache._ops import gather_kv_pages, write_kv
 from jaxkv.cache._plan import (
     KVCacheBudget,
     KVCachePlan,
@@ -66,6 +62,12 @@ from jaxkv.cache._shard import (
     local_kv_heads,
     local_runner_config,
     shard_plan,
+)
+from jaxkv.cache._state_ops import (
+    read_mamba_state,
+    read_view,
+    write_mamba_state,
+    zero_blocks,
 )
 from jaxkv.cache._views import KVCacheView, LayerView, MambaView
 from jaxkv.cache._vllm_layout import (

@@ -289,6 +289,23 @@ class StepFields:
     token_ids: jax.Array | None = None
     sample_idx: jax.Array | None = None
 
+    @classmethod
+    def of_layout_fields(
+        cls, arrays: Mapping[str, jax.Array], layout: StepLayout
+    ) -> StepFields:
+        """The record of arrays named as :meth:`StepLayout.fields` names them
+        (``"block_table.0"``, ...), each of its field's shape.
+        """  # noqa: D205
+        raw = dict(arrays)
+        groups = range(len(layout.block_table_widths))
+        return cls(
+            block_tables=tuple(raw.pop(f"block_table.{g}") for g in groups),
+            slot_mappings=tuple(raw.pop(f"slot_mapping.{g}") for g in groups),
+            is_prefilling=jnp.asarray(raw.pop("is_prefilling")).astype(jnp.bool_),
+            request_causal=jnp.asarray(raw.pop("request_causal")).astype(jnp.bool_),
+            **raw,
+        )
+
 
 def unpack_step(packed: jax.Array, layout: StepLayout) -> StepFields:
     """Slices a packed step buffer into its named fields (jittable; static slices).
@@ -305,11 +322,4 @@ def unpack_step(packed: jax.Array, layout: StepLayout) -> StepFields:
             if size
             else jnp.zeros(shape, packed.dtype)
         )
-    groups = range(len(layout.block_table_widths))
-    return StepFields(
-        block_tables=tuple(raw.pop(f"block_table.{g}") for g in groups),
-        slot_mappings=tuple(raw.pop(f"slot_mapping.{g}") for g in groups),
-        is_prefilling=raw.pop("is_prefilling").astype(jnp.bool_),
-        request_causal=raw.pop("request_causal").astype(jnp.bool_),
-        **raw,
-    )
+    return StepFields.of_layout_fields(raw, layout)
