@@ -119,9 +119,8 @@ def write_kv(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> view = views["layers.0.self_attn"]
       >>> k = jnp.ones((3, 2, 32), jnp.float32)
       >>> pools = jaxkv.write_kv(pools, view, k, 2 * k,
@@ -272,9 +271,8 @@ def gather_kv_pages(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> k, v = jaxkv.gather_kv_pages(pools, views["layers.0.self_attn"],
       ...                              jnp.array([[1, 2], [3, 0]], jnp.int32))
       >>> k.shape, v.shape

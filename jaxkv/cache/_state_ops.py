@@ -57,9 +57,8 @@ def write_mamba_state(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> m = views["layers.2.mixer"]
       >>> ids = jnp.array([2], jnp.int32)
       >>> pools = jaxkv.write_mamba_state(pools, m, ids,
@@ -103,9 +102,8 @@ def read_mamba_state(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> [s.shape for s in jaxkv.read_mamba_state(pools, views["layers.5.mixer"],
       ...                                          jnp.array([1, 2], jnp.int32))]
       [(2, 3, 128), (2, 4, 32, 16)]
@@ -139,9 +137,8 @@ def zero_blocks(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> m = views["layers.2.mixer"]
       >>> pools = jaxkv.write_mamba_state(pools, m, jnp.array([1, 2]),
       ...     [jnp.ones((2, 3, 128)), jnp.ones((2, 4, 32, 16))])
@@ -203,9 +200,8 @@ def read_view(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
-      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> pools, views = plan.allocate(), plan.views
       >>> jaxkv.read_view(pools, views["layers.1.self_attn"]).shape
       (4, 2, 32, 2, 32)
     """
