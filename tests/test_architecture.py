@@ -142,3 +142,20 @@ def test_import_jaxkv_loads_no_flax_and_flax_is_an_extra():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(d.startswith("flax") for d in project["dependencies"])
     assert any(d.startswith("flax") for d in project["optional-dependencies"]["demo"])
+
+
+def test_the_scheduler_s_arrays_are_the_step_builder_s_keywords():
+    # sched and step share a rank (neither imports the other): the scheduler's
+    # StepArrays reach StepMetadataBuilder.prepare by field name
+    # (prepare(**arrays._asdict())), so every field must be one of its
+    # keyword parameters and every required keyword must be a field.
+    import inspect
+
+    import jaxkv
+
+    params = inspect.signature(jaxkv.StepMetadataBuilder.prepare).parameters
+    keywords = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    required = {n for n in keywords if params[n].default is inspect.Parameter.empty}
+    fields = set(jaxkv.sched.StepArrays._fields)
+    assert fields <= keywords, fields - keywords
+    assert required <= fields, required - fields

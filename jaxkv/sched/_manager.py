@@ -243,6 +243,55 @@ class KVCacheManager:
 
     # --- changes ----------------------------------------------------------------
 
+    def _check_allocate(
+        self, req: Request, num_new_tokens: int, num_cached: int
+    ) -> None:
+        """Refuses counts that are not non-negative ints, and a late cache hit."""
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_cached", num_cached),
+        ):
+            if not isinstance(value, int | np.integer):
+                raise TypeError(
+                    f"allocate: {name} must be an int, got {value!r} for request "
+                    f"{req.req_id!r}."
+                )
+            if isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"allocate: {name} must be a non-negative int, got {value!r} for "
+                    f"request {req.req_id!r}."
+                )
+        if num_cached and (req.num_computed or req.req_id in self._tables):
+            raise ValueError(
+                f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
+                "is only taken at admission."
+            )
+
+    def _hit_tables(
+        self, req: Request, num_cached: int
+    ) -> tuple[list[list[int]], list[list[int]]] | None:
+        """``(tables, hit blocks)`` per group of a cache hit of `num_cached`
+        tokens, or ``None`` while a hit block's Mamba state is still pending.
+        """  # noqa: D205
+        tables: list[list[int]] = []
+        hits: list[list[int]] = [[] for _ in self.block_sizes]
+        for g, bs in enumerate(self.block_sizes):
+            hashes = self._block_hashes(req, bs)
+            table = [0] * (num_cached // bs)
+            for j in self._hit_columns(g, num_cached):
+                block = self.allocator.lookup((g, hashes[j]))
+                if block is None:
+                    raise ValueError(
+                        f"allocate: num_cached={num_cached} is not a cache hit of "
+                        f"request {req.req_id!r} (group {g}, block {j})."
+                    )
+                if block in self._pending_states:
+                    return None
+                table[j] = block
+                hits[g].append(block)
+            tables.append(table)
+        return tables, hits
+
     def allocate(
         self, req: Request, num_new_tokens: int, *, num_cached: int = 0
     ) -> bool:
@@ -265,46 +314,14 @@ class KVCacheManager:
             done = self._allocate_decode(req)
             if done is not None:
                 return done
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_cached", num_cached),
-        ):
-            if not isinstance(value, int | np.integer):
-                raise TypeError(
-                    f"allocate: {name} must be an int, got {value!r} for request "
-                    f"{req.req_id!r}."
-                )
-            if isinstance(value, bool) or value < 0:
-                raise ValueError(
-                    f"allocate: {name} must be a non-negative int, got {value!r} for "
-                    f"request {req.req_id!r}."
-                )
-        if num_cached and (req.num_computed or req.req_id in self._tables):
-            raise ValueError(
-                f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
-                "is only taken at admission."
-            )
+        self._check_allocate(req, num_new_tokens, num_cached)
         tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
         hits: list[list[int]] = []
         if num_cached:
-            hits = [[] for _ in self.block_sizes]
-            tables = [list(t) for t in tables]
-            for g in range(len(tables)):
-                bs = self.block_sizes[g]
-                hashes = self._block_hashes(req, bs)
-                cols = self._hit_columns(g, num_cached)
-                tables[g] = [0] * (num_cached // bs)
-                for j in cols:
-                    block = self.allocator.lookup((g, hashes[j]))
-                    if block is None:
-                        raise ValueError(
-                            f"allocate: num_cached={num_cached} is not a cache hit of "
-                            f"request {req.req_id!r} (group {g}, block {j})."
-                        )
-                    if block in self._pending_states:
-                        return False
-                    tables[g][j] = block
-                    hits[g].append(block)
+            found = self._hit_tables(req, num_cached)
+            if found is None:
+                return False
+            tables, hits = found
         start = num_cached or req.num_computed
         end = start + num_new_tokens
         new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
