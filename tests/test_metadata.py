@@ -408,3 +408,32 @@ def test_vllm_signature_and_packed_step_give_the_same_records():
                 assert a == b, (name, f.name)
     assert want["layers.0.self_attn"].positions.tolist()[:5] == positions.tolist()
     assert want["layers.0.self_attn"].request_causal.tolist() == [1, 0, 1, 1]
+
+
+def test_packed_multimodal_ranges_keep_every_range_of_a_request():
+    layout = jaxkv.step.StepLayout(
+        max_reqs=3, max_tokens=8, block_table_widths=(1,), max_mm_ranges=3
+    )
+    packed = jaxkv.step.pack_step(
+        layout,
+        query_start_loc=np.array([0, 6, 8]),
+        seq_lens=np.array([6, 2]),
+        positions=np.array([0, 1, 2, 3, 4, 5, 0, 1]),
+        block_tables=[np.array([[1], [2]])],
+        slot_mappings=[np.arange(8)],
+        mm_prefix_ranges={0: [(0, 1), (3, 5)], 1: [(0, 1)]},
+    )
+    f = jaxkv.step.unpack_step(jnp.asarray(packed), layout)
+    assert f.mm_num_ranges.tolist() == [2, 1, 0]
+    assert f.mm_prefix_ranges[0, :2].tolist() == [[0, 1], [3, 5]]
+    assert f.mm_prefix_ranges[1, :1].tolist() == [[0, 1]]
+    with pytest.raises(ValueError, match="Request 0 has 4 multimodal ranges"):
+        jaxkv.step.pack_step(
+            layout,
+            query_start_loc=np.array([0, 6]),
+            seq_lens=np.array([6]),
+            positions=np.arange(6),
+            block_tables=[np.array([[1]])],
+            slot_mappings=[np.arange(6)],
+            mm_prefix_ranges={0: [(0, 0), (1, 1), (2, 2), (3, 3)]},
+        )

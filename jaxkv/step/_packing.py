@@ -177,17 +177,7 @@ def pack_step(
         "encoder_seq_lens",
         np.zeros(num_reqs) if encoder_seq_lens is None else encoder_seq_lens,
     )
-    ranges = np.zeros((num_reqs, layout.max_mm_ranges, 2), np.int32)
-    counts = np.zeros(num_reqs, np.int32)
-    for req, rs in (mm_prefix_ranges or {}).items():
-        if len(rs) > layout.max_mm_ranges:
-            raise ValueError(
-                f"Request {req} has {len(rs)} multimodal ranges; the layout holds "
-                f"{layout.max_mm_ranges}."
-            )
-        counts[req] = len(rs)
-        if rs:
-            ranges[req, : len(rs)] = rs
+    ranges, counts = _mm_ranges(layout, num_reqs, mm_prefix_ranges or {})
     put("mm_prefix_ranges", ranges)
     put("mm_num_ranges", counts)
     put(
@@ -205,6 +195,26 @@ def pack_step(
         )
         put("sample_idx", samples, fill=int(samples[-1]) if samples.size else 0)
     return buf
+
+
+def _mm_ranges(
+    layout: StepLayout,
+    num_reqs: int,
+    mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranges (num_reqs, max_mm_ranges, 2), counts (num_reqs,))``."""
+    ranges = np.zeros((num_reqs, layout.max_mm_ranges, 2), np.int32)
+    counts = np.zeros(num_reqs, np.int32)
+    for req, rs in mm_prefix_ranges.items():
+        if len(rs) > layout.max_mm_ranges:
+            raise ValueError(
+                f"Request {req} has {len(rs)} multimodal ranges; the layout holds "
+                f"{layout.max_mm_ranges}."
+            )
+        counts[req] = len(rs)
+        if rs:
+            ranges[req, : len(rs)] = rs
+    return ranges, counts
 
 
 @functools.partial(

@@ -428,18 +428,9 @@ class StepMetadataBuilder:
                 logits_indices, num_reqs, cu_num_logits, has_prefill, desc
             )
         samples = np.zeros(0, np.int32) if logits_indices is None else logits_indices
-        if not self.model_inputs:
-            num_samples = 0
-        elif fp is not None:
-            num_samples = int(fp.logits_indices_padded.shape[0])
-        elif num_samples is None:
-            num_samples = self.sample_padding(max(len(samples), 1), desc)
-        elif num_samples < len(samples):
-            raise ValueError(
-                f"StepMetadataBuilder.prepare: num_samples={num_samples} holds fewer "
-                f"than the step's {len(samples)} sampled tokens."
-            )
-        layout = self.layout(desc, num_samples)
+        layout = self.layout(
+            desc, self._num_samples(len(samples), num_samples, fp, desc)
+        )
         # A fresh buffer per step: on CPU a transferred NumPy array may be
         # aliased zero-copy, so a reused buffer could change a step in flight.
         packed = pack_step(
@@ -463,6 +454,30 @@ class StepMetadataBuilder:
             query_start_loc_cpu=qsl,
             cu_num_logits_cpu=None if fp is None else np.asarray(cu_num_logits),
         )
+
+    def _num_samples(
+        self,
+        n: int,
+        num_samples: int | None,
+        fp: FastPrefillBatchMetadata | None,
+        desc: BatchDescriptor,
+    ) -> int:
+        """Room for the step's `n` sampled tokens in its model inputs: none
+        without model inputs, the staged indices' padding with fast prefill
+        armed, the caller's `num_samples`, or the smallest bucket holding `n`.
+        """  # noqa: D205
+        if not self.model_inputs:
+            return 0
+        if fp is not None:
+            return int(fp.logits_indices_padded.shape[0])
+        if num_samples is None:
+            return self.sample_padding(max(n, 1), desc)
+        if num_samples < n:
+            raise ValueError(
+                f"StepMetadataBuilder.prepare: num_samples={num_samples} holds fewer "
+                f"than the step's {n} sampled tokens."
+            )
+        return num_samples
 
     def build(self, step: PreparedStep) -> dict[str, CommonAttentionMetadata]:
         """Runs the step's metadata program; attaches the host copies."""
