@@ -21,7 +21,7 @@ does not load.
 import importlib
 import importlib.metadata
 
-from jaxkv import vllm as vllm  # noqa: E402  (after the layers it names)
+from jaxkv import vllm as vllm  # the vLLM-named API, as jaxkv.vllm
 from jaxkv._attention import (
     paged_attention,
     request_token_rows,
