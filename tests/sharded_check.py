@@ -125,21 +125,32 @@ def check_device_map_edges() -> None:
 def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,) * 2
     mesh = jax.make_mesh((d, t), ("data", "tensor"), axis_types=types)
-    heads, kv_heads, head = 8, 8, 16
-    cfg = jaxkv.tiny_hybrid_config(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        block_size=16,
-        sliding_window=24,
-        kv_sharing_fast_prefill=False,
-        max_model_len=64,
-    )
+    heads, kv_heads, head = 16, 8, 16  # GQA: two query heads per KV head
+    shape = {
+        "head_size": head,
+        "block_size": 16,
+        "sliding_window": 24,
+        "kv_sharing_fast_prefill": False,
+        "max_model_len": 128,  # 4 table columns even if blocks grow to 32
+    }
+    cfg = jaxkv.tiny_hybrid_config(num_heads=heads, num_kv_heads=kv_heads, **shape)
     blocks = 1024  # pools of 2-4 MiB per device: any pool-sized temp shows
     sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, packed=packed)
     glob = jaxkv.make_plan(cfg, num_blocks=blocks, packed=packed)
-    local_cfg = jaxkv.cache.local_runner_config(cfg, tensor_parallel=t)
+    # The rank-local reference is the same model built with 1/T of the heads
+    # (its Mamba state follows the head count), not local_runner_config, the
+    # function under test; which must agree with it.
+    local_cfg = jaxkv.tiny_hybrid_config(
+        num_heads=heads // t, num_kv_heads=kv_heads // t, **shape
+    )
+    split = jaxkv.cache.local_runner_config(cfg, tensor_parallel=t)
+    assert [(x.spec, x.num_heads) for x in split.layers] == [
+        (x.spec, x.num_heads) for x in local_cfg.layers
+    ]
     ref_local = jaxkv.make_plan(local_cfg, num_blocks=blocks, packed=packed)
+    # 16 asked for; hybrid page alignment may raise it (vLLM's rule: the Mamba
+    # page decides), so the slots below use the plan's.
+    bs = glob.block_sizes[0]
     pools = sp.allocate()
 
     # 1/(D*T) of every pool per device, on its own device.
@@ -173,7 +184,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
         tables.append([full, swa, state.reshape(2, 1)])
         slots.append(
             [
-                (tb[req, pos // 16] * 16 + pos % 16).astype(np.int32)
+                (tb[req, pos // bs] * bs + pos % bs).astype(np.int32)
                 for tb in (full, swa)
             ]
             + [np.full(n_tok, -1, np.int32)]
@@ -303,7 +314,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     pools = zero_fn(pools, put(zero_ids, "data", None))
 
     # Single-device references.
-    hl = jaxkv.cache.local_kv_heads(kv_heads, t)
+    hl = kv_heads // t  # by hand (kv_heads divides by every T here)
     for di in range(d):
         gpools = glob.allocate()
         for g, (name, window) in enumerate(zip(attn, (None, 24), strict=True)):

@@ -1,5 +1,7 @@
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,6 +85,28 @@ def test_yoco_pools_donated_once():
     assert len(pools) == 2
     assert len({id(v) for v in bound.values()}) == 6
     assert bound["layers.7.self_attn"] is bound["layers.4.self_attn"]
+
+    # A step writing every attention layer, YOCO readers included, with the
+    # pools donated: each pool is an alias of an output once (no copy of a
+    # pool), and the caller's buffers are consumed.
+    attn = [n for n in bound if "self_attn" in n]
+    k = jnp.ones((2, 2, 32), jnp.float32)
+    slots = jnp.array([33, 40], jnp.int32)
+
+    def step(pools):
+        for name in attn:
+            pools = jaxkv.write_kv(pools, bound[name], k, k, slots)
+        return pools
+
+    pools = tuple(pools)
+    compiled = jax.jit(step, donate_argnums=0).lower(pools).compile()
+    mem = compiled.memory_analysis()
+    pool_bytes = sum(p.nbytes for p in pools)
+    assert mem.alias_size_in_bytes == pool_bytes
+    assert mem.temp_size_in_bytes < min(p.nbytes for p in pools)
+    out = compiled(pools)
+    assert all(p.is_deleted() for p in pools)
+    assert all(np.count_nonzero(np.asarray(p)) for p in out)
 
 
 def test_build_slot_mappings_by_layer():

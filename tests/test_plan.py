@@ -1,6 +1,7 @@
 """The plan object, the core/demo split, fields jaxkv rejects rather than ignores."""
 
 import dataclasses
+import functools
 import subprocess
 import sys
 
@@ -41,7 +42,50 @@ def test_plan_matches_the_seed_functions():
     assert plan.kv_cache_config == jaxkv.groups.with_kv_sharing_layers(kv, cfg)
     # 256 tokens in blocks of 32: 8 columns; the Mamba group holds one block.
     assert plan.block_table_widths == (8, 8, 8)
-    assert hash(plan) == hash(plan)
+
+
+def test_plan_pages_and_strides_by_hand():
+    """The page arithmetic from the config's numbers, not from jaxkv's functions."""
+    cfg = jaxkv.tiny_hybrid_config(max_model_len=256)
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    block, heads, dim, f32 = 32, 2, 32, 4
+    page = 2 * block * heads * dim * f32  # K and V: 16 KiB, the Mamba page too
+    assert page == 16384
+    assert [p.size_bytes for p in plan.pools] == [8 * page, 8 * page]
+    assert plan.pool_bytes == 2 * 8 * page
+    view = plan.views["layers.0.self_attn"]
+    assert view.axes == ("block", "kv", "token", "head", "dim")
+    assert view.shape == (8, 2, block, heads, dim)
+    words = page // f32
+    assert view.strides == (words, words // 2, heads * dim, dim, 1)
+    # YOCO: layer 7 reads layer 4's cache, through the same view.
+    assert plan.views["layers.7.self_attn"] is plan.views["layers.4.self_attn"]
+
+
+def test_equal_plans_are_one_static_argument():
+    """Two plans built apart compare and hash equal, so a jit keyed on the plan
+    traces once for both; a different plan is a different key."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = jaxkv.tiny_hybrid_config(max_model_len=256)
+    a, b = jaxkv.make_plan(cfg, num_blocks=8), jaxkv.make_plan(cfg, num_blocks=8)
+    other = jaxkv.make_plan(cfg, num_blocks=9)
+    assert a is not b
+    assert a == b
+    assert hash(a) == hash(b)
+    assert other != a
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def blocks(plan, x):
+        traces.append(plan.num_blocks)
+        return x + plan.num_blocks
+
+    assert int(blocks(a, jnp.int32(0))) == 8
+    assert int(blocks(b, jnp.int32(0))) == 8
+    assert int(blocks(other, jnp.int32(0))) == 9
+    assert traces == [8, 9]
 
 
 def test_plan_from_a_memory_budget_probes_one_block():

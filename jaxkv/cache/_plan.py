@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -77,8 +77,10 @@ class KVCachePlan:
 
     Built by :func:`make_plan`; later calls (:meth:`allocate`,
     :class:`StepMetadataBuilder`, the demo Engine) take the plan instead of the
-    four objects it holds. Hashable by identity (like vLLM's attention groups),
-    so it can be a static argument of ``jax.jit``. Nothing here is an array.
+    four objects it holds. Equal and hashed by value (its attention groups,
+    identity-equal as in vLLM, by their fields), so it can be a static argument
+    of ``jax.jit`` and a plan built again from the same arguments is the same
+    key: no recompile. Nothing here is an array.
 
     Attributes:
       runner_config: The model's layers and limits.
@@ -111,6 +113,23 @@ class KVCachePlan:
     views: BoundKVCaches
     storage: str = "words"
     pool_dtype: str = "bits"
+
+    @functools.cached_property
+    def _key(self) -> tuple[Any, ...]:
+        groups = tuple(
+            tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in gs)
+            for gs in self.attn_groups
+        )
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple(groups if f is self.attn_groups else f for f in fields)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVCachePlan):
+            return NotImplemented
+        return self is other or self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     @property
     def num_blocks(self) -> int:
