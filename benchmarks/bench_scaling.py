@@ -57,7 +57,9 @@ class _PoolPoint:
     def __init__(self, args: Any, pool_mib: int) -> None:
         page, hk, d = args.page, args.num_kv_heads, args.head_dim
         page_bytes = 2 * page * hk * d * np.dtype(jnp.dtype(args.dtype)).itemsize
-        num_blocks = int(max(pool_mib * 2**20 // page_bytes, 2048))
+        # At least room for the 256 written tokens; no larger floor, so every
+        # requested size is the size measured (a floor used to merge points).
+        num_blocks = int(max(pool_mib * 2**20 // page_bytes, 256 // page + 2))
         kv, groups, self.pools, views = paged_layers(
             args.dtype, page, hk, d, num_blocks
         )
@@ -120,6 +122,12 @@ class _PoolPoint:
 def _pool_sweep(args: Any) -> list[dict[str, float]]:
     """Pool sizes measured in interleaved rounds, so machine noise hits all alike."""
     points = [_PoolPoint(args, m) for m in args.pool_mib]
+    sizes = [p.pool_bytes for p in points]
+    if len(points) < 2 or len(set(sizes)) != len(sizes):
+        raise ValueError(
+            f"--pool-mib {args.pool_mib}: the pool-size sweep needs at least two "
+            f"distinct pool sizes; got pools of {sizes} bytes"
+        )
     for point in points:
         point.sample(2)  # warm-up
         point.write_s.clear()

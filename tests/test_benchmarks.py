@@ -5,6 +5,7 @@ default test command and the 64-bit pass leave them out.
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
         ("bench_kv_write", ["--pool-mib", "2", "--tokens", "8", "--iters", "2"]),
         (
             "bench_scaling",
-            "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
+            "--requests 2 --contexts 32 --pool-mib 1,4 --num-reqs 2 "
             "--context 32 --head-dim 16 --iters 1".split(),
         ),
         (
@@ -65,9 +66,87 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
 )
 def test_benchmark_runs_at_tiny_size(name, argv, tmp_path, capsys):
     results = load_benchmark(name).main([*argv, "--json", str(tmp_path / "out.json")])
-    assert results
-    assert (tmp_path / "out.json").exists()
+    assert json.loads((tmp_path / "out.json").read_text())
     assert "target" in capsys.readouterr().out
+    FIGURES[name](results)
+
+
+def _positive(*values):
+    return all(math.isfinite(v) and v > 0 for v in values)
+
+
+def _kv_write(r):
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        d = r[dtype]
+        assert d["pool_bytes"] >= 2 * 2**20  # --pool-mib 2
+        assert _positive(d["jaxkv_ms"], d["numpy_ms"], d["step"]["ratio"])
+        assert d["ratio"] == pytest.approx(d["jaxkv_ms"] / d["numpy_ms"])
+
+
+def _scaling(r):
+    sizes = [p["pool_MiB"] for p in r["pool"]]
+    assert len(sizes) == 2
+    assert sizes[0] < sizes[1]
+    assert r["write_spread"] >= 1
+    assert r["read_spread"] >= 1
+
+
+def _attention(r):
+    assert r["typed_equals_words"]
+    assert _positive(r["copy_ms"], r["jaxkv_ms"])
+    assert r["jaxkv_over_copy"] == pytest.approx(r["jaxkv_ms"] / r["copy_ms"])
+    if "decode_max_abs_diff" in r:  # ejkernel ran (head_dim 16 it refuses)
+        assert r["decode_max_abs_diff"] < 1e-4
+
+
+def _step_loop(r):
+    assert r["compiles_after_warm_up"] == 0
+    assert r["pools_aliased"] == 1.0  # every step donates every pool
+    assert r["tokens"] == 2 * 2  # 2 requests x 2 new tokens
+
+
+def _layer_scan(r):
+    assert r["scan_equals_unrolled"]
+
+
+def _serve(r):
+    assert r["same_tokens"]
+    assert r["compiles"] == 0
+    # The step program alone cannot take longer than a synchronous loop step.
+    assert 0 < r["device_ms"] <= r["wall_no_overlap_ms"]
+
+
+def _sched(r):
+    assert _positive(r["4"]["us_per_req"], r["4_cached"]["us_per_req"])
+
+
+def _prefix(r):
+    assert r["identical"]
+    cached, uncached = r["cached"], r["uncached"]
+    assert cached["tokens from the cache"] > 0
+    assert (
+        cached["prompt tokens computed"] + cached["tokens from the cache"]
+        == uncached["prompt tokens computed"]
+    )
+    assert cached["compiles"] == uncached["compiles"] == 0
+
+
+def _step_metadata(r):
+    assert r["executables"] >= 1
+    assert _positive(r["packed_ms"], r["naive_ms"], r["kernel_ms"])
+
+
+FIGURES = {
+    "bench_kv_write": _kv_write,
+    "bench_scaling": _scaling,
+    "bench_attention": _attention,
+    "bench_step_loop": _step_loop,
+    "bench_layer_scan": _layer_scan,
+    "bench_serve": _serve,
+    "bench_sched": _sched,
+    "bench_prefix": _prefix,
+    "bench_step_metadata": _step_metadata,
+}
 
 
 def test_run_all_writes_results(tmp_path, monkeypatch):
@@ -84,7 +163,7 @@ def test_run_all_writes_results(tmp_path, monkeypatch):
             "--max-model-len 128 --iters 1".split(),
             "prefix": "--num-requests 2 --prefix 64 --suffix 4 --max-new-tokens 1 "
             "--token-buckets 64 --num-blocks 64 --iters 1".split(),
-            "scaling": "--requests 2 --contexts 32 --pool-mib 1 --num-reqs 2 "
+            "scaling": "--requests 2 --contexts 32 --pool-mib 1,4 --num-reqs 2 "
             "--context 32 "
             "--head-dim 16 --iters 1".split(),
             "layer_scan": "--layers 3 --tokens 32".split(),
