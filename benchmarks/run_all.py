@@ -168,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         ("Compilations after warm-up", "0", _fmt(r_loop["compiles_after_warm_up"])),
         ("Step temp memory / pools", "<= 10%", f"{r_loop['max_temp_over_pools']:.1%}"),
         (
+            "Step pools aliased in place (donated), every executable",
+            "100%",
+            f"{r_loop['pools_aliased']:.0%}",
+        ),
+        (
             "Host overhead: naive / jaxkv (validated; validate=False)",
             ">= 3x",
             f"{_fmt(r_meta['naive_over_packed'])}; "

@@ -355,6 +355,9 @@ def plot_step(
       >>> [round(p.get_width()) for p in fig.axes[0].patches]
       [40, 5]
     """
+    # Over 80 lines on purpose: one figure drawn top to bottom, panel after
+    # panel, each a few matplotlib calls on the same locals; split, each part
+    # would take most of them as arguments.
     _check_index("plot_step", "group", group, len(arrays.block_tables))
     if block_size is not None:
         check_positive_int("plot_step", "block_size", block_size)

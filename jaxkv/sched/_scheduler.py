@@ -8,11 +8,9 @@ the model. Its output, :class:`StepArrays`, is what
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -20,103 +18,10 @@ from jaxkv._util import check_positive_int, host_int_array
 from jaxkv.cache import KVCachePlan
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._request import Request, RequestStatus
+from jaxkv.sched._scheduled import ScheduledStep, StepArrays, sampled_token_indices
 
 _INT32_LIMIT = 2**31  # token ids travel to the device as int32
 MAX_REJECTED_KEPT = 1024  # Scheduler.rejected keeps the latest this many
-
-
-class StepArrays(NamedTuple):
-    """A scheduled step's host arrays, named as :meth:`StepMetadataBuilder.prepare`
-    takes them (``builder.prepare(**arrays._asdict())``).
-
-    Example:
-      >>> import jaxkv
-      >>> s = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8))
-      >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=1))
-      >>> a = s.schedule().arrays
-      >>> a.query_start_loc.tolist(), a.positions.tolist(), a.logits_indices.tolist()
-      ([0, 3], [0, 1, 2], [2])
-    """  # noqa: D205
-
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    positions: np.ndarray
-    block_tables: list[np.ndarray]
-    slot_mappings: list[np.ndarray]
-    logits_indices: np.ndarray | None
-    cu_num_logits: np.ndarray
-    token_ids: np.ndarray
-    is_prefilling: np.ndarray
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    """One step's work.
-
-    Attributes:
-      batch: ``(request, tokens this step)`` in batch order (decodes first);
-        each request computes its tokens from ``num_computed`` on.
-      arrays: The step's host arrays (zero requests for an empty batch).
-      preempted: Requests preempted while scheduling this step.
-
-    Example:
-      >>> import jaxkv
-      >>> s = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8))
-      >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=2))
-      >>> step = s.schedule()
-      >>> [r.req_id for r in step.sampled], s.update(step, [42]), s.running[0].output
-      (['a'], [], [42])
-    """
-
-    batch: list[tuple[Request, int]]
-    arrays: StepArrays
-    preempted: list[Request]
-    # Each request's (num_computed, len(output)) when the step was scheduled:
-    # update() applies the step from them, so applying it again after an
-    # exception midway changes nothing twice.
-    _before: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
-    #: ``(k, request, token)`` for each token :meth:`Scheduler.resolve` took
-    #: (``k``: its rank in :attr:`sampled`); tokens of requests that ended
-    #: before are not in it.
-    filled: list[tuple[int, Request, int]] = dataclasses.field(
-        default_factory=list, repr=False
-    )
-    # Requests advance() finished (their last token still on the device).
-    _early: list[Request] = dataclasses.field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        if not self._before:
-            self._before = [(r.num_computed, len(r.output)) for r, _ in self.batch]
-
-    @property
-    def sampled(self) -> list[Request]:
-        """Requests whose last token this step reaches: one sampled token each,
-        in batch order.
-        """  # noqa: D205
-        return [
-            r
-            for (r, n), (c, o) in zip(self.batch, self._before, strict=True)
-            if c + n == len(r.prompt) + o
-        ]
-
-
-def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
-    """Step-token indices whose logits are sampled: the last token of each
-    request whose chunk reaches the end of its tokens.
-
-    Example:
-      >>> import jaxkv
-      >>> a = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=1)
-      >>> b = jaxkv.Request("b", prompt=[1, 2, 3, 4], max_new_tokens=1)
-      >>> jaxkv.sched.sampled_token_indices([(a, 3), (b, 2)])  # b's chunk is partial
-      [2]
-    """  # noqa: D205
-    out, end = [], 0
-    for req, n in batch:
-        end += n
-        if req.num_computed + n == req.num_tokens:
-            out.append(end - 1)
-    return out
 
 
 class Scheduler:

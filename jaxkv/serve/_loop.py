@@ -18,21 +18,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache import KVCachePlan, Pools, ShardedPlan, any_deleted
 from jaxkv.sched import Request, ScheduledStep, Scheduler, sampled_token_indices
+from jaxkv.serve._checks import check_loop_arguments, check_param_specs
+from jaxkv.serve._device_step import DeviceStep
 from jaxkv.serve._sampling import (
     SamplingParams,
-    request_seed,
-    sample_tokens,
-    sample_tokens_per_row,
+    abstract_sampling_rows,
+    sampling_rows,
 )
 from jaxkv.step import (
     BucketDispatcher,
     CommonAttentionMetadata,
     CompileMode,
-    FastPrefillBatchMetadata,
     Programs,
     StepInputs,
     StepMetadataBuilder,
-    stage_logits_indices,
 )
 
 
@@ -164,7 +163,7 @@ class ServingLoop:
         per_request_sampling: bool = False,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
-        _check_loop_arguments(plan, forward, sampling, param_specs)
+        check_loop_arguments(plan, forward, sampling, param_specs)
         self.sampling = SamplingParams() if sampling is None else sampling
         sharded = plan if isinstance(plan, ShardedPlan) else None
         self.sharded = sharded
@@ -208,7 +207,16 @@ class ServingLoop:
         self.stage_buffer: jax.Array | None = (
             self._new_stage_buffer() if self._yoco else None
         )
-        self.programs = Programs(self._device_step, donate_argnums=(0, 5))
+        self.device_step = DeviceStep(
+            builder=self.builder,
+            forward=forward,
+            sharded=sharded,
+            param_specs=self._param_specs,
+            width=self._width,
+            sampling=self.sampling,
+            per_request_sampling=self.per_request_sampling,
+        )
+        self.programs = Programs(self.device_step, donate_argnums=(0, 5))
         #: Steps run, steps with fast prefill armed, rank steps with a prefill
         #: chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
@@ -236,7 +244,7 @@ class ServingLoop:
             return params, self.plan.allocate(), None
         mesh = self.sharded.mesh
         if param_specs is not None:
-            _check_param_specs(params, param_specs)
+            check_param_specs(params, param_specs)
         specs = (
             jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
         )
@@ -315,131 +323,21 @@ class ServingLoop:
 
     def _abstract_seeds(self, shape: tuple[int, ...], rows: Any) -> Any:
         """What a step's sampling inputs look like (see :meth:`_seeds`)."""
-        ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
-        if not self.per_request_sampling:
-            return ints
-        floats = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)
-        return {
-            "request": ints,
-            "seed": ints,
-            "top_k": ints,
-            "temperature": floats,
-            "top_p": floats,
-        }
+        return abstract_sampling_rows(
+            shape, rows, per_request=self.per_request_sampling
+        )
 
     def _seeds(self, steps: list[ScheduledStep], num_samples: int) -> Any:
         """Per rank and sampled row: the request's seed, and with
         ``per_request_sampling`` its parameters (padding rows: greedy).
         """  # noqa: D205
-        shape = (len(steps), num_samples)
-        seeds = np.zeros(shape, np.int32)
-        for rank, s in enumerate(steps):
-            seeds[rank, : len(s.sampled)] = [request_seed(r.req_id) for r in s.sampled]
-        if not self.per_request_sampling:
-            return seeds
-        out = {
-            "request": seeds,
-            "seed": np.zeros(shape, np.int32),
-            "top_k": np.zeros(shape, np.int32),
-            "temperature": np.zeros(shape, np.float32),
-            "top_p": np.ones(shape, np.float32),
-        }
-        for rank, s in enumerate(steps):
-            for k, r in enumerate(s.sampled):
-                p = self._request_sampling.get(r.req_id, self.sampling)
-                out["seed"][rank, k] = p.seed
-                out["top_k"][rank, k] = p.top_k
-                out["temperature"][rank, k] = p.temperature
-                out["top_p"][rank, k] = p.top_p
-        return out
-
-    def _rank_step(
-        self,
-        pools: Pools,
-        params: Any,
-        inputs: StepInputs,
-        seeds: jax.Array,
-        prev_tokens: jax.Array,
-    ) -> tuple[Pools, jax.Array, jax.Array]:
-        meta = self.builder.metadata(inputs)
-        tokens, sample = self.builder.model_inputs_of(inputs)
-        # A placeholder -(k + 1) (async scheduling) is the previous step's
-        # k-th sampled token, still on the device.
-        src = jnp.clip(-tokens - 1, 0, self._width - 1)
-        tokens = jnp.where(tokens < 0, prev_tokens[src], tokens)
-        out = self.forward(params, pools, meta, tokens, sample)
-        pools, logits = _check_forward_result(out, pools, sample)
-        positions = next(iter(meta.values())).positions[sample]
-        if self.per_request_sampling:
-            next_tokens = sample_tokens_per_row(
-                logits,
-                temperature=seeds["temperature"],
-                top_k=seeds["top_k"],
-                top_p=seeds["top_p"],
-                seed=seeds["seed"],
-                request_seeds=seeds["request"],
-                positions=positions,
-            )
-        else:
-            next_tokens = sample_tokens(
-                logits, params=self.sampling, request_seeds=seeds, positions=positions
-            )
-        padded = jnp.zeros(self._width, jnp.int32)
-        padded = padded.at[: next_tokens.shape[0]].set(next_tokens.astype(jnp.int32))
-        return pools, padded, logits
-
-    def _device_step(
-        self,
-        pools: Pools,
-        params: Any,
-        inputs: StepInputs,
-        seeds: jax.Array,
-        prev_tokens: jax.Array,
-        buffer: jax.Array | None = None,
-        fp_packed: jax.Array | None = None,
-    ) -> Any:
-        """One step; on a mesh `buffer` (donated) and `fp_packed` arm fast
-        prefill: ``fp_packed (ranks, 2 + padding)`` holds ``[n,
-        max_logits_per_req, indices...]`` per rank, staged on its row.
-        """  # noqa: D205
-        sp = self.sharded
-        if sp is None:
-            return self._rank_step(pools, params, inputs, seeds, prev_tokens)
-        layout = inputs.layout
-        stage = () if buffer is None else (buffer, fp_packed)
-
-        def per_rank(
-            pools: Any, params: Any, packed: Any, seeds: Any, prev: Any, *stage: Any
-        ) -> Any:
-            fp = buf = None
-            if stage:
-                buf, staged = stage_logits_indices(
-                    stage[0][0], stage[1][0, 2:], stage[1][0, 0]
-                )
-                fp = FastPrefillBatchMetadata(
-                    logits_indices_padded=staged,
-                    num_logits_indices=stage[1][0, 0],
-                    max_logits_per_req=stage[1][0, 1],
-                )
-            local = StepInputs(packed=packed[0], fast_prefill=fp, layout=layout)
-            pools, tokens, logits = self._rank_step(
-                sp.local_pools(pools),
-                params,
-                local,
-                jax.tree.map(lambda x: x[0], seeds),
-                prev[0],
-            )
-            out = (sp.global_pools(pools), tokens[None], logits[None])
-            return out if buf is None else (*out, buf[None])
-
-        rows = P(sp.data_axis)
-        extra = (rows, rows) if stage else ()
-        return jax.shard_map(
-            per_rank,
-            mesh=sp.mesh,
-            in_specs=(sp.pool_spec, self._param_specs, rows, rows, rows, *extra),
-            out_specs=(sp.pool_spec, rows, rows, *extra[:1]),
-        )(pools, params, inputs.packed, seeds, prev_tokens, *stage)
+        return sampling_rows(
+            [[r.req_id for r in s.sampled] for s in steps],
+            num_samples,
+            per_request=self.per_request_sampling,
+            default=self.sampling,
+            overrides=self._request_sampling,
+        )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles the step for every bucket from shapes (allocating nothing);
@@ -834,68 +732,3 @@ def _to_host(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[Any, Any]:
-    """Trace-time check of what `forward` returned: ``(pools, logits)`` with
-    the pools' shapes and dtypes and one logits row per sampled token.
-    """  # noqa: D205
-    if not (isinstance(out, tuple | list) and len(out) == 2):
-        raise TypeError(
-            "ServingLoop: forward must return (pools, logits), got "
-            f"{type(out).__name__}."
-        )
-    new_pools, logits = out
-    want = [(tuple(p.shape), p.dtype) for p in jax.tree.leaves(pools)]
-    got = [
-        (tuple(jnp.shape(p)), jnp.result_type(p)) for p in jax.tree.leaves(new_pools)
-    ]
-    if jax.tree.structure(new_pools) != jax.tree.structure(pools) or got != want:
-        raise ValueError(
-            "ServingLoop: forward returned pools that are not the ones it was "
-            f"given (shapes and dtypes {got[:4]}, expected {want[:4]}): return "
-            "the pools write_kv / write_mamba_state gave back."
-        )
-    shape = jnp.shape(logits)
-    if len(shape) != 2 or shape[0] != sample.shape[0]:
-        raise ValueError(
-            "ServingLoop: forward must return logits of shape (num_samples, "
-            f"vocab) = ({sample.shape[0]}, vocab), one row per index of "
-            f"sample_idx; got {shape}."
-        )
-    return new_pools, logits
-
-
-def _check_loop_arguments(
-    plan: object, forward: object, sampling: object, param_specs: object
-) -> None:
-    """Refuses ServingLoop arguments of the wrong kind, naming each."""
-    if not callable(forward):
-        raise TypeError(
-            f"ServingLoop: forward must be callable, got {type(forward).__name__}."
-        )
-    if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise TypeError(
-            "ServingLoop: sampling must be a SamplingParams, got "
-            f"{type(sampling).__name__}."
-        )
-    if not isinstance(plan, KVCachePlan | ShardedPlan):
-        raise TypeError(
-            "ServingLoop: plan must be a KVCachePlan (make_plan) or a "
-            f"ShardedPlan (shard_plan), got {type(plan).__name__}."
-        )
-    if not isinstance(plan, ShardedPlan) and param_specs is not None:
-        raise ValueError(
-            "ServingLoop: param_specs shard the parameters over a mesh; give "
-            "a ShardedPlan (shard_plan) or leave them out."
-        )
-
-
-def _check_param_specs(params: Any, param_specs: Any) -> None:
-    """`param_specs` has one ``PartitionSpec`` per leaf of `params`."""
-    specs, tree = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
-    if tree != jax.tree.structure(params) or not all(isinstance(x, P) for x in specs):
-        raise ValueError(
-            "ServingLoop: param_specs must hold one PartitionSpec per leaf of "
-            f"params (params: {jax.tree.structure(params)}; param_specs: {tree})."
-        )

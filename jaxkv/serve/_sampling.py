@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxkv._util import is_int
@@ -175,3 +178,98 @@ def sample_tokens_per_row(
 
     drawn = jax.vmap(draw)(x, jnp.asarray(seed), request_seeds, positions)
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def sampling_rows(
+    sampled: list[list[str]],
+    num_samples: int,
+    *,
+    per_request: bool,
+    default: SamplingParams,
+    overrides: Mapping[str, SamplingParams],
+) -> Any:
+    """A step's sampling inputs, ``(ranks, num_samples)`` per field.
+
+    Args:
+      sampled: Per rank, the request id of each sampled row, in row order.
+      num_samples: Rows per rank (the bucket's; padding rows are greedy).
+      per_request: Whether each request samples with its own parameters.
+      default: The parameters of requests without their own.
+      overrides: Per request id, its own parameters.
+
+    Returns:
+      The rows' request seeds (int32), or with `per_request` a dict of
+      ``request``, ``seed``, ``top_k`` (int32), ``temperature``, ``top_p``
+      (float32) for :func:`sample_rows`.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.serve._sampling import sampling_rows
+      >>> rows = sampling_rows([["a"]], 2, per_request=True,
+      ...     default=jaxkv.SamplingParams(),
+      ...     overrides={"a": jaxkv.SamplingParams(temperature=0.5, seed=7)})
+      >>> rows["seed"].tolist(), rows["temperature"].tolist()
+      ([[7, 0]], [[0.5, 0.0]])
+    """
+    shape = (len(sampled), num_samples)
+    seeds = np.zeros(shape, np.int32)
+    for rank, ids in enumerate(sampled):
+        seeds[rank, : len(ids)] = [request_seed(i) for i in ids]
+    if not per_request:
+        return seeds
+    out = {
+        "request": seeds,
+        "seed": np.zeros(shape, np.int32),
+        "top_k": np.zeros(shape, np.int32),
+        "temperature": np.zeros(shape, np.float32),
+        "top_p": np.ones(shape, np.float32),
+    }
+    for rank, ids in enumerate(sampled):
+        for k, req_id in enumerate(ids):
+            p = overrides.get(req_id, default)
+            out["seed"][rank, k] = p.seed
+            out["top_k"][rank, k] = p.top_k
+            out["temperature"][rank, k] = p.temperature
+            out["top_p"][rank, k] = p.top_p
+    return out
+
+
+def abstract_sampling_rows(
+    shape: tuple[int, ...], sharding: Any, *, per_request: bool
+) -> Any:
+    """The shapes and dtypes of :func:`sampling_rows`, for warm-up."""
+    ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    if not per_request:
+        return ints
+    floats = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+    return {
+        "request": ints,
+        "seed": ints,
+        "top_k": ints,
+        "temperature": floats,
+        "top_p": floats,
+    }
+
+
+def sample_rows(
+    logits: jax.Array,
+    rows: Any,
+    *,
+    per_request: bool,
+    default: SamplingParams,
+    positions: jax.Array,
+) -> jax.Array:
+    """One token per logits row, from one rank's :func:`sampling_rows`."""
+    if per_request:
+        return sample_tokens_per_row(
+            logits,
+            temperature=rows["temperature"],
+            top_k=rows["top_k"],
+            top_p=rows["top_p"],
+            seed=rows["seed"],
+            request_seeds=rows["request"],
+            positions=positions,
+        )
+    return sample_tokens(
+        logits, params=default, request_seeds=rows, positions=positions
+    )

@@ -1,0 +1,80 @@
+"""What ServingLoop refuses: arguments of the wrong kind, and a `forward` that
+returns something other than the pools it was given and one logits row per
+sampled token (checked while tracing, so a mistake is named before it runs).
+"""  # noqa: D205
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
+from jaxkv.serve._sampling import SamplingParams
+
+
+def check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[Any, Any]:
+    """Trace-time check of what `forward` returned: ``(pools, logits)`` with
+    the pools' shapes and dtypes and one logits row per sampled token.
+    """  # noqa: D205
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            "ServingLoop: forward must return (pools, logits), got "
+            f"{type(out).__name__}."
+        )
+    new_pools, logits = out
+    want = [(tuple(p.shape), p.dtype) for p in jax.tree.leaves(pools)]
+    got = [
+        (tuple(jnp.shape(p)), jnp.result_type(p)) for p in jax.tree.leaves(new_pools)
+    ]
+    if jax.tree.structure(new_pools) != jax.tree.structure(pools) or got != want:
+        raise ValueError(
+            "ServingLoop: forward returned pools that are not the ones it was "
+            f"given (shapes and dtypes {got[:4]}, expected {want[:4]}): return "
+            "the pools write_kv / write_mamba_state gave back."
+        )
+    shape = jnp.shape(logits)
+    if len(shape) != 2 or shape[0] != sample.shape[0]:
+        raise ValueError(
+            "ServingLoop: forward must return logits of shape (num_samples, "
+            f"vocab) = ({sample.shape[0]}, vocab), one row per index of "
+            f"sample_idx; got {shape}."
+        )
+    return new_pools, logits
+
+
+def check_loop_arguments(
+    plan: object, forward: object, sampling: object, param_specs: object
+) -> None:
+    """Refuses ServingLoop arguments of the wrong kind, naming each."""
+    if not callable(forward):
+        raise TypeError(
+            f"ServingLoop: forward must be callable, got {type(forward).__name__}."
+        )
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(
+            "ServingLoop: sampling must be a SamplingParams, got "
+            f"{type(sampling).__name__}."
+        )
+    if not isinstance(plan, KVCachePlan | ShardedPlan):
+        raise TypeError(
+            "ServingLoop: plan must be a KVCachePlan (make_plan) or a "
+            f"ShardedPlan (shard_plan), got {type(plan).__name__}."
+        )
+    if not isinstance(plan, ShardedPlan) and param_specs is not None:
+        raise ValueError(
+            "ServingLoop: param_specs shard the parameters over a mesh; give "
+            "a ShardedPlan (shard_plan) or leave them out."
+        )
+
+
+def check_param_specs(params: Any, param_specs: Any) -> None:
+    """`param_specs` has one ``PartitionSpec`` per leaf of `params`."""
+    specs, tree = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    if tree != jax.tree.structure(params) or not all(isinstance(x, P) for x in specs):
+        raise ValueError(
+            "ServingLoop: param_specs must hold one PartitionSpec per leaf of "
+            f"params (params: {jax.tree.structure(params)}; param_specs: {tree})."
+        )
