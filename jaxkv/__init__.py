@@ -22,11 +22,8 @@ import importlib
 import importlib.metadata
 
 from jaxkv import vllm as vllm  # the vLLM-named API, as jaxkv.vllm
-from jaxkv._attention import (
-    paged_attention,
-    request_token_rows,
-    token_requests_and_positions,
-)
+from jaxkv._attention import paged_attention
+from jaxkv._attention_rows import request_token_rows, token_requests_and_positions
 from jaxkv._backends import (
     AttentionBackend,
     KVCacheLayout,

@@ -12,6 +12,7 @@ from jaxtyping import install_import_hook
 # test imports jaxkv.
 _TYPECHECKED = (
     "jaxkv._attention",
+    "jaxkv._attention_rows",
     "jaxkv.cache._ops",
     "jaxkv.serve._sampling",
     "jaxkv.step._common_metadata",
