@@ -57,6 +57,7 @@ class DeviceStep:
         seeds: jax.Array,
         prev_tokens: jax.Array,
     ) -> tuple[Pools, jax.Array, jax.Array]:
+        """One rank's step: ``(pools, tokens padded to width, logits)``."""
         meta = self.builder.metadata(inputs)
         tokens, sample = self.builder.model_inputs_of(inputs)
         # A placeholder -(k + 1) (async scheduling) is the previous step's
