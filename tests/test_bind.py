@@ -101,6 +101,7 @@ def test_yoco_pools_donated_once():
     pools = tuple(pools)
     compiled = jax.jit(step, donate_argnums=0).lower(pools).compile()
     mem = compiled.memory_analysis()
+    assert mem is not None
     pool_bytes = sum(p.nbytes for p in pools)
     assert mem.alias_size_in_bytes == pool_bytes
     assert mem.temp_size_in_bytes < min(p.nbytes for p in pools)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.cache import KVCacheView
 
 
 def test_core_import_loads_no_demo_libraries():
@@ -54,6 +55,7 @@ def test_plan_pages_and_strides_by_hand():
     assert [p.size_bytes for p in plan.pools] == [8 * page, 8 * page]
     assert plan.pool_bytes == 2 * 8 * page
     view = plan.views["layers.0.self_attn"]
+    assert isinstance(view, KVCacheView)
     assert view.axes == ("block", "kv", "token", "head", "dim")
     assert view.shape == (8, 2, block, heads, dim)
     words = page // f32
