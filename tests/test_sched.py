@@ -328,6 +328,7 @@ def _fresh(requests):
     ]
 
 
+@pytest.mark.slow  # the demo Engine end to end (11-12 s); the slow pass
 def test_engine_preempts_instead_of_aborting_and_matches_the_dense_model(served):
     model, engine = served
     rng = np.random.default_rng(0)
@@ -349,6 +350,7 @@ def test_engine_preempts_instead_of_aborting_and_matches_the_dense_model(served)
         assert out == dense, req.req_id
 
 
+@pytest.mark.slow  # the demo Engine end to end (11-12 s); the slow pass
 def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
     model, engine = served
     rng = np.random.default_rng(1)

@@ -91,8 +91,12 @@ def test_step_loop_matches_dense_oracle_and_compiles_nothing(fast_prefill, kerne
 
 @pytest.mark.parametrize(
     ("fast_prefill", "kernel"),
-    # The fast-prefill case compiles every armed bucket (24 s): the slow pass.
-    [pytest.param(True, None, marks=pytest.mark.slow), (False, 16)],
+    # Each case compiles every bucket (24-31 s on the 2-core VM): the slow
+    # pass. The default pass keeps the dense-oracle test below.
+    [
+        pytest.param(True, None, marks=pytest.mark.slow),
+        pytest.param(False, 16, marks=pytest.mark.slow),
+    ],
 )
 def test_step_loop_logits_equal_the_dense_model(fast_prefill, kernel):
     """Every sampled token's logits, not only its argmax, equal the dense model's."""

@@ -60,6 +60,7 @@ def _random_step(rng, block_size=32, widths=8) -> dict[str, Any]:
     )
 
 
+@pytest.mark.slow  # 22 s; the default pass keeps test_serve's 0-compile check
 def test_200_step_replayed_trace_compiles_nothing_after_warm_up():
     builder = _builder()
     builder.warm_up()
