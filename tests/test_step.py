@@ -80,7 +80,9 @@ def test_200_step_replayed_trace_compiles_nothing_after_warm_up():
 
 def test_step_metadata_matches_inputs():
     builder = _builder()
-    builder.warm_up()
+    # Bucket padding on, programs compiled as steps need them (warm_up's
+    # compile-everything is the replay test's, in the slow pass).
+    builder.warm_up_host()
     rng = np.random.default_rng(1)
     for _ in range(20):
         inputs = _random_step(rng)
@@ -140,7 +142,9 @@ def test_full_and_piecewise_buckets_share_one_program():
 
 def test_metadata_inside_the_callers_jit_equals_build():
     builder = _builder()
-    builder.warm_up()
+    # Bucket padding on, programs compiled as steps need them (warm_up's
+    # compile-everything is the replay test's, in the slow pass).
+    builder.warm_up_host()
     step = builder.prepare(**_random_step(np.random.default_rng(3)))
     built = builder.build(step)
 
