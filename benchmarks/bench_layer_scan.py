@@ -97,14 +97,14 @@ def _compile(num_layers: int, scan: bool, args: Any) -> dict[str, Any]:
             jaxkv.Request(f"r{i}", prompt=list(range(i, i + 20)), max_new_tokens=2)
         )
     scheduled = sched.schedule()
-    prepared = builder.prepare(**scheduled.arrays._asdict())
+    inputs = builder.prepare(scheduled)
     params = _model(num_layers, 512, 64)
     step = _step_fn(plan, builder, num_layers, scan)
     pools = plan.allocate()
     t0 = time.perf_counter()
-    compiled = step.lower(pools, params, prepared.inputs).compile()
+    compiled = step.lower(pools, params, inputs).compile()
     seconds = time.perf_counter() - t0
-    _, logits = compiled(pools, params, prepared.inputs)
+    _, logits = compiled(pools, params, inputs)
     return {"compile_s": seconds, "logits": np.asarray(logits)}
 
 

@@ -109,7 +109,7 @@ def run_jaxkv(n: int, args: Any, caching: bool) -> dict[str, float]:
     for _ in range(steps):
         t0 = time.perf_counter()
         step = s.schedule()
-        builder.prepare(**step.arrays._asdict())
+        builder.prepare(step)
         s.update(step, [7] * len(step.sampled))
         times.append(time.perf_counter() - t0)
         assert len(step.batch) == n

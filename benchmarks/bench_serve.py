@@ -129,8 +129,7 @@ def run(args: Any) -> dict[str, Any]:
     loop.overlap = False
     loop.step()  # the prefill
     scheduled = loop.scheduler.schedule()
-    prepared = loop.builder.prepare(**scheduled.arrays._asdict())
-    inputs = prepared.inputs
+    inputs = loop.builder.prepare(scheduled)
     seeds = np.zeros(inputs.layout.num_samples, np.int32)
     prev = jnp.zeros(loop.builder.max_num_samples, jnp.int32)
     pools = loop.pools

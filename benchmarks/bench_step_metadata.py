@@ -94,15 +94,17 @@ def run(args) -> dict:
     padding = helper.paddings()
 
     def packed_host():
-        step = builder.prepare(**inputs)
-        jax.block_until_ready(jax.device_put(step.inputs))  # the one transfer
+        step = builder.prepare(jaxkv.StepArrays(**inputs))
+        jax.block_until_ready(jax.device_put(step))  # the one transfer
 
     def packed_unchecked():  # the same without validate_step (caller-checked arrays)
-        step = builder.prepare(**inputs, validate=False)
-        jax.block_until_ready(jax.device_put(step.inputs))
+        step = builder.prepare(jaxkv.StepArrays(**inputs), validate=False)
+        jax.block_until_ready(jax.device_put(step))
 
     def packed_full():
-        jax.block_until_ready(builder.build(builder.prepare(**inputs)))
+        jax.block_until_ready(
+            builder.build(builder.prepare(jaxkv.StepArrays(**inputs)))
+        )
 
     t_packed = measure_host(packed_host, iters=args.iters)
     t_unchecked = measure_host(packed_unchecked, iters=args.iters)

@@ -335,7 +335,7 @@ def plot_step(
       group: The KV-cache group whose block table and slots are drawn.
       block_size: The group's block size, to outline the blocks written.
       staged: The staged fast-prefill logits indices (the padded buffer,
-        e.g. ``prepared.inputs.fast_prefill.logits_indices_padded``), drawn
+        e.g. ``builder.prepare(step).fast_prefill.logits_indices_padded``), drawn
         as a third panel: the real indices, then the padding that repeats the
         last one.
 
@@ -351,7 +351,7 @@ def plot_step(
       >>> s = jaxkv.Scheduler(plan)
       >>> _ = s.add_request(jaxkv.Request("a", prompt=[1] * 40, max_new_tokens=1))
       >>> _ = s.add_request(jaxkv.Request("b", prompt=[2] * 5, max_new_tokens=1))
-      >>> fig = plot_step(s.schedule().arrays, block_size=32)
+      >>> fig = plot_step(s.schedule(), block_size=32)
       >>> [round(p.get_width()) for p in fig.axes[0].patches]
       [40, 5]
     """

@@ -46,18 +46,19 @@ def rank_steps(
     positions: np.ndarray,
     tables: list,
     slots: list,
-) -> tuple[jaxkv.step.StepLayout, np.ndarray]:
-    """Each data-parallel rank's step packed by `builder`: (layout, (D, words))."""
-    steps = [
-        builder.prepare(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            positions=positions,
-            block_tables=tb,
-            slot_mappings=sl,
-        )
-        for tb, sl in zip(tables, slots, strict=True)
-    ]
-    return steps[0].inputs.layout, np.stack(
-        [np.asarray(s.inputs.packed) for s in steps]
+) -> jaxkv.StepInputs:
+    """Every data-parallel rank's step prepared by a mesh `builder` at once:
+    leaves ``(D, ...)`` sharded over the data axis.
+    """  # noqa: D205
+    return builder.prepare_ranks(
+        [
+            jaxkv.StepArrays(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                positions=positions,
+                block_tables=tb,
+                slot_mappings=sl,
+            )
+            for tb, sl in zip(tables, slots, strict=True)
+        ]
     )

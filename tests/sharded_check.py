@@ -194,8 +194,8 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     q = rng.standard_normal((d, n_tok, heads, head)).astype(np.float32)
     m_shapes = [s.shape[1:] for s in glob.views[mamba].states]  # type: ignore[union-attr]
     states = [rng.standard_normal((d, 2, *s)).astype(np.float32) for s in m_shapes]
-    builder = jaxkv.StepMetadataBuilder(sp.local)
-    layout, packed_steps = rank_steps(
+    builder = jaxkv.StepMetadataBuilder(sp)
+    rows = rank_steps(
         builder,
         query_start_loc=qsl,
         seq_lens=np.array(seqs),
@@ -215,22 +215,18 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
 
     # A plain-jit step (no shard_map) over the data-sharded packed steps, one
     # row per rank under vmap: the metadata equals each rank's own.
-    packed_dev = put(packed_steps, "data", None)
-
     def rank_meta(row):
-        inputs = jaxkv.StepInputs(packed=row, fast_prefill=None, layout=layout)
-        m = builder.metadata(inputs)
+        m = builder.metadata(row)
         return m[attn[1]].slot_mapping, m[mamba].block_table_tensor
 
-    got_slots, got_tables = jax.jit(jax.vmap(rank_meta))(packed_dev)
+    got_slots, got_tables = jax.jit(jax.vmap(rank_meta))(rows)
     for di in range(d):
         np.testing.assert_array_equal(np.asarray(got_slots)[di, :n_tok], slots[di][1])
         np.testing.assert_array_equal(np.asarray(got_tables)[di, :2, :1], tables[di][2])
 
-    def step(pools, packed, k, v, q, *mstates):
+    def step(pools, rows, k, v, q, *mstates):
         local = sp.local_pools(pools)
-        inputs = jaxkv.StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
-        meta = builder.metadata(inputs)
+        meta = builder.metadata(rows.local())
         # Writes first, then reads: with K/V given (not computed from the
         # previous layer's output) XLA may otherwise order a later layer's
         # write before an earlier layer's read and copy the pool to keep both.
@@ -266,7 +262,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
             mesh=mesh,
             in_specs=(
                 sp.pool_spec,
-                P("data", None),
+                P("data"),
                 qkv_spec,
                 qkv_spec,
                 qkv_spec,
@@ -277,7 +273,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
         donate_argnums=0,
     )
     args = (
-        put(packed_steps, "data", None),
+        rows,
         put(k, *qkv_spec),
         put(v, *qkv_spec),
         put(q, *qkv_spec),

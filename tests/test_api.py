@@ -13,7 +13,6 @@ import jaxkv
 NO_EXAMPLE = {
     "KVCacheSpec",
     "LayerView",
-    "PreparedStep",
     "HybridBlockAlignment",
     "BoundKVCaches",
     "KVCacheLayout",

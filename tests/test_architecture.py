@@ -144,18 +144,24 @@ def test_import_jaxkv_loads_no_flax_and_flax_is_an_extra():
     assert any(d.startswith("flax") for d in project["optional-dependencies"]["demo"])
 
 
-def test_the_scheduler_s_arrays_are_the_step_builder_s_keywords():
-    # sched and step share a rank (neither imports the other): the scheduler's
-    # StepArrays reach StepMetadataBuilder.prepare by field name
-    # (prepare(**arrays._asdict())), so every field must be one of its
-    # keyword parameters and every required keyword must be a field.
+def test_a_scheduled_step_is_the_step_builder_s_input_and_every_field_is_packed():
+    # The scheduler's output is the builder's input type (no field-name
+    # coupling); every StepArrays field reaches the packed buffer (a field
+    # added to the record but not packed would be dropped silently).
+    import dataclasses
     import inspect
 
     import jaxkv
+    from jaxkv.step._step_builder import StepMetadataBuilder
 
-    params = inspect.signature(jaxkv.StepMetadataBuilder.prepare).parameters
-    keywords = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-    required = {n for n in keywords if params[n].default is inspect.Parameter.empty}
-    fields = set(jaxkv.sched.StepArrays._fields)
-    assert fields <= keywords, fields - keywords
-    assert required <= fields, required - fields
+    assert issubclass(jaxkv.ScheduledStep, jaxkv.StepArrays)
+    hints = inspect.signature(StepMetadataBuilder.prepare).parameters
+    assert hints["arrays"].annotation in ("StepArrays", jaxkv.StepArrays)
+    packed = inspect.getsource(StepMetadataBuilder._pack)
+    missing = [
+        f.name
+        for f in dataclasses.fields(jaxkv.StepArrays)
+        if f"arrays.{f.name}" not in packed
+        and f.name not in ("cu_num_logits",)  # staging input, not packed
+    ]
+    assert missing == []

@@ -75,7 +75,7 @@ def _serve_async(s, requests, *, check_keys=None):
             # The 'device' sees real tokens: a placeholder is the previous
             # step's sampled token (what the loop's program substitutes).
             prev = pending[-1][1] if pending else []
-            for t in step.arrays.token_ids:
+            for t in step.token_ids:
                 assert t >= 0 or -t - 1 < len(prev)
             s.advance(step)
             pending.append((step, _sampled(step)))
@@ -136,7 +136,7 @@ def test_a_stop_token_found_late_drops_the_step_computed_after_it():
     first = s.schedule()
     s.advance(first)
     second = s.schedule()  # decodes the placeholder of `first`
-    assert second.arrays.token_ids.tolist() == [-1]
+    assert np.asarray(second.token_ids).tolist() == [-1]
     s.advance(second)
     assert (r.output, r.num_pending) == ([-1, -1], 2)
     assert s.resolve(first, [9]) == [r]  # a stop: complete now

@@ -126,7 +126,7 @@ def _prepare(**kw: Any) -> Any:
         slot_mappings=[np.array([32, 33])] * 3,
     )
     d.update(kw)
-    return BUILDER.prepare(**d)
+    return BUILDER.prepare(jaxkv.StepArrays(**d))
 
 
 def _sched(**kw: Any) -> Any:

@@ -107,12 +107,14 @@ def test_paged_attention_honours_a_per_request_mask():
     # The same through the step builder's packed buffer.
     builder = jaxkv.StepMetadataBuilder(plan)
     step = builder.prepare(
-        query_start_loc=qsl,
-        seq_lens=np.array([12, 9]),
-        positions=np.concatenate([np.arange(7, 12), np.arange(3, 9)]),
-        block_tables=[tables],
-        slot_mappings=[np.full(11, -1, i32)],
-        request_causal=np.array([True, False]),
+        jaxkv.StepArrays(
+            query_start_loc=qsl,
+            seq_lens=np.array([12, 9]),
+            positions=np.concatenate([np.arange(7, 12), np.arange(3, 9)]),
+            block_tables=[tables],
+            slot_mappings=[np.full(11, -1, i32)],
+            request_causal=np.array([True, False]),
+        )
     )
     packed_meta = builder.build(step)["l"]
     assert packed_meta.request_causal[:2].tolist() == [True, False]

@@ -104,7 +104,7 @@ def test_bad_input():
         jaxkv.step.validate_logits_indices(
             np.array([0, 1, 2]), np.array([0, 8]), buffer_size=2
         )
-    with pytest.raises(ValueError, match="starting at 0"):
+    with pytest.raises(ValueError, match="must start at 0"):
         jaxkv.step.validate_query_start_loc(np.array([1, 4]))
 
 

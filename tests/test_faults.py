@@ -88,10 +88,10 @@ def _inject(monkeypatch, engine, point, at):
     elif point == "prepare":
         real = engine.builder.prepare
 
-        def prepare(**kw):
+        def prepare(*args, **kw):
             if hit():
                 raise Fault(point)
-            return real(**kw)
+            return real(*args, **kw)
 
         monkeypatch.setattr(engine.builder, "prepare", prepare)
     elif point in ("before_device", "inside_device"):

@@ -72,11 +72,11 @@ def test_attention_takes_the_window_from_the_layer(guide):
     while step.batch[0][0].num_computed + step.batch[0][1] < 100:
         s.update(step, [])
         step = s.schedule()
-    prepared = builder.prepare(**step.arrays._asdict())
-    meta = builder.build(prepared)["l1"]
+    inputs = builder.prepare(step)
+    meta = builder.build(inputs)["l1"]
     rng = np.random.default_rng(0)
     pools = plan.allocate()
-    slots = jnp.asarray(step.arrays.slot_mappings[1])
+    slots = jnp.asarray(step.slot_mappings[1])
     kv = [jnp.asarray(rng.normal(size=(slots.size, 2, 32)), jnp.float32) for _ in "kv"]
     pools = jaxkv.write_kv(pools, layer.view, kv[0], kv[1], slots)
     q = jnp.asarray(rng.normal(size=(meta.slot_mapping.shape[0], 4, 32)), jnp.float32)

@@ -116,7 +116,7 @@ def test_step_picture_draws_the_step():
     s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
     for i, n in enumerate((40, 5, 70)):
         s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * n, max_new_tokens=1))
-    arrays = s.schedule().arrays
+    arrays = s.schedule()
     fig = plot_step(arrays, block_size=32)
     top, bottom = fig.axes[:2]
     widths = [round(p.get_width()) for p in top.patches]
@@ -162,9 +162,9 @@ def test_step_picture_draws_the_staged_fast_prefill_buffer():
     s = jaxkv.Scheduler(plan, max_num_batched_tokens=64)
     for i, n in enumerate((20, 9)):
         s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * n, max_new_tokens=1))
-    arrays = s.schedule().arrays
-    prepared = jaxkv.StepMetadataBuilder(plan).prepare(**arrays._asdict())
-    fp = prepared.inputs.fast_prefill
+    arrays = s.schedule()
+    inputs = jaxkv.StepMetadataBuilder(plan).prepare(arrays)
+    fp = inputs.fast_prefill
     assert fp is not None  # the built-in model has fast-prefill layers
     staged = np.asarray(fp.logits_indices_padded)
     fig = plot_step(arrays, block_size=32, staged=staged)
@@ -181,7 +181,7 @@ def _step_arrays():
     plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
     s = jaxkv.Scheduler(plan)
     s.add_request(jaxkv.Request("a", prompt=[1] * 40, max_new_tokens=1))
-    return s.schedule().arrays
+    return s.schedule()
 
 
 @pytest.mark.parametrize(

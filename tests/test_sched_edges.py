@@ -73,7 +73,8 @@ def test_two_decodes_sample_one_token_each():
     for name in "ab":
         s.add_request(jaxkv.Request(name, prompt=[1, 2, 3], max_new_tokens=3))
     s.update(s.schedule(), [5, 5])
-    arrays = s.schedule().arrays
+    arrays = s.schedule()
+    assert arrays.cu_num_logits is not None
     assert arrays.cu_num_logits.tolist() == [0, 1, 2]
     assert arrays.logits_indices is not None
     assert arrays.logits_indices.tolist() == [0, 1]

@@ -230,7 +230,7 @@ def test_requests_admitted_in_one_step_share_a_prefix():
     step = s.schedule()
     assert [(r.req_id, n) for r, n in step.batch] == [("a", 9), ("b", 1)]
     assert b.num_cached_tokens == 8  # vLLM 8; registering after the step: 0
-    tables = step.arrays.block_tables[0]
+    tables = step.block_tables[0]
     assert tables[0, :2].tolist() == tables[1, :2].tolist()
     assert tables[0, 2] != tables[1, 2]
     s.update(step, [0, 0])

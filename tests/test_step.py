@@ -69,10 +69,11 @@ def test_200_step_replayed_trace_compiles_nothing_after_warm_up():
     seen = {"armed": 0, "unarmed": 0, "FULL": 0, "PIECEWISE": 0}
     with count_compiles() as compiles:
         for inputs in steps:
-            step = builder.prepare(**inputs)
+            step = builder.prepare(jaxkv.StepArrays(**inputs))
             meta = builder.build(step)
             jax.block_until_ready(meta)
-            seen["armed" if step.inputs.fast_prefill is not None else "unarmed"] += 1
+            seen["armed" if step.fast_prefill is not None else "unarmed"] += 1
+            assert step.desc is not None
             seen[step.desc.cg_mode.name] += 1
     assert compiles == [], f"{len(compiles)} traces/compiles after warm-up"
     assert min(seen.values()) > 10, seen
@@ -86,7 +87,7 @@ def test_step_metadata_matches_inputs():
     rng = np.random.default_rng(1)
     for _ in range(20):
         inputs = _random_step(rng)
-        step = builder.prepare(**inputs)
+        step = builder.prepare(jaxkv.StepArrays(**inputs))
         meta = builder.build(step)
         qsl = inputs["query_start_loc"]
         n, r = int(qsl[-1]), qsl.size - 1
@@ -101,7 +102,7 @@ def test_step_metadata_matches_inputs():
         assert int(full.num_actual_tokens) == n
         np.testing.assert_array_equal(full.query_start_loc_cpu, qsl)
         yoco = meta["layers.6.self_attn"]
-        if step.inputs.fast_prefill is not None:
+        if step.fast_prefill is not None:
             cu = inputs["cu_num_logits"]
             np.testing.assert_array_equal(yoco.query_start_loc[: r + 1], cu)
             np.testing.assert_array_equal(yoco.query_start_loc_cpu, cu)
@@ -119,7 +120,7 @@ def test_builder_rejects_a_block_table_per_group_missing():
     inputs = _random_step(np.random.default_rng(2))
     inputs["block_tables"] = inputs["block_tables"][:2]
     with pytest.raises(ValueError, match="one per KV-cache group"):
-        builder.prepare(**inputs)
+        builder.prepare(jaxkv.StepArrays(**inputs))
 
 
 def test_full_and_piecewise_buckets_share_one_program():
@@ -145,7 +146,7 @@ def test_metadata_inside_the_callers_jit_equals_build():
     # Bucket padding on, programs compiled as steps need them (warm_up's
     # compile-everything is the replay test's, in the slow pass).
     builder.warm_up_host()
-    step = builder.prepare(**_random_step(np.random.default_rng(3)))
+    step = builder.prepare(jaxkv.StepArrays(**_random_step(np.random.default_rng(3))))
     built = builder.build(step)
 
     @jax.jit
@@ -155,10 +156,10 @@ def test_metadata_inside_the_callers_jit_equals_build():
             name: m.query_start_loc for name, m in meta.items()
         }
 
-    slots, qsl = user_step(step.inputs)
+    slots, qsl = user_step(step)
     assert set(slots) == set(built)
     for name, m in built.items():
         np.testing.assert_array_equal(slots[name], m.slot_mapping)
         np.testing.assert_array_equal(qsl[name], m.query_start_loc)
     # Tracing twice gives the same program: nothing in the builder changed.
-    assert builder.metadata(step.inputs).keys() == built.keys()
+    assert builder.metadata(step).keys() == built.keys()

@@ -287,8 +287,8 @@ def test_a_scan_over_layers_gives_the_unrolled_model_s_logits():
         pools, seen = plan.allocate(), []
         while sched.has_unfinished:
             scheduled = sched.schedule()
-            prepared = builder.prepare(**scheduled.arrays._asdict())
-            pools, out = step(pools, prepared.inputs)
+            inputs = builder.prepare(scheduled)
+            pools, out = step(pools, inputs)
             out = np.asarray(out)[: len(scheduled.sampled)]
             seen.append(out)
             sched.update(scheduled, out.argmax(-1))

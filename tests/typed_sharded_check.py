@@ -76,8 +76,8 @@ def main(d: int, t: int, axis_type: str) -> None:
     k = rng.standard_normal((d, 4, 4, kv_heads, head)).astype(np.float32)
     v = rng.standard_normal((d, 4, 4, kv_heads, head)).astype(np.float32)
     q = rng.standard_normal((d, 4, 4, heads, head)).astype(np.float32)
-    builder = jaxkv.StepMetadataBuilder(sp.local)
-    layout, packed = rank_steps(
+    builder = jaxkv.StepMetadataBuilder(sp)
+    rows = rank_steps(
         builder,
         query_start_loc=qsl,
         seq_lens=np.array(seqs),
@@ -87,10 +87,9 @@ def main(d: int, t: int, axis_type: str) -> None:
     )
     stack = sp.local.layer_stack(LAYERS)
 
-    def step(pools, packed, k, v, q):
+    def step(pools, rows, k, v, q):
         local = sp.local_pools(pools)
-        inputs = jaxkv.StepInputs(packed=packed[0], fast_prefill=None, layout=layout)
-        meta = builder.metadata(inputs)[LAYERS[0]]
+        meta = builder.metadata(rows.local())[LAYERS[0]]
 
         def body(local, xs):
             kl, vl, ql, slot = xs
@@ -112,7 +111,7 @@ def main(d: int, t: int, axis_type: str) -> None:
         jax.shard_map(
             step,
             mesh=mesh,
-            in_specs=(sp.pool_spec, P("data", None), spec5, spec5, spec5),
+            in_specs=(sp.pool_spec, P("data"), spec5, spec5, spec5),
             out_specs=(sp.pool_spec, spec5),
         ),
         donate_argnums=0,
@@ -121,7 +120,7 @@ def main(d: int, t: int, axis_type: str) -> None:
     def put(x, *s):
         return jax.device_put(x, NamedSharding(mesh, P(*s)))
 
-    args = (put(packed, "data", None), put(k, *spec5), put(v, *spec5), put(q, *spec5))
+    args = (rows, put(k, *spec5), put(v, *spec5), put(q, *spec5))
     compiled = fn.lower(pools, *args).compile()
     text = compiled.as_text() or ""
     for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):

@@ -9,7 +9,7 @@ prefill, preemption, async scheduling's advance/resolve).
 from jaxkv.sched._manager import KVCacheManager, StepBlocks, prefix_caching_unsupported
 from jaxkv.sched._prefix import hash_token_blocks, longest_cache_hit
 from jaxkv.sched._request import Request, RequestStatus
-from jaxkv.sched._scheduled import ScheduledStep, StepArrays, sampled_token_indices
+from jaxkv.sched._scheduled import ScheduledStep, sampled_token_indices
 from jaxkv.sched._scheduler import Scheduler
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "RequestStatus",
     "ScheduledStep",
     "Scheduler",
-    "StepArrays",
     "StepBlocks",
     "hash_token_blocks",
     "longest_cache_hit",

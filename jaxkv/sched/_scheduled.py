@@ -1,51 +1,27 @@
-"""What one schedule produces: the step's requests and token counts
-(:class:`ScheduledStep`) and its host arrays (:class:`StepArrays`, the keywords
-of :meth:`StepMetadataBuilder.prepare`).
+"""What one schedule produces: a :class:`ScheduledStep`, the step's requests
+and token counts, and its host arrays (it is the :class:`StepArrays` that
+:meth:`StepMetadataBuilder.prepare` takes).
 """  # noqa: D205
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
-
-import numpy as np
 
 from jaxkv.sched._request import Request
+from jaxkv.step import StepArrays
 
 
-class StepArrays(NamedTuple):
-    """A scheduled step's host arrays, named as :meth:`StepMetadataBuilder.prepare`
-    takes them (``builder.prepare(**arrays._asdict())``).
+@dataclasses.dataclass(kw_only=True, eq=False)
+class ScheduledStep(StepArrays):
+    """One step's work: its requests and its host arrays, ready for ``builder.prepare``.
 
-    Example:
-      >>> import jaxkv
-      >>> s = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8))
-      >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=1))
-      >>> a = s.schedule().arrays
-      >>> a.query_start_loc.tolist(), a.positions.tolist(), a.logits_indices.tolist()
-      ([0, 3], [0, 1, 2], [2])
-    """  # noqa: D205
-
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    positions: np.ndarray
-    block_tables: list[np.ndarray]
-    slot_mappings: list[np.ndarray]
-    logits_indices: np.ndarray | None
-    cu_num_logits: np.ndarray
-    token_ids: np.ndarray
-    is_prefilling: np.ndarray
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    """One step's work.
+    A :class:`StepArrays` (zero requests for an empty batch) with the requests
+    it was scheduled from.
 
     Attributes:
       batch: ``(request, tokens this step)`` in batch order (decodes first);
         each request computes its tokens from ``num_computed`` on.
-      arrays: The step's host arrays (zero requests for an empty batch).
       preempted: Requests preempted while scheduling this step.
 
     Example:
@@ -58,7 +34,6 @@ class ScheduledStep:
     """
 
     batch: list[tuple[Request, int]]
-    arrays: StepArrays
     preempted: list[Request]
     # Each request's (num_computed, len(output)) when the step was scheduled:
     # update() applies the step from them, so applying it again after an

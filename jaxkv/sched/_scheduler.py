@@ -2,8 +2,8 @@
 
 The scheduler decides, each step, which requests compute how many tokens,
 and holds their blocks through a :class:`KVCacheManager`; it knows nothing of
-the model. Its output, :class:`StepArrays`, is what
-:meth:`StepMetadataBuilder.prepare` takes.
+the model. Its output, a :class:`ScheduledStep`, is the
+:class:`StepArrays` that :meth:`StepMetadataBuilder.prepare` takes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jaxkv._util import check_positive_int, host_int_array
 from jaxkv.cache import KVCachePlan
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._request import Request, RequestStatus
-from jaxkv.sched._scheduled import ScheduledStep, StepArrays, sampled_token_indices
+from jaxkv.sched._scheduled import ScheduledStep, sampled_token_indices
 
 _INT32_LIMIT = 2**31  # token ids travel to the device as int32
 MAX_REJECTED_KEPT = 1024  # Scheduler.rejected keeps the latest this many
@@ -66,7 +66,7 @@ class Scheduler:
       >>> s.rejected[0].reject_reason
       'prompt (5000 tokens) + max_new_tokens (2) > max_model_len (4096)'
       >>> step = s.schedule()
-      >>> [(r.req_id, n) for r, n in step.batch], step.arrays.seq_lens.tolist()
+      >>> [(r.req_id, n) for r, n in step.batch], step.seq_lens.tolist()
       ([('a', 64)], [64])
     """
 
@@ -368,14 +368,13 @@ class Scheduler:
             batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
         self.stats["steps"] += bool(batch)
         self.stats["prefill_tokens"] += sum(prefill)
-        self._latest = ScheduledStep(
-            batch=batch,
-            arrays=self._arrays(batch),
-            preempted=preempted,
-        )
+        self._latest = self._scheduled_step(batch, preempted)
         return self._latest
 
-    def _arrays(self, batch: list[tuple[Request, int]]) -> StepArrays:
+    def _scheduled_step(
+        self, batch: list[tuple[Request, int]], preempted: list[Request]
+    ) -> ScheduledStep:
+        """The step and its host arrays."""
         q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
         starts = np.fromiter((r.num_computed for r, _ in batch), np.int32, len(batch))
         qsl = np.zeros(len(batch) + 1, np.int32)
@@ -390,7 +389,9 @@ class Scheduler:
                 token_ids.append(r.prompt[c] if c < p else r.output[c - p])
             else:
                 token_ids += r.token_range(r.num_computed, r.num_computed + n)
-        return StepArrays(
+        return ScheduledStep(
+            batch=batch,
+            preempted=preempted,
             query_start_loc=qsl,
             seq_lens=starts + q_lens,
             # Each token's position: its request's start plus its rank in it.
@@ -528,7 +529,7 @@ class Scheduler:
           >>> s = jaxkv.Scheduler(plan)
           >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=3))
           >>> first = s.schedule(); s.advance(first)
-          >>> second = s.schedule(); second.arrays.token_ids.tolist()  # next_tokens[0]
+          >>> second = s.schedule(); second.token_ids.tolist()  # next_tokens[0]
           [-1]
           >>> s.advance(second); s.running[0].output
           [-1, -1]

@@ -1,7 +1,7 @@
 """The program every step runs: metadata from the packed step, the decode
 placeholders filled from the previous step's tokens, your `forward`, sampling;
-on a mesh, the same per data-parallel rank under ``shard_map`` with fast-prefill
-indices staged on each rank's row.
+on a mesh, the same per data-parallel rank under ``shard_map``, each rank on
+its own row of the step's inputs.
 """  # noqa: D205
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.cache import Pools, ShardedPlan
 from jaxkv.serve._checks import check_forward_result
 from jaxkv.serve._sampling import SamplingParams, sample_rows
-from jaxkv.step import (
-    FastPrefillBatchMetadata,
-    StepInputs,
-    StepMetadataBuilder,
-    stage_logits_indices,
-)
+from jaxkv.step import StepInputs, StepMetadataBuilder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class DeviceStep:
-    """``(pools, params, inputs, seeds, prev_tokens[, buffer, fp_packed]) ->
-    (pools, tokens, logits[, buffer])``, traced once per bucket by
-    :class:`ServingLoop`'s programs.
+    """``(pools, params, inputs, seeds, prev_tokens) -> (pools, tokens,
+    logits)``, traced once per bucket by :class:`ServingLoop`'s programs.
 
     Attributes:
       builder: The step builder (metadata and model inputs from the packed step).
@@ -85,48 +79,31 @@ class DeviceStep:
         inputs: StepInputs,
         seeds: jax.Array,
         prev_tokens: jax.Array,
-        buffer: jax.Array | None = None,
-        fp_packed: jax.Array | None = None,
     ) -> Any:
-        """One step; on a mesh `buffer` (donated) and `fp_packed` arm fast
-        prefill: ``fp_packed (ranks, 2 + padding)`` holds ``[n,
-        max_logits_per_req, indices...]`` per rank, staged on its row.
+        """One step; on a mesh every leaf of `inputs`, `seeds` and
+        `prev_tokens` has a leading ranks axis (one row per data-parallel rank,
+        :meth:`StepMetadataBuilder.prepare_ranks`).
         """  # noqa: D205
         sp = self.sharded
         if sp is None:
             return self.rank_step(pools, params, inputs, seeds, prev_tokens)
-        layout = inputs.layout
-        stage = () if buffer is None else (buffer, fp_packed)
 
         def per_rank(
-            pools: Any, params: Any, packed: Any, seeds: Any, prev: Any, *stage: Any
+            pools: Any, params: Any, rows: StepInputs, seeds: Any, prev: Any
         ) -> Any:
-            fp = buf = None
-            if stage:
-                buf, staged = stage_logits_indices(
-                    stage[0][0], stage[1][0, 2:], stage[1][0, 0]
-                )
-                fp = FastPrefillBatchMetadata(
-                    logits_indices_padded=staged,
-                    num_logits_indices=stage[1][0, 0],
-                    max_logits_per_req=stage[1][0, 1],
-                )
-            local = StepInputs(packed=packed[0], fast_prefill=fp, layout=layout)
             pools, tokens, logits = self.rank_step(
                 sp.local_pools(pools),
                 params,
-                local,
+                rows.local(),
                 jax.tree.map(lambda x: x[0], seeds),
                 prev[0],
             )
-            out = (sp.global_pools(pools), tokens[None], logits[None])
-            return out if buf is None else (*out, buf[None])
+            return sp.global_pools(pools), tokens[None], logits[None]
 
         rows = P(sp.data_axis)
-        extra = (rows, rows) if stage else ()
         return jax.shard_map(
             per_rank,
             mesh=sp.mesh,
-            in_specs=(sp.pool_spec, self.param_specs, rows, rows, rows, *extra),
-            out_specs=(sp.pool_spec, rows, rows, *extra[:1]),
-        )(pools, params, inputs.packed, seeds, prev_tokens, *stage)
+            in_specs=(sp.pool_spec, self.param_specs, rows, rows, rows),
+            out_specs=(sp.pool_spec, rows, rows),
+        )(pools, params, inputs, seeds, prev_tokens)

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache import KVCachePlan, Pools, ShardedPlan, any_deleted
-from jaxkv.sched import Request, ScheduledStep, Scheduler, sampled_token_indices
+from jaxkv.sched import Request, ScheduledStep, Scheduler
 from jaxkv.serve._checks import check_loop_arguments, check_param_specs
 from jaxkv.serve._device_step import DeviceStep
 from jaxkv.serve._sampling import (
@@ -28,9 +28,7 @@ from jaxkv.serve._sampling import (
 from jaxkv.step import (
     BucketDispatcher,
     CommonAttentionMetadata,
-    CompileMode,
     Programs,
-    StepInputs,
     StepMetadataBuilder,
 )
 
@@ -176,14 +174,8 @@ class ServingLoop:
         self.per_request_sampling = bool(per_request_sampling)
         # Per request id, its own SamplingParams (per_request_sampling).
         self._request_sampling: dict[str, SamplingParams] = {}
-        # On a mesh every data rank stages its own step; the builder's
-        # host-side fast-prefill staging is for one rank.
-        self.builder = StepMetadataBuilder(
-            self.plan,
-            dispatcher,
-            model_inputs=True,
-            fast_prefill=self.sharded is None,
-        )
+        # On a mesh the builder prepares every data rank's step at once.
+        self.builder = StepMetadataBuilder(plan, dispatcher, model_inputs=True)
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
         self._width = self.builder.max_num_samples
@@ -199,14 +191,6 @@ class ServingLoop:
             for _ in range(self.num_ranks)
         ]
         self.params, self.pools, self._param_specs = self._place(params, param_specs)
-        # On a mesh, fast prefill stages each rank's logits indices inside the
-        # step (the jitted staging kernel on its row of a persistent buffer).
-        self._yoco = sharded is not None and any(
-            g.fast_prefill for groups in self.plan.attn_groups for g in groups
-        )
-        self.stage_buffer: jax.Array | None = (
-            self._new_stage_buffer() if self._yoco else None
-        )
         self.device_step = DeviceStep(
             builder=self.builder,
             forward=forward,
@@ -216,7 +200,7 @@ class ServingLoop:
             sampling=self.sampling,
             per_request_sampling=self.per_request_sampling,
         )
-        self.programs = Programs(self.device_step, donate_argnums=(0, 5))
+        self.programs = Programs(self.device_step, donate_argnums=0)
         #: Steps run, steps with fast prefill armed, rank steps with a prefill
         #: chunk that did not finish its prompt.
         self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
@@ -301,18 +285,10 @@ class ServingLoop:
             return None
         return NamedSharding(self.sharded.mesh, P(self.sharded.data_axis))
 
-    def _new_stage_buffer(self) -> jax.Array:
-        return jax.device_put(
-            np.zeros(
-                (self.num_ranks, self.builder.dispatcher.max_num_tokens), np.int32
-            ),
-            self._rows(),
-        )
-
     @property
     def fast_prefill(self) -> bool:
         """Whether steps with a prefill can arm the fast-prefill path."""
-        return self._yoco or self.builder.fast_prefill_helper is not None
+        return self.builder.fast_prefill_helper is not None
 
     def _no_tokens(self) -> jax.Array:
         if self.sharded is None:
@@ -362,26 +338,7 @@ class ServingLoop:
             if progress is not None and i:
                 progress(i, len(todo))
             seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
-            if self.sharded is None:
-                self.programs.compile(
-                    (inputs.program, None), pools, params, inputs, seeds, prev
-                )
-                continue
-            packed: Any = jax.ShapeDtypeStruct(
-                (self.num_ranks, inputs.layout.size), jnp.int32, sharding=rows
-            )
-            inputs = StepInputs(packed=packed, fast_prefill=None, layout=inputs.layout)
-            args = (pools, params, inputs, seeds, prev)
-            self.programs.compile((inputs.program, None), *args)
-            if self.stage_buffer is not None:
-                padding = inputs.layout.num_samples
-                stage = (
-                    abstract(self.stage_buffer),
-                    jax.ShapeDtypeStruct(
-                        (self.num_ranks, padding + 2), jnp.int32, sharding=rows
-                    ),
-                )
-                self.programs.compile((inputs.program, padding), *args, *stage)
+            self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
         self.builder.warm_up_host()
         if progress is not None:
             progress(len(todo), len(todo))
@@ -460,74 +417,24 @@ class ServingLoop:
     def _dispatch(
         self, steps: list[ScheduledStep], prev_tokens: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        desc = num_samples = None
-        if self.sharded is not None:
-            # One program for every rank: the bucket of the largest batch, and
-            # room for the most sampled tokens of any rank.
-            desc = self.builder.dispatcher.dispatch(
-                num_reqs=max(1, *(len(s.batch) for s in steps)),
-                num_tokens=max(1, *(sum(n for _, n in s.batch) for s in steps)),
-            )
-            most = max(1, *(len(s.sampled) for s in steps))
-            num_samples = self.builder.sample_padding(most, desc)
-        prepared = [
-            self.builder.prepare(
-                **s.arrays._asdict(), desc=desc, num_samples=num_samples
-            )
-            for s in steps
-        ]
-        inputs = prepared[0].inputs
+        if self.sharded is None:
+            inputs = self.builder.prepare(steps[0])
+        else:
+            inputs = self.builder.prepare_ranks(steps)
         seeds = self._seeds(steps, inputs.layout.num_samples)
-        stage: tuple[Any, ...] = ()
         if self.sharded is None:
             seeds = jax.tree.map(lambda x: x[0], seeds)
         else:
-            rows = self._rows()
-            packed = np.stack([np.asarray(p.inputs.packed) for p in prepared])
-            inputs = StepInputs(
-                packed=jax.device_put(packed, rows),
-                fast_prefill=None,
-                layout=inputs.layout,
-            )
-            seeds = jax.device_put(seeds, rows)
-            stage = self._stage(steps, desc, inputs.layout.num_samples)
-        armed = bool(stage) or inputs.fast_prefill is not None
-        key = (inputs.program, inputs.layout.num_samples if stage else None)
-        result = self.programs(
-            key, self.pools, self.params, inputs, seeds, prev_tokens, *stage
+            seeds = jax.device_put(seeds, self._rows())
+        self.pools, next_tokens, logits = self.programs(
+            inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
         )
-        if stage:
-            *result, self.stage_buffer = result
-        self.pools, next_tokens, logits = result
         self.counters["steps"] += 1
-        self.counters["fast_prefill_armed"] += armed
+        self.counters["fast_prefill_armed"] += inputs.fast_prefill is not None
         self.counters["partial_prefills"] += sum(
             any(r.num_computed + n < len(r.prompt) for r, n in s.batch) for s in steps
         )
         return next_tokens, logits
-
-    def _stage(
-        self, steps: list[ScheduledStep], desc: Any, padding: int
-    ) -> tuple[Any, ...]:
-        """Mesh fast prefill, armed for every rank (one program) when any rank
-        has a prefill: each rank's sampled-token indices, padded like its
-        sample indices (a rank without any has n = 0).
-        """  # noqa: D205
-        if (
-            self.stage_buffer is None
-            or desc is None
-            or desc.cg_mode == CompileMode.FULL
-            or not any(
-                r.num_computed < len(r.prompt) for s in steps for r, _ in s.batch
-            )
-        ):
-            return ()
-        host = np.zeros((self.num_ranks, padding + 2), np.int32)
-        for rank, s in enumerate(steps):
-            idx = sampled_token_indices(s.batch)
-            host[rank, 0], host[rank, 1] = len(idx), 1
-            host[rank, 2 : 2 + len(idx)] = idx
-        return (self.stage_buffer, jax.device_put(host, self._rows()))
 
     def _host_results(
         self, next_tokens: jax.Array, logits: jax.Array | None
@@ -650,7 +557,7 @@ class ServingLoop:
             if self._results is not None:
                 self._apply()
                 return "applied"
-            if any_deleted((self.pools, self.stage_buffer)):
+            if any_deleted(self.pools):
                 self._recompute_all()
                 return "recomputed"
             self._run_step(self._inflight)
@@ -666,8 +573,6 @@ class ServingLoop:
         self.pools = (
             self.plan.allocate() if self.sharded is None else self.sharded.allocate()
         )
-        if self.stage_buffer is not None:
-            self.stage_buffer = self._new_stage_buffer()
         for sched in self.schedulers:
             sched.recompute_all()
         self._pipeline.clear()
@@ -684,7 +589,7 @@ class ServingLoop:
         )
         if self._inflight is None and not unadvanced:
             return None
-        if any_deleted((self.pools, self.stage_buffer)):
+        if any_deleted(self.pools):
             # Steps in flight are lost with the pools: their tokens too.
             self._recompute_all()
             return "recomputed"

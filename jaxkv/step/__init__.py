@@ -1,11 +1,19 @@
 """step: from a scheduled batch to every layer's metadata inside your jit.
 
+A step passes through three records: :class:`StepArrays` (host arrays, what
+a scheduler produces) -> :class:`StepInputs` (the packed buffer and staged
+indices, what your jitted step takes) -> :class:`StepFields` (the buffer
+unpacked by name, inside jit) -> every layer's
+:class:`CommonAttentionMetadata`.
+
 Host side: ``_buckets`` (the step's bucket) -> ``_validate`` -> ``_packing``
 (every field of every group in one int32 buffer) -> ``_step_builder``
-(:class:`StepMetadataBuilder`, :class:`StepInputs`). Device side:
-``_attn_metadata`` unpacks the buffer into ``_common_metadata``'s record per
-group; ``_fast_prefill`` stages the KV-sharing fast-prefill indices;
-``_programs`` keeps one compiled executable per step program.
+(:class:`StepMetadataBuilder`, one device or every data-parallel rank);
+``_fast_prefill`` stages the KV-sharing fast-prefill indices (a jitted
+kernel, per rank on a mesh). Device side: ``_attn_metadata`` unpacks the
+buffer into ``_common_metadata``'s record per group (``_reduced_metadata``
+for fast-prefill layers); ``_programs`` keeps one compiled executable per
+step program.
 """  # noqa: D205
 
 from jaxkv.step._attn_metadata import build_attn_metadata, build_attn_metadata_from_step
@@ -20,15 +28,20 @@ from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._fast_prefill import (
     FastPrefillBatchMetadata,
     FastPrefillHelper,
-    make_kv_sharing_fast_prefill_common_attn_metadata,
     stage_logits_indices,
-    validate_logits_indices,
-    validate_query_start_loc,
 )
 from jaxkv.step._packing import StepFields, StepLayout, pack_step, unpack_step
 from jaxkv.step._programs import Programs
-from jaxkv.step._step_builder import PreparedStep, StepInputs, StepMetadataBuilder
-from jaxkv.step._validate import validate_step
+from jaxkv.step._reduced_metadata import (
+    make_kv_sharing_fast_prefill_common_attn_metadata,
+)
+from jaxkv.step._step_builder import StepMetadataBuilder
+from jaxkv.step._step_inputs import StepArrays, StepInputs
+from jaxkv.step._validate import (
+    validate_logits_indices,
+    validate_query_start_loc,
+    validate_step,
+)
 
 __all__ = [
     "BatchDescriptor",
@@ -37,8 +50,8 @@ __all__ = [
     "CompileMode",
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
-    "PreparedStep",
     "Programs",
+    "StepArrays",
     "StepFields",
     "StepInputs",
     "StepLayout",

@@ -21,11 +21,11 @@ from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv._specs import MambaSpec
 from jaxkv.groups import AttentionGroup
 from jaxkv.step._common_metadata import CommonAttentionMetadata
-from jaxkv.step._fast_prefill import (
-    FastPrefillBatchMetadata,
+from jaxkv.step._fast_prefill import FastPrefillBatchMetadata
+from jaxkv.step._packing import StepFields
+from jaxkv.step._reduced_metadata import (
     make_kv_sharing_fast_prefill_common_attn_metadata,
 )
-from jaxkv.step._packing import StepFields
 
 
 def build_attn_metadata_from_step(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
 from jaxkv._util import checks_own_arguments, host_field, pytree_dataclass
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode
-from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._programs import Programs
 
 
@@ -113,6 +115,23 @@ def _stage_packed(
     return buffer, meta
 
 
+def _rank_stager(rows: NamedSharding) -> Any:
+    """:func:`_stage_packed` on every data-parallel rank's row, under
+    ``shard_map`` (each rank stages its own indices; nothing crosses ranks).
+    """  # noqa: D205
+
+    def per_rank(buffer: jax.Array, packed: jax.Array) -> Any:
+        buffer, meta = _stage_packed(buffer[0], packed[0])
+        return buffer[None], jax.tree.map(lambda x: x[None], meta)
+
+    return jax.shard_map(
+        per_rank,
+        mesh=rows.mesh,
+        in_specs=(rows.spec, rows.spec),
+        out_specs=(rows.spec, rows.spec),
+    )
+
+
 class FastPrefillHelper:
     """Decides per step whether to arm the KV-sharing fast prefill path, and
     stages the logits indices it runs on.
@@ -120,11 +139,15 @@ class FastPrefillHelper:
     Owns a persistent int32 staging buffer of ``max_num_tokens`` entries,
     donated to :func:`stage_logits_indices` every step, and the bucket
     dispatcher used to pad the indices (so the padding matches the main step's
-    executable).
+    executable). With `rows` (data-parallel ranks on a mesh) the buffer has one
+    row per rank and :meth:`prepare_ranks` stages every rank's indices on its
+    own row in one call.
 
     Args:
       cudagraph_manager: The :class:`BucketDispatcher`.
       max_num_tokens: Staging buffer length.
+      rows: ``NamedSharding(mesh, P(data_axis))``: one buffer row per
+        data-parallel rank (``None``: one device).
 
     Example:
       >>> import numpy as np
@@ -144,25 +167,104 @@ class FastPrefillHelper:
     """  # noqa: D205
 
     def __init__(
-        self, cudagraph_manager: BucketDispatcher, max_num_tokens: int
+        self,
+        cudagraph_manager: BucketDispatcher,
+        max_num_tokens: int,
+        *,
+        rows: NamedSharding | None = None,
     ) -> None:
         """Allocates the staging buffer (zeros)."""
         self.cudagraph_manager = cudagraph_manager
         self.max_num_tokens = max_num_tokens
-        self.buffer = jnp.zeros(max_num_tokens, jnp.int32)
+        self.rows = rows
+        #: Data-parallel ranks staged per call (1 without `rows`).
+        self.num_ranks = 1 if rows is None else _num_rows(rows)
+        self.buffer = self._new_buffer()
+        stager: Any = _stage_packed if rows is None else _rank_stager(rows)
         # One staging program per padded length; the buffer is donated.
-        self.programs = Programs(_stage_packed, donate_argnums=0, keep_unused=True)
+        self.programs = Programs(stager, donate_argnums=0, keep_unused=True)
+
+    def _new_buffer(self) -> jax.Array:
+        if self.rows is None:
+            return jnp.zeros(self.max_num_tokens, jnp.int32)
+        shape = (self.num_ranks, self.max_num_tokens)
+        return jax.device_put(np.zeros(shape, np.int32), self.rows)
+
+    def _stage(
+        self, padded: int, host: np.ndarray | jax.Array
+    ) -> FastPrefillBatchMetadata:
+        """Runs the staging kernel. Every entry of the buffer is rewritten
+        each call, so a buffer consumed by a call that failed is replaced by
+        a fresh one with no change to any later step.
+        """  # noqa: D205
+        if self.buffer.is_deleted():
+            self.buffer = self._new_buffer()
+        self.buffer, meta = self.programs(padded, self.buffer, host)
+        return meta
 
     def paddings(self) -> list[int]:
         """Every padded length :meth:`prepare` can produce (one kernel each)."""
         buckets = self.cudagraph_manager.token_buckets
         return sorted({min(b, self.max_num_tokens) for b in buckets})
 
+    def _shape(self, *shape: int) -> jax.ShapeDtypeStruct:
+        if self.rows is None:
+            return jax.ShapeDtypeStruct(shape, jnp.int32)
+        return jax.ShapeDtypeStruct(
+            (self.num_ranks, *shape), jnp.int32, sharding=self.rows
+        )
+
     def warm_up(self) -> None:
         """Compiles the staging kernel for every padding, from shapes only."""
-        buf = jax.ShapeDtypeStruct((self.max_num_tokens,), jnp.int32)
+        buf = self._shape(self.max_num_tokens)
         for p in self.paddings():
-            self.programs.compile(p, buf, jax.ShapeDtypeStruct((p + 2,), jnp.int32))
+            self.programs.compile(p, buf, self._shape(p + 2))
+
+    @staticmethod
+    def armed(has_prefill: bool, batch_desc: BatchDescriptor) -> bool:
+        """The arming rule: a step with a prefill, not one fully compiled
+        executable (``FULL``), not split into micro-batches.
+        """  # noqa: D205
+        return (
+            has_prefill
+            and batch_desc.cg_mode != CompileMode.FULL
+            and batch_desc.num_ubatches <= 1
+        )
+
+    def padding(self, num_reqs: int, n: int, num_active_loras: int = 0) -> int:
+        """Padded length of `n` staged indices: the main dispatcher's bucket."""
+        desc = self.cudagraph_manager.dispatch(
+            num_reqs=num_reqs, num_tokens=n, num_active_loras=num_active_loras
+        )
+        return min(desc.num_tokens, self.max_num_tokens)
+
+    def _host_indices(self, logits_indices: object, owner: str) -> np.ndarray:
+        if isinstance(logits_indices, jax.Array):
+            raise ValueError(
+                f"{owner} takes host (NumPy) logits_indices; a device array "
+                "would need a host sync to size its bucket."
+            )
+        idx = np.asarray(logits_indices, np.int32).reshape(-1)
+        if idx.shape[0] > self.max_num_tokens:
+            raise ValueError(
+                f"{owner}: {idx.shape[0]} logits indices exceed the staging "
+                f"buffer of {self.max_num_tokens}."
+            )
+        return idx
+
+    def _check_ranks(self, owner: str, ranks: int | None) -> None:
+        """`ranks` ``None``: the one-device :meth:`prepare`."""
+        if ranks is None and self.rows is not None:
+            raise ValueError(
+                f"FastPrefillHelper.prepare: this helper stages {self.num_ranks} "
+                "data-parallel rank(s) on rows of a mesh; use prepare_ranks."
+            )
+        if ranks is not None and (self.rows is None or ranks != self.num_ranks):
+            what = "one device" if self.rows is None else f"{self.num_ranks} rank(s)"
+            raise ValueError(
+                f"FastPrefillHelper.{owner}: {ranks} rank(s) given to a helper "
+                f"staging for {what}."
+            )
 
     @checks_own_arguments
     def prepare(
@@ -191,39 +293,24 @@ class FastPrefillHelper:
           The step's fast-prefill metadata, or ``None``.
 
         Raises:
-          ValueError: For an empty or device-resident `logits_indices`, or more
-            indices than the buffer holds.
+          ValueError: For an empty or device-resident `logits_indices`, more
+            indices than the buffer holds, or a helper with `rows`.
         """
-        if not has_prefill or batch_desc.cg_mode == CompileMode.FULL:
+        if not self.armed(has_prefill, batch_desc):
             return None
-        if batch_desc.num_ubatches > 1:
-            return None
-        if isinstance(logits_indices, jax.Array):
-            raise ValueError(
-                "FastPrefillHelper.prepare takes host (NumPy) logits_indices; a "
-                "device array would need a host sync to size its bucket."
-            )
-        idx = np.asarray(logits_indices, np.int32)
+        self._check_ranks("prepare", None)
+        idx = self._host_indices(logits_indices, "FastPrefillHelper.prepare")
         n = idx.shape[0]
         if n == 0:
             raise ValueError(
                 "logits_indices is empty; a step with a prefill has logits."
             )
-        if n > self.max_num_tokens:
-            raise ValueError(
-                f"{n} logits indices exceed the staging buffer of "
-                f"{self.max_num_tokens}."
-            )
-        desc = self.cudagraph_manager.dispatch(
-            num_reqs=num_reqs, num_tokens=n, num_active_loras=num_active_loras
-        )
-        padded = min(desc.num_tokens, self.max_num_tokens)
-        cu = np.asarray(cu_num_logits_np)
-        max_per_req = int(np.diff(cu[: num_reqs + 1]).max(initial=0))
+        padded = self.padding(num_reqs, n, num_active_loras)
+        max_per_req = _max_per_req(cu_num_logits_np, num_reqs)
         host = np.full(padded + 2, -1, np.int32)  # [n, max, indices..., sentinels]
         host[0], host[1] = n, max_per_req
         host[2 : n + 2] = idx
-        self.buffer, meta = self.programs(padded, self.buffer, host)
+        meta = self._stage(padded, host)
         return dataclasses.replace(
             meta,
             num_logits_indices_cpu=n,
@@ -231,179 +318,65 @@ class FastPrefillHelper:
             logits_indices_cpu=idx,
         )
 
+    def prepare_ranks(
+        self,
+        logits_indices: Sequence[np.ndarray | None],
+        cu_num_logits: Sequence[np.ndarray | None],
+        *,
+        num_reqs: Sequence[int],
+        has_prefill: bool,
+        batch_desc: BatchDescriptor,
+        padding: int,
+    ) -> FastPrefillBatchMetadata | None:
+        """Every data-parallel rank's :meth:`prepare` in one staging call:
+        armed for all ranks (one program) or none; leaves ``(ranks, ...)``.
 
-def validate_logits_indices(
-    logits_indices: ArrayLike,
-    query_start_loc: ArrayLike,
-    *,
-    buffer_size: int | None = None,
-) -> None:
-    """Host-side check of a step's logits indices against its batch.
+        Args:
+          logits_indices: Per rank, its host token indices (``None`` or empty:
+            a rank without logits, staged as index 0 with ``n = 0``).
+          cu_num_logits: Per rank, its cumulative logits counts.
+          num_reqs: Per rank, its requests.
+          has_prefill: Whether any rank's step has a prefill.
+          batch_desc: The ranks' common descriptor.
+          padding: The ranks' common padded length (``>=`` every rank's ``n``).
 
-    Raises:
-      ValueError: If `query_start_loc` is not a non-decreasing sequence from 0,
-        an index is outside the batch or not strictly ascending, or there are
-        more indices than `buffer_size`.
+        Returns:
+          The staged metadata of every rank, or ``None`` when not armed.
 
-    Example:
-      >>> import numpy as np
-      >>> import jaxkv
-      >>> jaxkv.step.validate_logits_indices(np.array([3, 9]), np.array([0, 4, 10]))
-      >>> jaxkv.step.validate_logits_indices(np.array([3, 10]), np.array([0, 4, 10]))
-      Traceback (most recent call last):
-      ...
-      ValueError: logits_indices[1] = 10 is outside the batch of 10 tokens.
-    """
-    qsl = np.asarray(query_start_loc)
-    validate_query_start_loc(qsl)
-    idx = np.asarray(logits_indices)
-    num_tokens = int(qsl[-1])
-    bad = np.flatnonzero((idx < 0) | (idx >= num_tokens))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"logits_indices[{i}] = {int(idx[i])} is outside the batch of "
-            f"{num_tokens} tokens."
-        )
-    if idx.size > 1:
-        steps = np.flatnonzero(np.diff(idx) <= 0)
-        if steps.size:
-            i = int(steps[0]) + 1
-            raise ValueError(
-                f"logits_indices must be strictly ascending; logits_indices[{i}] = "
-                f"{int(idx[i])} follows {int(idx[i - 1])}."
-            )
-    if buffer_size is not None and idx.size > buffer_size:
-        raise ValueError(
-            f"{idx.size} logits indices exceed the staging buffer of {buffer_size}."
-        )
-
-
-def validate_query_start_loc(query_start_loc: ArrayLike) -> None:
-    """Host-side check: starts at 0 and never decreases.
-
-    Raises:
-      ValueError: Naming the first bad entry.
-
-    Example:
-      >>> import numpy as np
-      >>> import jaxkv
-      >>> jaxkv.step.validate_query_start_loc(np.array([0, 4, 3]))
-      Traceback (most recent call last):
-      ...
-      ValueError: query_start_loc must not decrease; entry 2 is 3 after 4.
-    """
-    qsl = np.asarray(query_start_loc)
-    if qsl.ndim != 1 or qsl.size == 0 or qsl[0] != 0:
-        raise ValueError(
-            "query_start_loc must be a 1-D array starting at 0, got "
-            f"{qsl.tolist()[:8]}."
-        )
-    drops = np.flatnonzero(np.diff(qsl) < 0)
-    if drops.size:
-        i = int(drops[0]) + 1
-        raise ValueError(
-            f"query_start_loc must not decrease; entry {i} is {int(qsl[i])} after "
-            f"{int(qsl[i - 1])}."
-        )
-
-
-def make_kv_sharing_fast_prefill_common_attn_metadata(
-    common: CommonAttentionMetadata,
-) -> CommonAttentionMetadata:
-    """The reduced record of the fast-prefill (KV-sharing) layers (spec §2.17).
-
-    Keeps only the logits positions: request ``r``'s query becomes its logits
-    tokens, ``query_start_loc' = [0, cumsum(counts)]``; ``seq_lens``, block
-    table and slot mapping are unchanged (logits positions are each request's
-    trailing tokens, so they attend exactly as in the full batch);
-    ``num_actual_tokens = num_logits_indices``, ``max_query_len =
-    max_logits_per_req``, causal. Per-token optional fields are cleared.
-    Returns `common` unchanged if fast prefill is not armed. When
-    ``max_query_len == 1`` vLLM returns the record unchanged; here the counts are
-    selected on device to the same values, but the optional per-token fields are
-    still cleared, since a jitted step cannot change its structure on a value.
-
-    Example:
-      >>> import dataclasses
-      >>> import jax.numpy as jnp, numpy as np
-      >>> import jaxkv
-      >>> i32 = lambda x: jnp.asarray(x, jnp.int32)
-      >>> m = jaxkv.CommonAttentionMetadata.empty(max_reqs=3, max_tokens=28,
-      ...                                         max_blocks=1)
-      >>> m = dataclasses.replace(m, query_start_loc=i32([0, 15, 20, 28]),
-      ...     seq_lens=i32([41, 31, 40]), num_reqs=i32(3), max_query_len=i32(15),
-      ...     logits_indices_padded=i32([14, 18, 19, 27, 27, 27, 27, 27]),
-      ...     num_logits_indices=i32(4), max_logits_per_req=i32(2), fast_prefill=True)
-      >>> r = jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(m)
-      >>> r.query_start_loc.tolist(), int(r.num_actual_tokens), int(r.max_query_len)
-      ([0, 1, 3, 4], 4, 2)
-      >>> m = dataclasses.replace(m, query_start_loc_cpu=np.array([0, 15, 20, 28]))
-      >>> jaxkv.vllm.make_kv_sharing_fast_prefill_common_attn_metadata(
-      ...     m).query_start_loc_cpu.tolist()  # the host copy too
-      [0, 1, 3, 4]
-    """
-    if not common.fast_prefill:
-        return common
-    qsl = common.query_start_loc
-    idx = common.logits_indices_padded
-    n = common.num_logits_indices
-    max_reqs = common.max_reqs
-    # Owning request of each index: qsl = [0, 15, 20, 28], idx = [14, 18, 19, 27]
-    # -> [0, 1, 1, 2]; entries past n (padding) get max_reqs and are dropped.
-    owner = jnp.searchsorted(qsl[1:], idx, side="right").astype(jnp.int32)
-    valid = jnp.arange(idx.shape[0], dtype=jnp.int32) < n
-    owner = jnp.where(valid, owner, max_reqs)
-    counts = jnp.zeros(max_reqs, jnp.int32).at[owner].add(1, mode="drop")
-    reduced_qsl = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)]
-    )
-    decode_only = common.max_query_len == 1
-    max_tokens = common.positions.shape[0]
-    return dataclasses.replace(
-        common,
-        query_start_loc=jnp.where(decode_only, qsl, reduced_qsl),
-        num_actual_tokens=jnp.where(decode_only, common.num_actual_tokens, n),
-        max_query_len=jnp.where(
-            decode_only, common.max_query_len, common.max_logits_per_req
-        ),
-        positions=jnp.zeros(max_tokens, jnp.int32),
-        is_prefilling=jnp.zeros(max_reqs, jnp.bool_),
-        token_to_req=jnp.zeros(max_tokens, jnp.int32),
-        encoder_seq_lens=jnp.zeros(max_reqs, jnp.int32),
-        mm_prefix_ranges=jnp.zeros_like(common.mm_prefix_ranges),
-        mm_num_ranges=jnp.zeros(max_reqs, jnp.int32),
-        request_causal=jnp.ones(max_reqs, jnp.bool_),
-        causal=True,
-        query_start_loc_cpu=_reduced_query_start_loc_cpu(common),
-    )
-
-
-def _reduced_query_start_loc_cpu(common: CommonAttentionMetadata) -> np.ndarray | None:
-    """The host copy of the reduced ``query_start_loc`` (spec §2.17.1), or ``None``.
-
-    Computed on the host by the same rule as on device, from the host query
-    start locations and the host logits indices (the record's host copy, or the
-    device values when they are concrete, outside jit). ``None`` where the host
-    data is not there (inside jit).
-    """
-    qsl = common.query_start_loc_cpu
-    if qsl is None:
-        return None
-    qsl = np.asarray(qsl)
-    if np.diff(qsl).max(initial=0) == 1:  # pure decode: vLLM keeps the record
-        return qsl
-    idx = common.logits_indices_cpu
-    if idx is None:
-        try:
-            n = int(common.num_logits_indices)
-            idx = np.asarray(common.logits_indices_padded)[:n]
-        except (
-            jax.errors.ConcretizationTypeError,
-            jax.errors.TracerIntegerConversionError,
-            jax.errors.TracerArrayConversionError,
-        ):  # traced device values (a record built inside jit)
+        Raises:
+          ValueError: For a count of ranks other than the helper's, a rank with
+            more indices than `padding`, or device-resident indices.
+        """  # noqa: D205
+        if not self.armed(has_prefill, batch_desc):
             return None
-    owner = np.searchsorted(qsl[1:], np.asarray(idx), side="right")
-    counts = np.bincount(owner, minlength=qsl.size - 1)[: qsl.size - 1]
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        self._check_ranks("prepare_ranks", len(logits_indices))
+        host = np.zeros((self.num_ranks, padding + 2), np.int32)
+        for rank, (li, cu, r) in enumerate(
+            zip(logits_indices, cu_num_logits, num_reqs, strict=True)
+        ):
+            idx = np.zeros(0, np.int32)
+            if li is not None:
+                idx = self._host_indices(li, f"prepare_ranks (rank {rank})")
+            if idx.shape[0] > padding:
+                raise ValueError(
+                    f"FastPrefillHelper.prepare_ranks: rank {rank} has "
+                    f"{idx.shape[0]} logits indices, more than padding={padding}."
+                )
+            n = idx.shape[0]
+            host[rank, 0] = n
+            host[rank, 1] = 0 if cu is None else _max_per_req(cu, r)
+            host[rank, 2 : n + 2] = idx
+        return self._stage(padding, jax.device_put(host, self.rows))
+
+
+def _num_rows(rows: NamedSharding) -> int:
+    axis = rows.spec[0] if len(rows.spec) else None
+    if axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([rows.mesh.shape[a] for a in names]))
+
+
+def _max_per_req(cu_num_logits: ArrayLike, num_reqs: int) -> int:
+    cu = np.asarray(cu_num_logits)
+    return int(np.diff(cu[: num_reqs + 1]).max(initial=0))

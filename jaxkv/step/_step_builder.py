@@ -1,11 +1,13 @@
 """One step end to end: dispatch, pack, one transfer, metadata inside any jit.
 
-The pipeline every step runner uses, the demo Engine included: the host picks
+The pipeline every step runner uses, the serving loop included: the host picks
 the bucket and packs every field of every group into one int32 buffer
-(:meth:`StepMetadataBuilder.prepare`); the device unpacks it and builds every
-layer's metadata (:meth:`StepMetadataBuilder.metadata`), either inside the
-caller's own jitted step (one executable per step) or in the builder's own
-compiled program (:meth:`StepMetadataBuilder.build`).
+(:meth:`StepMetadataBuilder.prepare`, or :meth:`~StepMetadataBuilder.
+prepare_ranks` for every data-parallel rank of a mesh at once); the device
+unpacks it and builds every layer's metadata
+(:meth:`StepMetadataBuilder.metadata`), either inside the caller's own jitted
+step (one executable per step) or in the builder's own compiled program
+(:meth:`StepMetadataBuilder.build`).
 """
 
 from __future__ import annotations
@@ -17,82 +19,35 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv._specs import MambaSpec
-from jaxkv._util import pytree_dataclass, static_field
-from jaxkv.cache import KVCachePlan
+from jaxkv._util import checks_own_arguments
+from jaxkv.cache import KVCachePlan, ShardedPlan
 from jaxkv.step._attn_metadata import build_attn_metadata_from_step
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._fast_prefill import FastPrefillBatchMetadata, FastPrefillHelper
 from jaxkv.step._packing import StepLayout, pack_step, unpack_step
 from jaxkv.step._programs import Programs
+from jaxkv.step._step_inputs import StepArrays, StepInputs
 from jaxkv.step._validate import validate_step
 
 
-@pytree_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepInputs:
-    """The device inputs of one step: the argument of a jitted step function.
-
-    Attributes:
-      packed: ``(layout.size,)`` int32, every per-step field of every group.
-      fast_prefill: Staged fast-prefill inputs, or ``None`` when not armed.
-      layout: Capacities and field offsets (static).
-
-    Example:
-      >>> import numpy as np
-      >>> import jaxkv
-      >>> from jaxkv.step import StepLayout
-      >>> layout = StepLayout(max_reqs=2, max_tokens=4, block_table_widths=(1,))
-      >>> inputs = jaxkv.StepInputs(packed=np.zeros(layout.size, np.int32),
-      ...                           fast_prefill=None, layout=layout)
-      >>> inputs.program == (layout, None)
-      True
-    """
-
-    packed: Int[Array, " size"]
-    fast_prefill: FastPrefillBatchMetadata | None
-    layout: StepLayout = static_field()
-
-    @property
-    def program(self) -> tuple[StepLayout, int | None]:
-        """What determines the compiled code: the layout and fast-prefill padding."""
-        fp = self.fast_prefill
-        return (
-            self.layout,
-            None if fp is None else int(fp.logits_indices_padded.shape[0]),
-        )
+def _abstract(shape: tuple[int, ...], rows: NamedSharding | None, ranks: int) -> Any:
+    if rows is None:
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+    return jax.ShapeDtypeStruct((ranks, *shape), jnp.int32, sharding=rows)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PreparedStep:
-    """What the host hands the device for one step, with its host copies.
-
-    Attributes:
-      desc: The bucket the step was dispatched to (padded sizes and mode).
-      inputs: The device inputs (:class:`StepInputs`); ``inputs.packed`` is
-        still a NumPy array and crosses to the device as one transfer, as an
-        argument of the step's executable.
-      query_start_loc_cpu: Host copy of the (unpadded) query start locations.
-      cu_num_logits_cpu: Host cumulative logits counts: the host copy of the
-        reduced ``query_start_loc`` of fast-prefill layers (``None`` when not
-        armed).
-    """
-
-    desc: BatchDescriptor
-    inputs: StepInputs
-    query_start_loc_cpu: np.ndarray
-    cu_num_logits_cpu: np.ndarray | None = None
-
-
-def _abstract_fast_prefill(padding: int) -> FastPrefillBatchMetadata:
-    scalar: Any = jax.ShapeDtypeStruct((), jnp.int32)
+def _abstract_fast_prefill(
+    padding: int, rows: NamedSharding | None, ranks: int
+) -> FastPrefillBatchMetadata:
     return FastPrefillBatchMetadata(
-        logits_indices_padded=cast(Any, jax.ShapeDtypeStruct((padding,), jnp.int32)),
-        num_logits_indices=scalar,
-        max_logits_per_req=scalar,
+        logits_indices_padded=_abstract((padding,), rows, ranks),
+        num_logits_indices=_abstract((), rows, ranks),
+        max_logits_per_req=_abstract((), rows, ranks),
     )
 
 
@@ -100,7 +55,11 @@ class StepMetadataBuilder:
     """Builds every layer's attention metadata for a step, one program per bucket.
 
     Host side (NumPy): pick the bucket, pack every field of every group into one
-    int32 buffer; arm fast prefill and stage its indices. Device side:
+    int32 buffer; arm fast prefill and stage its indices. Given a
+    :class:`ShardedPlan`, it prepares every data-parallel rank's step at once
+    (:meth:`prepare_ranks`: one bucket for all ranks, each rank's buffer a row
+    sharded over the data axis, fast prefill staged on each rank's row). Device
+    side:
     :meth:`metadata` unpacks and runs :func:`build_attn_metadata`; call it
     inside your own jitted step (then the whole step is one executable), or let
     :meth:`build` run the builder's own compiled program. :meth:`warm_up`
@@ -111,7 +70,8 @@ class StepMetadataBuilder:
     (:meth:`model_inputs`), padded to the same bucket as fast prefill's.
 
     Args:
-      plan: From :func:`make_plan`.
+      plan: From :func:`make_plan`, or a :class:`ShardedPlan` (then the
+        builder's :attr:`plan` is its rank-local plan).
       dispatcher: The bucket dispatcher (default: the runner config's buckets
         and limits, and the plan's compile support, padding from the first
         step; one given here pads once it is ready, as vLLM's does after
@@ -131,10 +91,10 @@ class StepMetadataBuilder:
       >>> plan = jaxkv.make_plan(cfg, num_blocks=16)
       >>> builder = jaxkv.StepMetadataBuilder(plan)
       >>> builder.warm_up()
-      >>> step = builder.prepare(query_start_loc=np.array([0, 3, 4]),
+      >>> step = builder.prepare(jaxkv.StepArrays(query_start_loc=np.array([0, 3, 4]),
       ...     seq_lens=np.array([3, 9]), positions=np.array([0, 1, 2, 8]),
       ...     block_tables=[np.array([[1], [2]])] * 3,
-      ...     slot_mappings=[np.array([32, 33, 34, 72])] * 3)
+      ...     slot_mappings=[np.array([32, 33, 34, 72])] * 3))
       >>> step.desc.num_tokens, step.desc.cg_mode.name
       (8, 'PIECEWISE')
       >>> meta = builder.build(step)
@@ -144,7 +104,7 @@ class StepMetadataBuilder:
 
     def __init__(
         self,
-        plan: KVCachePlan,
+        plan: KVCachePlan | ShardedPlan,
         dispatcher: BucketDispatcher | None = None,
         *,
         max_mm_ranges: int = 0,
@@ -153,6 +113,8 @@ class StepMetadataBuilder:
         fast_prefill: bool = True,
     ) -> None:
         """Stores the static configuration; compiles nothing."""
+        sharded = plan if isinstance(plan, ShardedPlan) else None
+        plan = sharded.local if sharded is not None else cast(KVCachePlan, plan)
         cfg = plan.runner_config
         if dispatcher is None:
             dispatcher = BucketDispatcher(
@@ -166,13 +128,25 @@ class StepMetadataBuilder:
             # step: a loop that never calls warm_up() still compiles one
             # program per bucket, not one per step shape.
             dispatcher.mark_ready()
+        #: The plan every device runs (a mesh's rank-local plan).
         self.plan = plan
+        #: The mesh plan, or ``None`` on one device.
+        self.sharded = sharded
+        #: ``NamedSharding(mesh, P(data_axis))`` of per-rank rows (``None`` on
+        #: one device).
+        self.rows = (
+            None
+            if sharded is None
+            else NamedSharding(sharded.mesh, P(sharded.data_axis))
+        )
+        #: Data-parallel ranks (1 on one device).
+        self.num_ranks = 1 if sharded is None else sharded.data_parallel
         self.dispatcher = dispatcher
         self.max_mm_ranges = max_mm_ranges
         self.causal = causal
         self.model_inputs = model_inputs
         self.fast_prefill_helper = (
-            FastPrefillHelper(dispatcher, dispatcher.max_num_tokens)
+            FastPrefillHelper(dispatcher, dispatcher.max_num_tokens, rows=self.rows)
             if fast_prefill
             and any(g.fast_prefill for groups in plan.attn_groups for g in groups)
             else None
@@ -265,6 +239,8 @@ class StepMetadataBuilder:
         """Abstract inputs of every program a warmed-up step can run (deduplicated).
 
         Buckets that differ only in their compile mode give the same program.
+        On a mesh every leaf has the leading ranks axis, sharded over the data
+        axis (what :meth:`prepare_ranks` returns).
         """
         d = self.dispatcher
         helper = self.fast_prefill_helper
@@ -288,10 +264,10 @@ class StepMetadataBuilder:
                     )
                 for q in paddings:
                     inputs = StepInputs(
-                        packed=cast(
-                            Any, jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-                        ),
-                        fast_prefill=None if q is None else _abstract_fast_prefill(q),
+                        packed=_abstract((layout.size,), self.rows, self.num_ranks),
+                        fast_prefill=None
+                        if q is None
+                        else _abstract_fast_prefill(q, self.rows, self.num_ranks),
                         layout=layout,
                     )
                     out.setdefault(inputs.program, inputs)
@@ -335,141 +311,210 @@ class StepMetadataBuilder:
                     "the same limits (Scheduler(plan) takes them from the config)."
                 )
 
+    @checks_own_arguments
     def prepare(
         self,
+        arrays: StepArrays,
         *,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        positions: np.ndarray,
-        block_tables: Sequence[np.ndarray],
-        slot_mappings: Sequence[np.ndarray],
-        logits_indices: np.ndarray | None = None,
-        cu_num_logits: np.ndarray | None = None,
-        token_ids: np.ndarray | None = None,
-        is_prefilling: np.ndarray | None = None,
-        encoder_seq_lens: np.ndarray | None = None,
-        mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-        request_causal: np.ndarray | None = None,
         desc: BatchDescriptor | None = None,
         num_samples: int | None = None,
         validate: bool = True,
-    ) -> PreparedStep:
+    ) -> StepInputs:
         """Host work of a step: dispatch, pack, fast-prefill staging.
 
         Args:
-          query_start_loc: ``(num_reqs + 1,)`` cumulative query lengths.
-          seq_lens: ``(num_reqs,)`` context lengths after this step.
-          positions: ``(num_tokens,)`` token positions.
-          block_tables: Per KV-cache group ``(num_reqs, cols)`` block ids.
-          slot_mappings: Per KV-cache group ``(num_tokens,)`` slots (``-1``:
-            write nothing).
-          logits_indices: Tokens whose logits are sampled, ascending; arms fast
-            prefill (with `cu_num_logits`) when the model has fast-prefill
-            layers, and are the sampled indices with ``model_inputs``.
-          cu_num_logits: ``(num_reqs + 1,)`` cumulative logits per request.
-          token_ids: ``(num_tokens,)`` input tokens (``model_inputs`` only).
-          is_prefilling: ``(num_reqs,)`` (default: query length > 1).
-          encoder_seq_lens: ``(num_reqs,)`` encoder lengths.
-          mm_prefix_ranges: ``request -> inclusive ranges``.
-          request_causal: ``(num_reqs,)`` bools; ``False`` makes a request
-            attend to its whole context (default all causal).
-          desc: The bucket to pad to instead of dispatching this step alone
-            (data-parallel ranks run one program: dispatch on their largest
-            sizes and pass the result to every rank).
+          arrays: The step's host arrays (a :class:`ScheduledStep` is one).
+          desc: The bucket to pad to instead of dispatching this step alone.
           num_samples: Room for sampled tokens instead of the bucket of this
-            step's count (``model_inputs`` without fast prefill; the same on
-            every data-parallel rank).
+            step's count (``model_inputs`` without fast prefill).
           validate: Check the arrays first (:func:`validate_step`: dtypes,
             sorted query starts, sequences at least their queries, block tables
             covering every context with ids of this plan, logits indices in
             range); off only for arrays already checked.
 
         Returns:
-          The prepared step.
+          The step's inputs, its packed buffer still a NumPy array (it crosses
+          to the device as one transfer, as an argument of the step's
+          executable).
 
         Raises:
           ValueError: If `logits_indices` comes without `cu_num_logits` where
-            fast prefill needs it, a field does not fit the bucket, or the
-            step has more tokens or requests than the builder's limits.
+            fast prefill needs it, a field does not fit the bucket, the step
+            has more tokens or requests than the builder's limits, or the
+            builder serves several data-parallel ranks (:meth:`prepare_ranks`).
         """
-        self._check_limits(query_start_loc)
-        if validate:
-            validate_step(
-                block_sizes=self.plan.block_sizes,
-                is_mamba=self._is_mamba,
-                num_blocks=self.plan.num_blocks,
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                positions=positions,
-                block_tables=block_tables,
-                slot_mappings=slot_mappings,
-                logits_indices=logits_indices,
-                group_kinds=self.plan.group_kinds,
+        if self.sharded is not None:
+            raise ValueError(
+                f"StepMetadataBuilder.prepare: this builder serves a mesh of "
+                f"{self.num_ranks} data-parallel rank(s); prepare_ranks(steps) "
+                "takes one step per rank."
             )
-        qsl = np.asarray(query_start_loc)
-        num_reqs, num_tokens = qsl.size - 1, int(qsl[-1])
-        q_lens = np.diff(qsl)
-        uniform = int(q_lens[0]) if num_reqs and (q_lens == q_lens[0]).all() else None
+        if not isinstance(arrays, StepArrays):
+            raise TypeError(
+                "StepMetadataBuilder.prepare: arrays must be a StepArrays (a "
+                f"ScheduledStep is one), got {type(arrays).__name__}."
+            )
+        self._check(arrays, validate, rank=None)
         if desc is None:
-            desc = self.dispatcher.dispatch(
-                num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform
-            )
-        has_prefill = bool(
-            (q_lens > 1).any() if is_prefilling is None else np.any(is_prefilling)
-        )
+            desc = self._dispatch(arrays)
         fp = None
-        if self.fast_prefill_helper is not None and logits_indices is not None:
-            if cu_num_logits is None:
+        if self.fast_prefill_helper is not None and arrays.logits_indices is not None:
+            if arrays.cu_num_logits is None:
                 raise ValueError(
                     "StepMetadataBuilder.prepare: cu_num_logits is required with "
                     "logits_indices on a model with fast-prefill layers."
                 )
             fp = self.fast_prefill_helper.prepare(
-                logits_indices, num_reqs, cu_num_logits, has_prefill, desc
+                arrays.logits_indices,
+                arrays.num_reqs,
+                arrays.cu_num_logits,
+                _has_prefill(arrays),
+                desc,
             )
-        samples = np.zeros(0, np.int32) if logits_indices is None else logits_indices
-        layout = self.layout(
-            desc, self._num_samples(len(samples), num_samples, fp, desc)
+        n = 0 if arrays.logits_indices is None else len(arrays.logits_indices)
+        if fp is not None:
+            num_samples = int(fp.logits_indices_padded.shape[0])
+        layout = self.layout(desc, self._num_samples(n, num_samples, desc))
+        return StepInputs(
+            packed=cast(Any, self._pack(layout, arrays)),
+            fast_prefill=fp,
+            layout=layout,
+            desc=desc,
+            query_start_loc_cpu=np.asarray(arrays.query_start_loc),
+            cu_num_logits_cpu=None if fp is None else np.asarray(arrays.cu_num_logits),
         )
+
+    @checks_own_arguments
+    def prepare_ranks(
+        self, steps: Sequence[StepArrays], *, validate: bool = True
+    ) -> StepInputs:
+        """Host work of one step on every data-parallel rank of the mesh.
+
+        The ranks run one program: the bucket of the largest rank's batch and
+        room for the most sampled tokens of any rank. Fast prefill is armed for
+        every rank or none (any rank with a prefill arms it); each rank's
+        indices are staged on its own row of the staging buffer. Every leaf of
+        the result has a leading ranks axis sharded over the data axis; inside
+        ``shard_map`` take the rank's own with :meth:`StepInputs.local`.
+
+        Args:
+          steps: One step per rank (an empty :class:`ScheduledStep` for an
+            idle rank).
+          validate: Check each rank's arrays first (see :meth:`prepare`).
+
+        Returns:
+          The ranks' inputs, on the mesh.
+
+        Raises:
+          ValueError: For a count of steps other than the ranks, or a rank's
+            step that :meth:`prepare` would refuse (naming the rank).
+        """
+        if len(steps) != self.num_ranks:
+            raise ValueError(
+                f"StepMetadataBuilder.prepare_ranks: {len(steps)} step(s) for "
+                f"{self.num_ranks} data-parallel rank(s); pass one per rank."
+            )
+        for rank, arrays in enumerate(steps):
+            if not isinstance(arrays, StepArrays):
+                raise TypeError(
+                    f"StepMetadataBuilder.prepare_ranks: steps[{rank}] must be a "
+                    f"StepArrays, got {type(arrays).__name__}."
+                )
+            self._check(arrays, validate, rank=rank)
+        desc = self.dispatcher.dispatch(
+            num_reqs=max(1, *(a.num_reqs for a in steps)),
+            num_tokens=max(1, *(a.num_tokens for a in steps)),
+        )
+        counts = [
+            0 if a.logits_indices is None else len(a.logits_indices) for a in steps
+        ]
+        num_samples = self._num_samples(max(counts), None, desc)
+        fp = None
+        helper = self.fast_prefill_helper
+        if helper is not None:
+            # With model inputs the staged indices are the sampled ones.
+            padding = (
+                num_samples
+                if self.model_inputs
+                else helper.padding(max(a.num_reqs for a in steps), max(1, *counts))
+            )
+            fp = helper.prepare_ranks(
+                [a.logits_indices for a in steps],
+                [a.cu_num_logits for a in steps],
+                num_reqs=[a.num_reqs for a in steps],
+                has_prefill=any(_has_prefill(a) for a in steps if a.num_reqs),
+                batch_desc=desc,
+                padding=padding,
+            )
+        layout = self.layout(desc, num_samples)
+        packed = np.stack([self._pack(layout, a) for a in steps])
+        return StepInputs(
+            packed=jax.device_put(packed, self.rows),
+            fast_prefill=fp,
+            layout=layout,
+            desc=desc,
+        )
+
+    def _check(self, arrays: StepArrays, validate: bool, rank: int | None) -> None:
+        try:
+            self._check_limits(arrays.query_start_loc)
+            if validate:
+                validate_step(
+                    block_sizes=self.plan.block_sizes,
+                    is_mamba=self._is_mamba,
+                    num_blocks=self.plan.num_blocks,
+                    query_start_loc=arrays.query_start_loc,
+                    seq_lens=arrays.seq_lens,
+                    positions=arrays.positions,
+                    block_tables=arrays.block_tables,
+                    slot_mappings=arrays.slot_mappings,
+                    logits_indices=arrays.logits_indices,
+                    group_kinds=self.plan.group_kinds,
+                )
+        except (ValueError, TypeError) as e:
+            if rank is None:
+                raise
+            raise type(e)(f"rank {rank}: {e}") from e
+
+    def _dispatch(self, arrays: StepArrays) -> BatchDescriptor:
+        q_lens = np.diff(np.asarray(arrays.query_start_loc))
+        num_reqs = q_lens.size
+        uniform = int(q_lens[0]) if num_reqs and (q_lens == q_lens[0]).all() else None
+        return self.dispatcher.dispatch(
+            num_reqs=num_reqs,
+            num_tokens=arrays.num_tokens,
+            uniform_token_count=uniform,
+        )
+
+    def _pack(self, layout: StepLayout, arrays: StepArrays) -> np.ndarray:
         # A fresh buffer per step: on CPU a transferred NumPy array may be
         # aliased zero-copy, so a reused buffer could change a step in flight.
-        packed = pack_step(
+        li = arrays.logits_indices
+        return pack_step(
             layout,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            positions=positions,
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
-            is_prefilling=is_prefilling,
-            encoder_seq_lens=encoder_seq_lens,
-            mm_prefix_ranges=mm_prefix_ranges,
-            request_causal=request_causal,
-            token_ids=token_ids,
-            sample_idx=samples,
+            query_start_loc=np.asarray(arrays.query_start_loc),
+            seq_lens=arrays.seq_lens,
+            positions=arrays.positions,
+            block_tables=arrays.block_tables,
+            slot_mappings=arrays.slot_mappings,
+            is_prefilling=arrays.is_prefilling,
+            encoder_seq_lens=arrays.encoder_seq_lens,
+            mm_prefix_ranges=arrays.mm_prefix_ranges,
+            request_causal=arrays.request_causal,
+            token_ids=arrays.token_ids,
+            sample_idx=np.zeros(0, np.int32) if li is None else li,
             out=np.empty(layout.size, np.int32),
-        )
-        return PreparedStep(
-            desc=desc,
-            inputs=StepInputs(packed=cast(Any, packed), fast_prefill=fp, layout=layout),
-            query_start_loc_cpu=qsl,
-            cu_num_logits_cpu=None if fp is None else np.asarray(cu_num_logits),
         )
 
     def _num_samples(
-        self,
-        n: int,
-        num_samples: int | None,
-        fp: FastPrefillBatchMetadata | None,
-        desc: BatchDescriptor,
+        self, n: int, num_samples: int | None, desc: BatchDescriptor
     ) -> int:
         """Room for the step's `n` sampled tokens in its model inputs: none
-        without model inputs, the staged indices' padding with fast prefill
-        armed, the caller's `num_samples`, or the smallest bucket holding `n`.
+        without model inputs, the caller's `num_samples` (the staged indices'
+        padding with fast prefill armed), or the smallest bucket holding `n`.
         """  # noqa: D205
         if not self.model_inputs:
             return 0
-        if fp is not None:
-            return int(fp.logits_indices_padded.shape[0])
         if num_samples is None:
             return self.sample_padding(max(n, 1), desc)
         if num_samples < n:
@@ -479,9 +524,14 @@ class StepMetadataBuilder:
             )
         return num_samples
 
-    def build(self, step: PreparedStep) -> dict[str, CommonAttentionMetadata]:
-        """Runs the step's metadata program; attaches the host copies."""
-        records = self.programs(step.inputs.program, step.inputs)
+    def build(self, step: StepInputs) -> dict[str, CommonAttentionMetadata]:
+        """Runs the step's metadata program (one device); attaches the host copies."""
+        if self.sharded is not None:
+            raise ValueError(
+                "StepMetadataBuilder.build runs one device's step; on a mesh call "
+                "metadata(inputs.local()) inside your shard_map."
+            )
+        records = self.programs(step.program, step)
         out: dict[str, CommonAttentionMetadata] = {}
         for i, (names, record) in enumerate(zip(self._records, records, strict=True)):
             reduced = step.cu_num_logits_cpu is not None and (
@@ -492,3 +542,9 @@ class StepMetadataBuilder:
             for name in names:
                 out[name] = record
         return out
+
+
+def _has_prefill(arrays: StepArrays) -> bool:
+    if arrays.is_prefilling is not None:
+        return bool(np.any(arrays.is_prefilling))
+    return bool((np.diff(np.asarray(arrays.query_start_loc)) > 1).any())

@@ -102,14 +102,7 @@ def validate_step(
             seq=seq,
         )
     if logits_indices is not None:
-        idx = _ints(logits_indices, "logits_indices", 1)
-        if idx.size and (idx.min() < 0 or idx.max() >= num_tokens):
-            raise ValueError(
-                f"logits_indices must be token indices in [0, {num_tokens}), got "
-                f"[{int(idx.min())}, {int(idx.max())}]."
-            )
-        if (np.diff(idx) <= 0).any():
-            raise ValueError("logits_indices must be strictly ascending.")
+        _check_logits_indices(_ints(logits_indices, "logits_indices", 1), num_tokens)
 
 
 def _check_requests(
@@ -117,18 +110,8 @@ def _check_requests(
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """``(query_start_loc, seq_lens, num_tokens)`` checked against each other."""
     qsl = _ints(query_start_loc, "query_start_loc", 1)
-    if qsl.size == 0 or qsl[0] != 0:
-        raise ValueError(
-            f"query_start_loc must start at 0 (one more entry than requests), got "
-            f"{qsl[:4].tolist()}..."
-        )
+    _check_query_start_loc(qsl)
     q_lens = np.diff(qsl)
-    if (q_lens < 0).any():
-        r = int(np.argmax(q_lens < 0))
-        raise ValueError(
-            f"query_start_loc must not decrease: entry {r + 1} is {int(qsl[r + 1])} "
-            f"after {int(qsl[r])}."
-        )
     num_reqs, num_tokens = q_lens.size, int(qsl[-1])
     seq = _ints(seq_lens, "seq_lens", 1)
     if seq.shape != (num_reqs,):
@@ -231,4 +214,86 @@ def _check_own_slots(
                 if block[t] == 0
                 else "."
             )
+        )
+
+
+def _check_query_start_loc(qsl: np.ndarray) -> None:
+    if qsl.size == 0 or qsl[0] != 0:
+        raise ValueError(
+            "query_start_loc must start at 0 (one more entry than requests), got "
+            f"{qsl[:4].tolist()}."
+        )
+    drops = np.flatnonzero(np.diff(qsl) < 0)
+    if drops.size:
+        i = int(drops[0]) + 1
+        raise ValueError(
+            f"query_start_loc must not decrease: entry {i} is {int(qsl[i])} after "
+            f"{int(qsl[i - 1])}."
+        )
+
+
+def _check_logits_indices(idx: np.ndarray, num_tokens: int) -> None:
+    bad = np.flatnonzero((idx < 0) | (idx >= num_tokens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"logits_indices[{i}] = {int(idx[i])} is outside the batch of "
+            f"{num_tokens} tokens."
+        )
+    steps = np.flatnonzero(np.diff(idx) <= 0)
+    if steps.size:
+        i = int(steps[0]) + 1
+        raise ValueError(
+            f"logits_indices must be strictly ascending; logits_indices[{i}] = "
+            f"{int(idx[i])} follows {int(idx[i - 1])}."
+        )
+
+
+def validate_query_start_loc(query_start_loc: object) -> None:
+    """Host-side check: a 1-D integer array starting at 0 that never decreases.
+
+    Raises:
+      ValueError: Naming the first bad entry.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> jaxkv.step.validate_query_start_loc(np.array([0, 4, 3]))
+      Traceback (most recent call last):
+      ...
+      ValueError: query_start_loc must not decrease: entry 2 is 3 after 4.
+    """
+    _check_query_start_loc(_ints(query_start_loc, "query_start_loc", 1))
+
+
+def validate_logits_indices(
+    logits_indices: object,
+    query_start_loc: object,
+    *,
+    buffer_size: int | None = None,
+) -> None:
+    """Host-side check of a step's logits indices against its batch (the same
+    check :func:`validate_step` makes).
+
+    Raises:
+      ValueError: If `query_start_loc` is not a non-decreasing sequence from 0,
+        an index is outside the batch or not strictly ascending, or there are
+        more indices than `buffer_size`.
+
+    Example:
+      >>> import numpy as np
+      >>> import jaxkv
+      >>> jaxkv.step.validate_logits_indices(np.array([3, 9]), np.array([0, 4, 10]))
+      >>> jaxkv.step.validate_logits_indices(np.array([3, 10]), np.array([0, 4, 10]))
+      Traceback (most recent call last):
+      ...
+      ValueError: logits_indices[1] = 10 is outside the batch of 10 tokens.
+    """  # noqa: D205
+    qsl = _ints(query_start_loc, "query_start_loc", 1)
+    _check_query_start_loc(qsl)
+    idx = _ints(logits_indices, "logits_indices", 1)
+    _check_logits_indices(idx, int(qsl[-1]))
+    if buffer_size is not None and idx.size > buffer_size:
+        raise ValueError(
+            f"{idx.size} logits indices exceed the staging buffer of {buffer_size}."
         )
