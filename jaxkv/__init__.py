@@ -24,15 +24,12 @@ import importlib.metadata
 from jaxkv import vllm as vllm  # the vLLM-named API, as jaxkv.vllm
 from jaxkv._attention import paged_attention
 from jaxkv._attention_rows import request_token_rows, token_requests_and_positions
-from jaxkv._backends import (
-    AttentionBackend,
-    KVCacheLayout,
-    get_backend,
-    register_backend,
-    registered_backends,
-)
+from jaxkv._backend_registry import get_backend, register_backend, registered_backends
+from jaxkv._backends import AttentionBackend, KVCacheLayout
 from jaxkv._config import LayerConfig, RunnerConfig
 from jaxkv._examples import llama_like_config, tiny_hybrid_config
+from jaxkv._group_specs import RawPageSpec, UniformTypeKVCacheSpecs
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv._monitoring import count_compilations
 from jaxkv._pattern import parse_pattern, pattern_config
 from jaxkv._specs import (
@@ -42,12 +39,9 @@ from jaxkv._specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     MLAAttentionSpec,
-    RawPageSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
 )
 from jaxkv.cache import (
     KVCacheBudget,

@@ -9,7 +9,8 @@ from typing import Literal
 import jax
 
 from jaxkv._backends import AttentionBackend, KVCacheLayout
-from jaxkv._specs import KVCacheSpec, MambaSpec, MLAAttentionSpec
+from jaxkv._mamba_spec import MambaSpec
+from jaxkv._specs import KVCacheSpec, MLAAttentionSpec
 from jaxkv._util import check_non_negative_int, check_positive_int
 
 LayerType = Literal["attention", "mla", "mamba"]

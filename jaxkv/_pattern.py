@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxkv._backends import AttentionBackend, get_backend
+from jaxkv._backend_registry import get_backend
+from jaxkv._backends import AttentionBackend
 from jaxkv._config import LayerConfig, RunnerConfig
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from jaxkv.cache import align_hybrid_block_size

@@ -43,6 +43,7 @@ from jaxkv._backends import (
     MultipleOf,
     create_fast_prefill_custom_backend,
 )
+from jaxkv._group_specs import UniformTypeKVCacheSpecs
 from jaxkv._kv_cache_config import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -54,6 +55,7 @@ from jaxkv._layer_queries import (
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
 )
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv._mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
 from jaxkv._specs import (
     AttentionSpec,
@@ -62,11 +64,9 @@ from jaxkv._specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
 )
 from jaxkv.cache import (
     AttentionLayer,

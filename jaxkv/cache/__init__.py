@@ -12,6 +12,12 @@ and whole-view reads, ``_kernel_handoff`` a layer's cache as a kernel's array,
 description of the same storage; ``_blocks`` a block allocator.
 """  # noqa: D205
 
+from jaxkv.cache._allocate import (
+    KVCacheInit,
+    allocate_pools,
+    init_kv_cache,
+    pool_layout,
+)
 from jaxkv.cache._bind import (
     AttentionLayer,
     BoundKVCaches,
@@ -40,23 +46,10 @@ from jaxkv.cache._layer_views import (
     _kv_first_layers_sharing_pool_with_mamba,  # noqa: F401  (vLLM's name)
     build_kv_cache_views,
 )
+from jaxkv.cache._make_plan import KVCacheBudget, kv_cache_budget, make_plan
 from jaxkv.cache._ops import gather_kv_pages, write_kv
-from jaxkv.cache._plan import (
-    KVCacheBudget,
-    KVCachePlan,
-    LayerStack,
-    kv_cache_budget,
-    make_plan,
-)
-from jaxkv.cache._pools import (
-    KVCacheInit,
-    PoolLayout,
-    PoolSpec,
-    allocate_pools,
-    init_kv_cache,
-    pool_layout,
-    resolve_storage,
-)
+from jaxkv.cache._plan import KVCachePlan, LayerStack
+from jaxkv.cache._pools import PoolLayout, PoolSpec, resolve_storage
 from jaxkv.cache._shard import (
     ShardedPlan,
     local_kv_heads,
@@ -73,12 +66,14 @@ from jaxkv.cache._views import KVCacheView, LayerView, MambaView
 from jaxkv.cache._vllm_layout import (
     LayerTensor,
     TensorLayout,
-    allocate_layer_tensors,
     hnc_shape,
-    layout_of_view,
     layout_strides,
-    plan_tensors,
     resolve_layout,
+)
+from jaxkv.cache._vllm_tensors import (
+    allocate_layer_tensors,
+    layout_of_view,
+    plan_tensors,
     tensor_views,
 )
 

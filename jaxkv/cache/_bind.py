@@ -18,7 +18,7 @@ from jaxkv._specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from jaxkv.cache._pools import kernel_views
+from jaxkv.cache._kernel_views import kernel_views
 from jaxkv.cache._views import KVCacheView, LayerView
 from jaxkv.groups import AttentionGroup, with_kv_sharing_layers
 

@@ -9,11 +9,11 @@ from jaxkv._backends import AttentionBackend, MultipleOf
 from jaxkv._config import RunnerConfig
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from jaxkv._layer_queries import get_kv_cache_spec
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     AttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     MLAAttentionSpec,
 )
 from jaxkv._util import cdiv, check_positive_int

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from jaxkv._config import RunnerConfig
+from jaxkv._group_specs import layer_spec, representative_spec
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv._layer_queries import get_shared_kv_cache_layers
-from jaxkv._specs import AttentionSpec, MambaSpec, layer_spec, representative_spec
+from jaxkv._mamba_spec import MambaSpec
+from jaxkv._specs import AttentionSpec
 from jaxkv.cache._views import (
     KVCacheView,
     LayerView,

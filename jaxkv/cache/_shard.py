@@ -23,10 +23,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._config import RunnerConfig
-from jaxkv._specs import AttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec
+from jaxkv._mamba_spec import MambaSpec
+from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
+from jaxkv.cache._allocate import zeros
 from jaxkv.cache._grouping import align_hybrid_block_size
-from jaxkv.cache._plan import KVCachePlan, make_plan
-from jaxkv.cache._pools import zeros
+from jaxkv.cache._make_plan import make_plan
+from jaxkv.cache._plan import KVCachePlan
 
 
 def local_kv_heads(num_kv_heads: int, tensor_parallel: int) -> int:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from jaxkv._backends import AttentionBackend, create_fast_prefill_custom_backend
 from jaxkv._config import RunnerConfig
+from jaxkv._group_specs import layer_spec, representative_spec
 from jaxkv._kv_cache_config import (
     KVCacheConfig,
     add_kv_sharing_layers_to_kv_cache_groups,
@@ -17,13 +18,7 @@ from jaxkv._layer_queries import (
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
 )
-from jaxkv._specs import (
-    AttentionSpec,
-    EncoderOnlyAttentionSpec,
-    KVCacheSpec,
-    layer_spec,
-    representative_spec,
-)
+from jaxkv._specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
 from jaxkv._util import is_int
 from jaxkv.groups._attn_group import AttentionGroup
 from jaxkv.groups._cg_support import AttentionCGSupportInfo, get_attn_cg_support

@@ -9,13 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._backends import AttentionBackend, MultipleOf
+from jaxkv._group_specs import representative_spec
 from jaxkv._kv_cache_config import KVCacheConfig, packed_tensor_of_layers
-from jaxkv._specs import (
-    AttentionSpec,
-    EncoderOnlyAttentionSpec,
-    MambaSpec,
-    representative_spec,
-)
+from jaxkv._mamba_spec import MambaSpec
+from jaxkv._specs import AttentionSpec, EncoderOnlyAttentionSpec
 
 if TYPE_CHECKING:
     from jaxkv.groups._attn_group import AttentionGroup

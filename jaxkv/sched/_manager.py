@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxkv._specs import KVCacheSpec, MambaSpec
+from jaxkv._mamba_spec import MambaSpec
+from jaxkv._specs import KVCacheSpec
 from jaxkv.cache import get_num_skipped_tokens
 
 _ROOT = hashlib.sha256(b"jaxkv-prefix-cache-v1").digest()

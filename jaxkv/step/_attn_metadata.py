@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._specs import MambaSpec
+from jaxkv._mamba_spec import MambaSpec
 from jaxkv.groups import AttentionGroup
 from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._fast_prefill import FastPrefillBatchMetadata

@@ -1,0 +1,242 @@
+"""vLLM 0.33's tensors over a plan: each layer's logical ``[L, B, H, N, C]`` view of
+its pool, the layout a view is in, and allocation of layer tensors.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
+from jaxkv.cache._pools import PoolSpec
+from jaxkv.cache._views import KVCacheView
+from jaxkv.cache._vllm_layout import LayerTensor, TensorLayout, layout_strides
+
+_B, _H, _N = 1, 2, 3  # axes of [L, B, H, N, C]
+
+
+def tensor_views(
+    tensor: LayerTensor,
+    spec: AttentionSpec,
+    *,
+    num_blocks: int,
+    layout: TensorLayout,
+    kernel_block_size: int | None = None,
+    pool: int = 0,
+    word: int = 4,
+) -> dict[str, KVCacheView]:
+    """Every layer's view of `tensor` in a flat word pool, where vLLM 0.33's
+    ``create_kv_cache_views`` puts it: a fused K|V view ``(blocks, tokens, H,
+    D + Dv)`` (MLA: ``(blocks, tokens, D)``) whose element ``(b, n, h, c)`` is at
+    byte ``offset + l * layer_stride + b * s_B + h * s_H + n * s_N + c *
+    itemsize``, over a pool of `word`-byte carrier words
+    (``PoolSpec(size_bytes=tensor.size, word=word)``).
+
+    Raises:
+      TypeError: For a spec that is not attention.
+      ValueError: If a stride is not a whole number of elements.
+
+    Example (LBNHC: K and V side by side per token and head):
+      >>> import jaxkv
+      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=2,
+      ...                                head_size=4, dtype="float32")
+      >>> t = jaxkv.vllm.LayerTensor(size=2 * 4 * 1024, layers=("l0", "l1"),
+      ...                       layer_stride=4096, block_stride=1024)
+      >>> v = jaxkv.vllm.tensor_views(t, spec, num_blocks=4,
+      ...                        layout=jaxkv.vllm.TensorLayout.LBNHC)["l1"]
+      >>> v.shape, v.strides, v.byte_address((1, 2, 1, 4))  # V[0] of head 1
+      ((4, 16, 2, 8), (256, 16, 8, 1), 5296)
+    """  # noqa: D205
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"tensor_views: {type(spec).__name__} is not attention.")
+    shape, strides = layout_strides(
+        spec,
+        num_blocks=num_blocks,
+        num_layers=len(tensor.layers),
+        layout=layout,
+        kernel_block_size=kernel_block_size,
+        layer_stride=tensor.layer_stride,
+        block_stride=tensor.block_stride,
+    )
+    itemsize = np.dtype(spec.dtype).itemsize
+    for name, s in zip("LBHN", strides[:4], strict=True):
+        if s % itemsize:
+            raise ValueError(
+                f"tensor_views: the {name} stride {s} is not a multiple of the "
+                f"{np.dtype(spec.dtype).name} itemsize."
+            )
+    _, blocks, heads, states, content = shape
+    mla = isinstance(spec, MLAAttentionSpec)
+    el = [s // itemsize for s in strides]
+    if mla:
+        view_shape = (blocks, states, content // itemsize)
+        view_strides = (el[_B], el[_N], 1)
+        axes = ("block", "token", "dim")
+    else:
+        view_shape = (blocks, states, heads, content // itemsize)
+        view_strides = (el[_B], el[_N], el[_H], 1)
+        axes = ("block", "token", "head", "dim")
+    return {
+        name: KVCacheView(
+            pool=pool,
+            offset=tensor.offset + i * tensor.layer_stride,
+            shape=view_shape,
+            strides=view_strides,
+            dtype=spec.dtype,
+            axes=axes,
+            head_size=spec.head_size,
+            word=word,
+        )
+        for i, name in enumerate(tensor.layers)
+    }
+
+
+def layout_of_view(view: KVCacheView) -> TensorLayout | None:
+    """The layer-compact :class:`TensorLayout` a jaxkv attention view follows
+    inside its layer (``LBNHC`` or ``LBHNC``), or ``None`` for views vLLM 0.33
+    cannot describe (the seeds' K-then-V pages, K/V-first layouts).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(), num_blocks=4)
+      >>> jaxkv.vllm.layout_of_view(plan.views["layers.0.self_attn"]).name
+      'LBNHC'
+      >>> print(jaxkv.vllm.layout_of_view(jaxkv.make_plan(jaxkv.tiny_hybrid_config(),
+      ...     num_blocks=4).views["layers.0.self_attn"]))
+      None
+    """  # noqa: D205
+    if "kv" in view.axes or view.strides[view.dim("dim")] != 1:
+        return None
+    b, n = view.strides[view.block_dim], view.strides[view.dim("token")]
+    if "head" not in view.axes or view.shape[view.dim("head")] == 1:
+        return TensorLayout.LBNHC if b > n else None
+    h = view.strides[view.dim("head")]
+    if b > n > h:
+        return TensorLayout.LBNHC
+    if b > h > n:
+        return TensorLayout.LBHNC
+    return None
+
+
+def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
+    """A jaxkv plan's typed pools as vLLM 0.33 tensors (one per pool and
+    KV-cache group), byte offsets within that pool.
+
+    A stacked pool of ``L`` slots is one layer-compact tensor per group: the
+    group's layers in slot order, ``layer_stride`` = one slot,
+    ``block_stride`` = one page. Word pools (the seeds' layouts) are left out.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="stacked")
+      >>> t, = jaxkv.vllm.plan_tensors(plan)
+      >>> t.layers, t.layer_stride, t.block_stride
+      (('layers.0.self_attn', 'layers.1.self_attn'), 32768, 8192)
+    """  # noqa: D205
+    from jaxkv.cache._plan import KVCachePlan
+
+    if not isinstance(plan, KVCachePlan):
+        raise TypeError(f"plan_tensors needs a KVCachePlan, got {type(plan).__name__}.")
+    out = []
+    for index, spec in enumerate(plan.pools):
+        if not spec.typed:
+            continue
+        for group in plan.kv_cache_config.kv_cache_groups:
+            layers = []
+            for name in group.layer_names:
+                view = plan.views.get(name)
+                if isinstance(view, KVCacheView) and view.pool == index:
+                    layers.append((view.layer or 0, name, view))
+            seen: dict[int, tuple[str, KVCacheView]] = {}
+            for slot, name, view in sorted(layers, key=lambda x: x[0]):
+                seen.setdefault(slot, (name, view))
+            if not seen:
+                continue
+            first = next(iter(seen.values()))[1]
+            slot_bytes = math.prod(first.shape) * first.itemsize
+            split = group.kv_cache_spec.block_size // max(first.block_size, 1)
+            page = first.block_stride_bytes * max(split, 1)
+            slots = sorted(seen)
+            runs = (
+                [slots]
+                if slots == list(range(slots[0], slots[0] + len(slots)))
+                else [[x] for x in slots]
+            )
+            for run in runs:
+                out.append(
+                    LayerTensor(
+                        size=spec.size_bytes,
+                        layers=tuple(seen[x][0] for x in run),
+                        layer_stride=slot_bytes,
+                        block_stride=page,
+                        offset=run[0] * slot_bytes,
+                    )
+                )
+    return tuple(out)
+
+
+def allocate_layer_tensors(
+    tensors: Sequence[LayerTensor],
+    specs: Mapping[str, KVCacheSpec],
+    *,
+    num_blocks: int,
+    layout: TensorLayout,
+    kernel_block_sizes: Mapping[str, int] | None = None,
+    word: int = 4,
+) -> tuple[tuple[PoolSpec, ...], dict[str, KVCacheView]]:
+    """Plans vLLM 0.33's ``allocate_kv_cache``: one backing for every tensor
+    and every attention layer's view of it.
+
+    All tensors share one backing of their (common) ``size``; tensors whose
+    ranges overlap alias the same bytes, as vLLM's groups do. A layer's kernel
+    block size (default: its block size) splits its blocks as a stride.
+    Allocate with :func:`allocate_pools`.
+
+    Raises:
+      ValueError: If the tensors disagree on the backing size, or a layer has
+        no spec.
+
+    Example (two groups overlaying one LBNHC backing, 2 layers each):
+      >>> import jaxkv
+      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=2,
+      ...                                head_size=8, dtype="float32")
+      >>> size = 2 * 4 * spec.page_size_bytes
+      >>> tensors = [jaxkv.vllm.LayerTensor(size=size, layers=names,
+      ...     layer_stride=4 * spec.page_size_bytes,
+      ...     block_stride=spec.page_size_bytes)
+      ...     for names in (("full.0", "full.1"), ("swa.0", "swa.1"))]
+      >>> pools, views = jaxkv.vllm.allocate_layer_tensors(
+      ...     tensors, dict.fromkeys(["full.0", "full.1", "swa.0", "swa.1"], spec),
+      ...     num_blocks=4, layout=jaxkv.vllm.TensorLayout.LBNHC)
+      >>> pools[0].size_bytes, views["swa.1"].offset == views["full.1"].offset
+      (16384, True)
+    """  # noqa: D205
+    sizes = {t.size for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"allocate_layer_tensors: tensors must share one backing, got sizes "
+            f"{sorted(sizes)}."
+        )
+    views: dict[str, KVCacheView] = {}
+    for tensor in tensors:
+        missing = [n for n in tensor.layers if n not in specs]
+        if missing:
+            raise ValueError(f"allocate_layer_tensors: no spec for layers {missing}.")
+        spec = specs[tensor.layers[0]]
+        if not isinstance(spec, AttentionSpec):
+            continue  # raw state pages: the layer lays them out itself
+        k = (kernel_block_sizes or {}).get(tensor.layers[0])
+        views.update(
+            tensor_views(
+                tensor,
+                spec,
+                num_blocks=num_blocks,
+                layout=layout,
+                kernel_block_size=k,
+                word=word,
+            )
+        )
+    return (PoolSpec(size_bytes=sizes.pop(), word=word),), views
