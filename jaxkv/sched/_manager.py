@@ -12,16 +12,15 @@ import numpy as np
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
     KVCacheSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from jaxkv._util import cdiv
 from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
-from jaxkv.sched._prefix import hash_token_blocks, longest_cache_hit
+from jaxkv.sched._prefix import PrefixHits, prefix_caching_unsupported
 from jaxkv.sched._request import Request
+from jaxkv.sched._table_rows import TableRows
 
 
 class StepBlocks(NamedTuple):
@@ -48,7 +47,7 @@ class StepBlocks(NamedTuple):
     slot_mappings: list[np.ndarray]
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixHits):
     """Block tables for requests over one :class:`BlockAllocator`.
 
     Each request holds, per KV-cache group, one block id per ``block_size``
@@ -137,9 +136,7 @@ class KVCacheManager:
         # The same tables as rows of one array per group, kept in step with
         # the lists, so a batch's block table is one gather (no per-step
         # rebuild from Python lists); rows are recycled, zeroed.
-        self._mirror = [np.zeros((0, w), np.int32) for w in self.widths]
-        self._row: dict[str, int] = {}
-        self._free_rows: list[int] = []
+        self._rows = TableRows(self.widths)
         self._hashes: dict[str, dict[int, list[bytes]]] = {}
         self._registered: dict[str, list[int]] = {}
         # Blocks registered at allocation whose step has not been committed
@@ -187,60 +184,6 @@ class KVCacheManager:
                 total += full
         return total
 
-    def _block_hashes(self, req: Request, block_size: int) -> list[bytes]:
-        """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
-        per = self._hashes.setdefault(req.req_id, {})
-        have = per.setdefault(block_size, [])
-        # Placeholders of tokens still on the device are never hashed.
-        known = req.num_known_tokens
-        if known // block_size > len(have):
-            start = len(have) * block_size
-            have += hash_token_blocks(
-                req.token_range(start, known),
-                block_size,
-                parent=have[-1] if have else None,
-                salt=req.cache_salt,
-            )
-        return have
-
-    def find_cache_hit(self, req: Request) -> int:
-        """Tokens of `req` every group can take from the prefix cache (no effect).
-
-        A multiple of every group's block size, below ``len(req.tokens)`` (the
-        last token is always computed: its logits are sampled).
-        """
-        if not self.enable_prefix_caching:
-            return 0
-        hit = req.num_known_tokens - 1
-        while True:
-            agreed = hit
-            for g, spec in enumerate(self.specs):
-                bs = self.block_sizes[g]
-                hashes = self._block_hashes(req, bs)
-                k = longest_cache_hit(
-                    spec,
-                    num_blocks=min(agreed // bs, len(hashes)),
-                    is_cached=lambda j, g=g, h=hashes: (
-                        self.allocator.lookup((g, h[j])) is not None
-                    ),
-                )
-                agreed = k * bs
-            if agreed == hit:
-                return hit
-            hit = agreed
-
-    def _hit_columns(self, g: int, num_tokens: int) -> list[int]:
-        """Columns group `g` reuses for a hit of `num_tokens` (others null)."""
-        bs = self.block_sizes[g]
-        k = num_tokens // bs
-        if k == 0:
-            return []
-        if self.is_mamba[g]:
-            return [k - 1]
-        spec = self.specs[g]
-        first = 0 if spec is None else get_num_skipped_tokens(spec, num_tokens) // bs
-        return list(range(first, k))
-
     # --- changes ----------------------------------------------------------------
 
     def _check_allocate(
@@ -266,31 +209,6 @@ class KVCacheManager:
                 f"allocate: request {req.req_id!r} already holds blocks; a cache hit "
                 "is only taken at admission."
             )
-
-    def _hit_tables(
-        self, req: Request, num_cached: int
-    ) -> tuple[list[list[int]], list[list[int]]] | None:
-        """``(tables, hit blocks)`` per group of a cache hit of `num_cached`
-        tokens, or ``None`` while a hit block's Mamba state is still pending.
-        """  # noqa: D205
-        tables: list[list[int]] = []
-        hits: list[list[int]] = [[] for _ in self.block_sizes]
-        for g, bs in enumerate(self.block_sizes):
-            hashes = self._block_hashes(req, bs)
-            table = [0] * (num_cached // bs)
-            for j in self._hit_columns(g, num_cached):
-                block = self.allocator.lookup((g, hashes[j]))
-                if block is None:
-                    raise ValueError(
-                        f"allocate: num_cached={num_cached} is not a cache hit of "
-                        f"request {req.req_id!r} (group {g}, block {j})."
-                    )
-                if block in self._pending_states:
-                    return None
-                table[j] = block
-                hits[g].append(block)
-            tables.append(table)
-        return tables, hits
 
     def allocate(
         self, req: Request, num_new_tokens: int, *, num_cached: int = 0
@@ -344,12 +262,11 @@ class KVCacheManager:
                     tables[g] += [0] * (j + 1 - len(tables[g]))
                     tables[g][j] = next(ids)
         self._tables[req.req_id] = tables
-        row = self._row_of(req.req_id)
         for g, cols in enumerate(new):
-            self._mirror_set(g, row, cols, tables[g])
+            self._rows.set(req.req_id, g, cols, tables[g])
         for g, blocks in enumerate(hits):
             if blocks:
-                self._mirror_set(g, row, range(len(tables[g])), tables[g])
+                self._rows.set(req.req_id, g, range(len(tables[g])), tables[g])
         registered = self._registered.setdefault(req.req_id, [0] * len(tables))
         if num_cached:
             registered[:] = [num_cached // bs for bs in self.block_sizes]
@@ -358,28 +275,6 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register(req, tables, registered, min(end, req.num_known_tokens))
         return True
-
-    def _row_of(self, req_id: str) -> int:
-        row = self._row.get(req_id)
-        if row is None:
-            if not self._free_rows:
-                have = len(self._mirror[0])
-                grow = max(16, have)
-                self._mirror = [
-                    np.concatenate([m, np.zeros((grow, m.shape[1]), np.int32)])
-                    for m in self._mirror
-                ]
-                self._free_rows = list(range(have + grow - 1, have - 1, -1))
-            row = self._row[req_id] = self._free_rows.pop()
-        return row
-
-    def _mirror_set(
-        self, g: int, row: int, cols: Sequence[int], table: list[int]
-    ) -> None:
-        width = self.widths[g]
-        for j in cols:
-            if j < width:  # past the width: step_blocks refuses the request
-                self._mirror[g][row, j] = table[j]
 
     def _allocate_decode(self, req: Request) -> bool | None:
         """One more token where every group has its block already.
@@ -403,35 +298,6 @@ class KVCacheManager:
             if any(n % bs == 0 for bs in self.block_sizes):
                 self._register(req, tables, self._registered[req.req_id], n)
         return True
-
-    def _register(
-        self,
-        req: Request,
-        tables: list[list[int]],
-        registered: list[int],
-        n: int,
-    ) -> None:
-        """Caches the blocks that are full once `req`'s first `n` tokens are in."""
-        for g, table in enumerate(tables):
-            bs = self.block_sizes[g]
-            full = n // bs
-            if full <= registered[g]:
-                continue
-            hashes = self._block_hashes(req, bs)
-            if self.is_mamba[g]:
-                # Only a step ending on a block boundary leaves in that block
-                # the state after exactly its tokens.
-                cols = [full - 1] if n % bs == 0 else []
-            else:
-                cols = range(registered[g], full)
-            for j in cols:
-                block = table[j]
-                if block and self.allocator.key_of(block) is None:
-                    self.allocator.cache(block, key=(g, hashes[j]))
-                    self._uncommitted.setdefault(req.req_id, []).append(block)
-                    if self.is_mamba[g]:
-                        self._pending_states.add(block)
-            registered[g] = full
 
     def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
         """Columns of group `g` that need a new block to compute ``[start, end)``."""
@@ -476,7 +342,7 @@ class KVCacheManager:
             if gone:
                 self.allocator.free(gone[::-1])
                 table[:keep] = [0] * keep
-                self._mirror[g][self._row[req.req_id], :keep] = 0
+                self._rows.zero(req.req_id, g, keep)
 
     def free(self, req: Request) -> None:
         """Gives back every block `req` holds (finished, rejected or preempted);
@@ -492,11 +358,7 @@ class KVCacheManager:
         self._hashes.pop(req.req_id, None)
         for table in tables or []:
             self.allocator.free([b for b in table[::-1] if b])
-        row = self._row.pop(req.req_id, None)
-        if row is not None:
-            for m in self._mirror:
-                m[row] = 0
-            self._free_rows.append(row)
+        self._rows.release(req.req_id)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
@@ -536,7 +398,7 @@ class KVCacheManager:
         """
         num_tokens = sum(n for _, n in batch)
         rows = [self._tables_of(req, "step_blocks") for req, _ in batch]
-        index = np.fromiter((self._row[req.req_id] for req, _ in batch), np.int64)
+        req_ids = [req.req_id for req, _ in batch]
         tables, slots = [], []
         for g, width in enumerate(self.widths):
             longest = max((len(t[g]) for t in rows), default=0)
@@ -551,7 +413,7 @@ class KVCacheManager:
                     f"more than its block table's {width} columns "
                     f"(max_model_len={self.plan.runner_config.max_model_len})."
                 )
-            tables.append(self._mirror[g][index])
+            tables.append(self._rows.gather(g, req_ids))
             slot = np.full(num_tokens, -1, np.int32)
             if not self.is_mamba[g]:
                 bs = self.block_sizes[g]
@@ -576,23 +438,3 @@ class KVCacheManager:
                     t0 += n
             slots.append(slot)
         return StepBlocks(block_tables=tables, slot_mappings=slots)
-
-
-def prefix_caching_unsupported(plan: KVCachePlan) -> str | None:
-    """Why `plan`'s model cannot use prefix caching, or ``None`` if it can.
-
-    Example:
-      >>> import jaxkv
-      >>> print(jaxkv.sched.prefix_caching_unsupported(
-      ...     jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)))
-      None
-    """
-    for group in plan.kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
-            return (
-                f"group of {group.layer_names[0]!r} holds {type(spec).__name__} K/V, "
-                "computed from encoder inputs, not from the tokens a prefix hash "
-                "covers."
-            )
-    return None

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
+
+import numpy as np
+
+INT32_LIMIT = 2**31  # token ids travel to the device as int32
 
 
 class RequestStatus(enum.Enum):
@@ -99,3 +104,57 @@ class Request:
         return len(self.output) >= self.max_new_tokens or bool(
             self.output and self.output[-1] in self.stop_token_ids
         )
+
+
+def request_problem(req: Request, *, vocab_size: int | None) -> str | None:
+    """What is wrong with a request's own fields, or ``None``: the prompt (a
+    flat sequence of ints in ``[0, vocab_size)``, or within int32 without a
+    vocabulary), ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, and
+    that it was never served.
+    """  # noqa: D205
+    try:
+        ids = np.asarray(req.prompt)
+    except (TypeError, ValueError) as e:
+        return f"prompt must be a sequence of token ids ({e})"
+    if isinstance(req.prompt, str | bytes) or ids.ndim != 1:
+        return (
+            "prompt must be a flat sequence of token ids, got "
+            f"{type(req.prompt).__name__} of shape {ids.shape}"
+        )
+    if ids.size == 0:
+        return "empty prompt"
+    if not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+        return f"prompt token ids must be ints, got dtype {ids.dtype}"
+    top = INT32_LIMIT if vocab_size is None else vocab_size
+    if ids.min() < 0 or ids.max() >= top:
+        return f"prompt token ids must be in [0, {top}), got [{ids.min()}, {ids.max()}]"
+    if isinstance(req.max_new_tokens, bool):
+        return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+    stops = req.stop_token_ids
+    if isinstance(stops, str | bytes) or not isinstance(stops, Sequence | set):
+        return (
+            "stop_token_ids must be a sequence of ints, got "
+            f"{type(stops).__name__} {stops!r}"
+        )
+    if not all(
+        isinstance(t, int | np.integer) and not isinstance(t, bool) for t in stops
+    ):
+        return f"stop_token_ids must be ints, got {list(stops)!r}"
+    if req.cache_salt is not None and not isinstance(req.cache_salt, str):
+        return (
+            "cache_salt must be a str or None, got "
+            f"{type(req.cache_salt).__name__} {req.cache_salt!r}"
+        )
+    if req.status is not RequestStatus.WAITING or req.num_computed:
+        return (
+            f"the request was already served (status {req.status.value}, "
+            f"{req.num_computed} tokens computed); submit a new Request"
+        )
+    if req.output:
+        return (
+            f"the request already has {len(req.output)} output tokens; submit a "
+            "new Request"
+        )
+    if not isinstance(req.max_new_tokens, int | np.integer) or req.max_new_tokens < 1:
+        return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+    return None

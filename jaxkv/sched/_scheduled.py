@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
+from jaxkv.sched._manager import StepBlocks
 from jaxkv.sched._request import Request
 from jaxkv.step import StepArrays
 
@@ -81,3 +84,44 @@ def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
         if req.num_computed + n == req.num_tokens:
             out.append(end - 1)
     return out
+
+
+def scheduled_step(
+    batch: list[tuple[Request, int]], preempted: list[Request], blocks: StepBlocks
+) -> ScheduledStep:
+    """The step of `batch` (each request from its ``num_computed`` on) and its
+    host arrays, with the batch's `blocks` (:meth:`KVCacheManager.step_blocks`).
+    """  # noqa: D205
+    q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
+    starts = np.fromiter((r.num_computed for r, _ in batch), np.int32, len(batch))
+    qsl = np.zeros(len(batch) + 1, np.int32)
+    np.cumsum(q_lens, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    samples = sampled_token_indices(batch)
+    token_ids: list[int] = []
+    for r, n in batch:
+        if n == 1:  # a decode: one token, no list
+            p, c = len(r.prompt), r.num_computed
+            token_ids.append(r.prompt[c] if c < p else r.output[c - p])
+        else:
+            token_ids += r.token_range(r.num_computed, r.num_computed + n)
+    return ScheduledStep(
+        batch=batch,
+        preempted=preempted,
+        query_start_loc=qsl,
+        seq_lens=starts + q_lens,
+        # Each token's position: its request's start plus its rank in it.
+        positions=(
+            np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - qsl[:-1], q_lens)
+        ).astype(np.int32),
+        block_tables=blocks.block_tables,
+        slot_mappings=blocks.slot_mappings,
+        logits_indices=np.asarray(samples, np.int32) if samples else None,
+        # Sampled tokens before each request's end.
+        cu_num_logits=np.concatenate([[0], np.searchsorted(samples, qsl[1:])]).astype(
+            np.int32
+        ),
+        token_ids=np.asarray(token_ids, np.int32),
+        is_prefilling=starts
+        < np.fromiter((len(r.prompt) for r, _ in batch), np.int32, len(batch)),
+    )

@@ -2,7 +2,8 @@
 yours, with sampling, stop tokens, streaming, warm-up and fault resumption.
 """  # noqa: D205
 
-from jaxkv.serve._loop import Forward, ServingLoop
+from jaxkv.serve._device_step import Forward
+from jaxkv.serve._loop import ServingLoop
 from jaxkv.serve._sampling import (
     SamplingParams,
     request_seed,

@@ -7,7 +7,8 @@ its own row of the step's inputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,37 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.cache import Pools, ShardedPlan
 from jaxkv.serve._checks import check_forward_result
 from jaxkv.serve._sampling import SamplingParams, sample_rows
-from jaxkv.step import StepInputs, StepMetadataBuilder
+from jaxkv.step import CommonAttentionMetadata, StepInputs, StepMetadataBuilder
+
+
+class Forward(Protocol):
+    """Your model's step, traced inside the loop's jitted program.
+
+    ``forward(params, pools, meta, token_ids, sample_idx) -> (pools, logits)``:
+    `meta` maps every layer to its :class:`CommonAttentionMetadata`,
+    `token_ids` are the step's ``(max_tokens,)`` padded tokens (their positions
+    are ``meta[name].positions``), `sample_idx` the ``(num_samples,)`` token
+    indices whose logits are sampled; return the updated pools and
+    ``(num_samples, vocab)`` logits.
+
+    Example:
+      >>> import jaxkv
+      >>> def forward(params, pools, meta, token_ids, sample_idx):
+      ...     return pools, params[token_ids[sample_idx]]  # a bigram table
+      >>> f: jaxkv.Forward = forward  # any function of this signature
+    """
+
+    def __call__(
+        self,
+        params: Any,
+        pools: Pools,
+        meta: Mapping[str, CommonAttentionMetadata],
+        token_ids: jax.Array,
+        sample_idx: jax.Array,
+        /,
+    ) -> tuple[Pools, jax.Array]:
+        """One step of the model (positional arguments: name them as you like)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -26,7 +57,7 @@ class DeviceStep:
 
     Attributes:
       builder: The step builder (metadata and model inputs from the packed step).
-      forward: Your step function (see :class:`Forward`).
+      forward: Your step function (a :class:`Forward`).
       sharded: The mesh plan, or ``None`` on one device.
       param_specs: The parameters' partition specs on a mesh.
       width: Sampled tokens per step, padded (the next step's placeholders
@@ -36,7 +67,7 @@ class DeviceStep:
     """  # noqa: D205
 
     builder: StepMetadataBuilder
-    forward: Any
+    forward: Forward
     sharded: ShardedPlan | None
     param_specs: Any
     width: int

@@ -7,63 +7,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import KVCachePlan, Pools, ShardedPlan, any_deleted
+from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
 from jaxkv.sched import Request, ScheduledStep, Scheduler
 from jaxkv.serve._checks import check_loop_arguments, check_param_specs
-from jaxkv.serve._device_step import DeviceStep
+from jaxkv.serve._device_step import DeviceStep, Forward
+from jaxkv.serve._pipeline import StepPipeline
 from jaxkv.serve._sampling import (
     SamplingParams,
     abstract_sampling_rows,
-    sampling_rows,
 )
 from jaxkv.step import (
     BucketDispatcher,
-    CommonAttentionMetadata,
     Programs,
     StepMetadataBuilder,
 )
 
 
-class Forward(Protocol):
-    """Your model's step, traced inside the loop's jitted program.
-
-    ``forward(params, pools, meta, token_ids, sample_idx) -> (pools, logits)``:
-    `meta` maps every layer to its :class:`CommonAttentionMetadata`,
-    `token_ids` are the step's ``(max_tokens,)`` padded tokens (their positions
-    are ``meta[name].positions``), `sample_idx` the ``(num_samples,)`` token
-    indices whose logits are sampled; return the updated pools and
-    ``(num_samples, vocab)`` logits.
-
-    Example:
-      >>> import jaxkv
-      >>> def forward(params, pools, meta, token_ids, sample_idx):
-      ...     return pools, params[token_ids[sample_idx]]  # a bigram table
-      >>> f: jaxkv.Forward = forward  # any function of this signature
-    """
-
-    def __call__(
-        self,
-        params: Any,
-        pools: Pools,
-        meta: Mapping[str, CommonAttentionMetadata],
-        token_ids: jax.Array,
-        sample_idx: jax.Array,
-        /,
-    ) -> tuple[Pools, jax.Array]:
-        """One step of the model (positional arguments: name them as you like)."""
-        ...
-
-
-class ServingLoop:
+class ServingLoop(StepPipeline):
     """Serves requests with your model's step through jaxkv.
 
     Each :meth:`step`: the :class:`Scheduler` picks requests and tokens
@@ -279,40 +247,15 @@ class ServingLoop:
 
     # --- device side ----------------------------------------------------------
 
-    def _rows(self) -> NamedSharding | None:
-        """Per-rank rows on the mesh: ``P(data)`` over the leading axis."""
-        if self.sharded is None:
-            return None
-        return NamedSharding(self.sharded.mesh, P(self.sharded.data_axis))
-
     @property
     def fast_prefill(self) -> bool:
         """Whether steps with a prefill can arm the fast-prefill path."""
         return self.builder.fast_prefill_helper is not None
 
-    def _no_tokens(self) -> jax.Array:
-        if self.sharded is None:
-            return jnp.zeros(self._width, jnp.int32)
-        return jax.device_put(
-            np.zeros((self.num_ranks, self._width), np.int32), self._rows()
-        )
-
     def _abstract_seeds(self, shape: tuple[int, ...], rows: Any) -> Any:
         """What a step's sampling inputs look like (see :meth:`_seeds`)."""
         return abstract_sampling_rows(
             shape, rows, per_request=self.per_request_sampling
-        )
-
-    def _seeds(self, steps: list[ScheduledStep], num_samples: int) -> Any:
-        """Per rank and sampled row: the request's seed, and with
-        ``per_request_sampling`` its parameters (padding rows: greedy).
-        """  # noqa: D205
-        return sampling_rows(
-            [[r.req_id for r in s.sampled] for s in steps],
-            num_samples,
-            per_request=self.per_request_sampling,
-            default=self.sampling,
-            overrides=self._request_sampling,
         )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
@@ -414,192 +357,6 @@ class ServingLoop:
             finished += self._resolve_oldest()
         return finished
 
-    def _dispatch(
-        self, steps: list[ScheduledStep], prev_tokens: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        if self.sharded is None:
-            inputs = self.builder.prepare(steps[0])
-        else:
-            inputs = self.builder.prepare_ranks(steps)
-        seeds = self._seeds(steps, inputs.layout.num_samples)
-        if self.sharded is None:
-            seeds = jax.tree.map(lambda x: x[0], seeds)
-        else:
-            seeds = jax.device_put(seeds, self._rows())
-        self.pools, next_tokens, logits = self.programs(
-            inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
-        )
-        self.counters["steps"] += 1
-        self.counters["fast_prefill_armed"] += inputs.fast_prefill is not None
-        self.counters["partial_prefills"] += sum(
-            any(r.num_computed + n < len(r.prompt) for r, n in s.batch) for s in steps
-        )
-        return next_tokens, logits
-
-    def _host_results(
-        self, next_tokens: jax.Array, logits: jax.Array | None
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(ranks, width)`` tokens and ``(ranks, samples, vocab)`` logits."""
-        tokens = _to_host(next_tokens).reshape(self.num_ranks, -1)
-        host = None
-        if logits is not None and self.record_logits:
-            host = _to_host(logits).reshape(self.num_ranks, *logits.shape[-2:])
-        return tokens, host
-
-    def _run_step(self, steps: list[ScheduledStep]) -> list[Request]:
-        self._inflight, self._results = steps, None
-        results = self._dispatch(steps, self._no_tokens())
-        # From here the step has run (the pools hold its K/V and states): on
-        # resume() it is applied, never run again.
-        self._results = results
-        return self._apply()
-
-    def _dispatch_ahead(self, steps: list[ScheduledStep]) -> None:
-        """Dispatches `steps` (overlap) and advances the schedulers past them."""
-        self._inflight = steps
-        next_tokens, logits = self._dispatch(steps, self._prev_tokens)
-        # It ran: from here resume() advances and resolves it, never reruns it.
-        self._pipeline.append((steps, next_tokens, logits))
-        self._prev_tokens = next_tokens
-        self._inflight = None
-        self._advance(steps)
-
-    def _advance(self, steps: list[ScheduledStep]) -> None:
-        for sched, step in zip(self.schedulers, steps, strict=True):
-            if sched.last_applied is not step:  # each once, after a fault too
-                sched.advance(step)
-
-    def _resolve_oldest(self) -> list[Request]:
-        steps, next_tokens, logits = self._pipeline[0]
-        tokens, host_logits = self._host_results(next_tokens, logits)  # waits
-        finished = []
-        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
-            if step in sched.unresolved:  # each once, after a fault too
-                n = len(step.sampled)
-                finished += sched.resolve(step, tokens[rank, :n].tolist())
-        self._pipeline.popleft()
-        self._forget(finished)
-        for rank, step in enumerate(steps):
-            self._deliver(
-                step.filled, None if host_logits is None else host_logits[rank]
-            )
-        return finished
-
-    def _forget(self, finished: list[Request]) -> list[Request]:
-        for req in finished:
-            self._request_sampling.pop(req.req_id, None)
-        return finished
-
-    def _resolve_all(self) -> list[Request]:
-        finished = []
-        while self._pipeline:
-            finished += self._resolve_oldest()
-        return finished
-
-    def _deliver(
-        self, filled: list[tuple[int, Request, int]], logits: np.ndarray | None
-    ) -> None:
-        """Records logits and streams the tokens the scheduler took."""
-        if logits is not None:
-            for k, req, _ in filled:
-                self.logits.setdefault(req.req_id, []).append(logits[k])
-        if self._on_token is not None:
-            for _, req, token in filled:
-                self._on_token(req, token)
-
-    def _apply(self) -> list[Request]:
-        if self._inflight is None or self._results is None:
-            raise RuntimeError("ServingLoop: no step result to apply.")
-        steps = self._inflight
-        tokens, host_logits = self._host_results(*self._results)
-        finished, delivered = [], []
-        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
-            sampled = step.sampled
-            if sched.last_applied is step:  # applied before a fault on another rank
-                continue
-            row = tokens[rank, : len(sampled)].tolist()
-            finished += sched.update(step, row)
-            delivered.append(
-                (
-                    [
-                        (k, r, t)
-                        for k, (r, t) in enumerate(zip(sampled, row, strict=True))
-                    ],
-                    None if host_logits is None else host_logits[rank],
-                )
-            )
-        self._inflight = self._results = None
-        self._forget(finished)
-        for filled, logits in delivered:
-            self._deliver(filled, logits)
-        return finished
-
-    def resume(self) -> str | None:
-        """Brings the loop back to a consistent state after an exception inside
-        a step; returns what it did (``None``: nothing was in flight).
-
-        - ``"applied"``: the step's program had returned (the pools hold its
-          K/V and states): its tokens are applied, never recomputed (a
-          recurrent state updated in place has already advanced);
-        - ``"rerun"``: it failed before the program ran (pools untouched): the
-          same scheduled step runs again, bit for bit;
-        - ``"recomputed"``: the program consumed its donated pools and failed:
-          new pools, and every running request is recomputed from its prompt
-          and outputs (:meth:`Scheduler.recompute_all`).
-
-        With ``overlap=True`` every step in flight is finished the same way
-        (applied, or rerun and applied), or, when the pools were consumed,
-        all are recomputed (tokens not yet read are sampled again, the same).
-        """  # noqa: D205
-        if not self.overlap:
-            if self._inflight is None:
-                return None
-            if self._results is not None:
-                self._apply()
-                return "applied"
-            if any_deleted(self.pools):
-                self._recompute_all()
-                return "recomputed"
-            self._run_step(self._inflight)
-            return "rerun"
-        done = self._recover()
-        if self._pipeline:
-            self._resolve_all()
-            done = done or "applied"
-        return done
-
-    def _recompute_all(self) -> None:
-        """New pools; every rank's running requests recomputed."""
-        self.pools = (
-            self.plan.allocate() if self.sharded is None else self.sharded.allocate()
-        )
-        for sched in self.schedulers:
-            sched.recompute_all()
-        self._pipeline.clear()
-        self._prev_tokens = self._no_tokens()
-        self._inflight = self._results = None
-
-    def _recover(self) -> str | None:
-        """Overlap: finishes a step whose dispatch or advance raised; steps in
-        flight that ran stay in flight (a normal state).
-        """  # noqa: D205
-        unadvanced = bool(self._pipeline) and any(
-            sched.last_applied is not step
-            for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)
-        )
-        if self._inflight is None and not unadvanced:
-            return None
-        if any_deleted(self.pools):
-            # Steps in flight are lost with the pools: their tokens too.
-            self._recompute_all()
-            return "recomputed"
-        if unadvanced:
-            self._advance(self._pipeline[-1][0])  # it ran
-        if self._inflight is not None:
-            self._dispatch_ahead(self._inflight)
-            return "rerun"
-        return "applied"
-
     def run(
         self,
         requests: Iterable[Request] = (),
@@ -628,12 +385,3 @@ class ServingLoop:
         finally:
             self._on_token = None
         return requests
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The whole array on this host; over several processes, gathered from all
-    (sampled tokens and logits only: a few KB a step).
-    """  # noqa: D205
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
