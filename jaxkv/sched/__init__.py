@@ -1,16 +1,24 @@
 """sched: requests, the block manager with prefix caching, the scheduler.
 
 ``_request`` (a request's tokens and state) -> ``_prefix`` (block hashes,
-the longest cached prefix) -> ``_manager`` (blocks per group, vLLM's
-``KVCacheManager`` semantics) -> ``_scheduler`` (admission, chunked
-prefill, preemption, async scheduling's advance/resolve).
+the longest cached prefix, the manager's prefix-cache side) ->
+``_table_rows`` (block tables as arrays, a batch's slots) -> ``_manager``
+(blocks per group, vLLM's ``KVCacheManager`` semantics) -> ``_scheduled``
+(a scheduled step, its host arrays) -> ``_scheduler`` (admission, chunked
+prefill, preemption) with ``_outcomes`` (applying a step: update, async
+scheduling's advance/resolve, recompute).
 """  # noqa: D205
 
-from jaxkv.sched._manager import KVCacheManager, StepBlocks, prefix_caching_unsupported
-from jaxkv.sched._prefix import hash_token_blocks, longest_cache_hit
+from jaxkv.sched._manager import KVCacheManager
+from jaxkv.sched._prefix import (
+    hash_token_blocks,
+    longest_cache_hit,
+    prefix_caching_unsupported,
+)
 from jaxkv.sched._request import Request, RequestStatus
 from jaxkv.sched._scheduled import ScheduledStep, sampled_token_indices
 from jaxkv.sched._scheduler import Scheduler
+from jaxkv.sched._table_rows import StepBlocks
 
 __all__ = [
     "KVCacheManager",

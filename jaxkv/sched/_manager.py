@@ -5,7 +5,6 @@ prefix caching, window freeing and Mamba state blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -20,31 +19,7 @@ from jaxkv._util import cdiv
 from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
 from jaxkv.sched._prefix import PrefixHits, prefix_caching_unsupported
 from jaxkv.sched._request import Request
-from jaxkv.sched._table_rows import TableRows
-
-
-class StepBlocks(NamedTuple):
-    """A batch's block tables and slot mappings, one array per KV-cache group.
-
-    Attributes:
-      block_tables: ``(num_reqs, width)`` int32 per group, 0-padded.
-      slot_mappings: ``(num_tokens,)`` int32 per group (``-1`` for Mamba
-        groups, whose state is written through the block table).
-
-    Example:
-      >>> import jaxkv
-      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
-      >>> m = jaxkv.KVCacheManager(plan)
-      >>> r = jaxkv.Request("r", prompt=[1, 2, 3], max_new_tokens=1)
-      >>> m.allocate(r, 3)
-      True
-      >>> out = m.step_blocks([(r, 3)])
-      >>> out.slot_mappings[0].tolist(), out.block_tables[2][0, :2].tolist()
-      ([32, 33, 34], [3, 0])
-    """
-
-    block_tables: list[np.ndarray]
-    slot_mappings: list[np.ndarray]
+from jaxkv.sched._table_rows import StepBlocks, TableRows
 
 
 class KVCacheManager(PrefixHits):
@@ -396,45 +371,10 @@ class KVCacheManager(PrefixHits):
         Each entry is ``(request, tokens this step)``, the request's tokens from
         ``num_computed`` on (its blocks allocated with :meth:`allocate`).
         """
-        num_tokens = sum(n for _, n in batch)
-        rows = [self._tables_of(req, "step_blocks") for req, _ in batch]
-        req_ids = [req.req_id for req, _ in batch]
-        tables, slots = [], []
-        for g, width in enumerate(self.widths):
-            longest = max((len(t[g]) for t in rows), default=0)
-            if longest > width:
-                req = next(
-                    r
-                    for (r, _), t in zip(batch, rows, strict=True)
-                    if len(t[g]) > width
-                )
-                raise ValueError(
-                    f"Request {req.req_id!r} holds {longest} blocks in group {g}, "
-                    f"more than its block table's {width} columns "
-                    f"(max_model_len={self.plan.runner_config.max_model_len})."
-                )
-            tables.append(self._rows.gather(g, req_ids))
-            slot = np.full(num_tokens, -1, np.int32)
-            if not self.is_mamba[g]:
-                bs = self.block_sizes[g]
-                for (req, n), t in zip(batch, rows, strict=True):
-                    if len(t[g]) * bs < req.num_computed + n:
-                        raise ValueError(
-                            f"step_blocks: request {req.req_id!r} holds blocks for "
-                            f"{len(t[g]) * bs} tokens in group {g}; the step "
-                            f"computes up to {req.num_computed + n} (allocate() "
-                            "them first)."
-                        )
-                t0 = 0
-                for (req, n), t in zip(batch, rows, strict=True):
-                    ids, start = t[g], req.num_computed
-                    if n == 1:  # a decode: no arrays
-                        slot[t0] = ids[start // bs] * bs + start % bs
-                    else:
-                        pos = np.arange(start, start + n)
-                        slot[t0 : t0 + n] = (
-                            np.asarray(ids, np.int32)[pos // bs] * bs + pos % bs
-                        )
-                    t0 += n
-            slots.append(slot)
-        return StepBlocks(block_tables=tables, slot_mappings=slots)
+        return self._rows.batch_blocks(
+            batch,
+            [self._tables_of(req, "step_blocks") for req, _ in batch],
+            block_sizes=self.block_sizes,
+            is_mamba=self.is_mamba,
+            max_model_len=self.plan.runner_config.max_model_len,
+        )

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.sched._manager import StepBlocks
 from jaxkv.sched._request import Request
+from jaxkv.sched._table_rows import StepBlocks
 from jaxkv.step import StepArrays
 
 
