@@ -143,3 +143,19 @@ def test_a_stop_token_anywhere_in_the_output_ends_the_request():
     assert r.output == [3, 9]
     assert r.status is jaxkv.RequestStatus.FINISHED
     assert not s.has_unfinished
+
+
+def test_a_recycled_block_table_row_starts_zeroed():
+    # A finished request's row goes to the next request: its columns past the
+    # new request's blocks read 0 (the null block), not the old request's ids.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    m = jaxkv.KVCacheManager(plan)
+    a = jaxkv.Request("a", prompt=[1] * 90, max_new_tokens=1)
+    assert m.allocate(a, 90)
+    assert m.step_blocks([(a, 90)]).block_tables[0][0, :3].tolist() == [1, 2, 3]
+    m.free(a)
+    b = jaxkv.Request("b", prompt=[2] * 5, max_new_tokens=1)
+    assert m.allocate(b, 5)
+    table = m.step_blocks([(b, 5)]).block_tables[0][0]
+    assert table[0] != 0
+    assert table[1:].tolist() == [0] * (len(table) - 1)

@@ -120,6 +120,17 @@ def test_serving_loop_on_meshes_serves_what_one_device_serves():
     _run_check(SERVE, "2x4", "4x2-auto", "8x1")
 
 
+FAULTS = Path(__file__).with_name("mesh_fault_check.py")
+
+
+@pytest.mark.slow
+def test_a_fault_on_one_rank_of_two_resumes_to_the_fault_free_tokens():
+    """Rank 1's scheduler raises while rank 0 has applied the step (advance,
+    resolve, update; overlap on and off): each rank's step applied once.
+    """  # noqa: D205
+    _run_check(FAULTS)
+
+
 MULTIHOST = Path(__file__).with_name("multihost_check.py")
 
 

@@ -153,6 +153,15 @@ sp = jaxkv.shard_plan(CFG, mesh=jax.make_mesh((2, 1), ("data", "tensor")),
 b = jaxkv.StepMetadataBuilder(sp, model_inputs=True)
 steps = _steps(sp.local, [[[1, 2, 3, 4, 5, 6], [7, 8]], []])
 inputs = b.prepare_ranks(steps)
+# Rank 0 prefills, rank 1 only decodes: armed for both (one program).
+s1 = jaxkv.Scheduler(sp.local)
+s1.add_request(jaxkv.Request("d", prompt=[5, 6], max_new_tokens=4))
+s1.update(s1.schedule(), [9])
+decode = s1.schedule()
+assert [n for _, n in decode.batch] == [1]
+mixed = b.prepare_ranks([steps[0], decode])
+assert mixed.fast_prefill is not None
+assert np.asarray(mixed.fast_prefill.num_logits_indices).tolist() == [2, 1]
 one = jaxkv.StepMetadataBuilder(sp.local, model_inputs=True)
 alone = one.prepare(steps[0])
 assert inputs.layout == alone.layout, (inputs.layout, alone.layout)
@@ -177,3 +186,22 @@ print("ok", inputs.packed.sharding.spec)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok P('data',)", out.stdout
+
+
+def test_a_staging_buffer_consumed_by_a_failed_call_is_replaced():
+    # A staging call that consumed its donated buffer and then failed leaves
+    # it deleted; the next call stages into a fresh one, with the same result.
+    d = jaxkv.BucketDispatcher(token_buckets=(4, 8), max_num_tokens=8, max_num_reqs=4)
+    d.mark_ready()
+    helper = jaxkv.vllm.FastPrefillHelper(d, 8)
+    desc = jaxkv.vllm.BatchDescriptor(
+        num_tokens=8, num_reqs=2, cg_mode=jaxkv.vllm.CompileMode.PIECEWISE
+    )
+    args = (np.array([2, 6]), 2, np.array([0, 1, 2]), True, desc)
+    first = helper.prepare(*args)
+    assert first is not None
+    want = np.asarray(first.logits_indices_padded).tolist()
+    helper.buffer.delete()
+    again = helper.prepare(*args)
+    assert again is not None
+    assert np.asarray(again.logits_indices_padded).tolist() == want == [2, 6, 6, 6]
