@@ -41,12 +41,12 @@ from jaxkv.cache._grouping import (
     unify_page_sizes,
 )
 from jaxkv.cache._kernel_handoff import kernel_cache, put_kernel_cache
-from jaxkv.cache._layer_views import (
+from jaxkv.cache._layer_views import build_kv_cache_views
+from jaxkv.cache._make_plan import KVCacheBudget, kv_cache_budget, make_plan
+from jaxkv.cache._mixed_layouts import (
     _align_mixed_attention_kv_cache_views,  # noqa: F401  (vLLM's name)
     _kv_first_layers_sharing_pool_with_mamba,  # noqa: F401  (vLLM's name)
-    build_kv_cache_views,
 )
-from jaxkv.cache._make_plan import KVCacheBudget, kv_cache_budget, make_plan
 from jaxkv.cache._ops import gather_kv_pages, write_kv
 from jaxkv.cache._plan import KVCachePlan, LayerStack
 from jaxkv.cache._pools import PoolLayout, PoolSpec, resolve_storage

@@ -250,24 +250,16 @@ def plan_pools(
         if storage != "words" and old not in packed and on_pool[old]:
             dtype = _typed_dtype(list(on_pool[old].values()), size)
         if dtype is None:
-            rows = 0
-            if size // words[old] >= max_flat_words:
-                rows = _rows(
-                    list(on_pool[old].values()),
+            where[old] = (len(specs), None)
+            specs.append(
+                _word_pool(
                     size,
                     words[old],
-                    kv_cache_config.num_blocks,
+                    list(on_pool[old].values()),
+                    num_blocks=kv_cache_config.num_blocks,
+                    max_flat_words=max_flat_words,
                 )
-            if not rows and size // words[old] >= 2**31:
-                raise ValueError(
-                    f"A pool of {size} bytes has {size // words[old]} "
-                    f"{words[old]}-byte words, past int32 indexing, and its views "
-                    "cannot be stored one block per row; plan it with "
-                    "storage='typed' or 'stacked' (typed pools index blocks, not "
-                    "words), or split it into several KVCacheTensors."
-                )
-            where[old] = (len(specs), None)
-            specs.append(dict(size_bytes=size, word=words[old], rows=rows))
+            )
             continue
         first = next(iter(on_pool[old].values()))
         if not isinstance(first, KVCacheView):  # unreachable: _typed_dtype checked
@@ -279,16 +271,7 @@ def plan_pools(
         )
         if key not in stacks:
             stacks[key] = len(specs)
-            stored = storage_dtype(dtype, _stores_bits(dtype, pool_dtype))
-            specs.append(
-                dict(
-                    size_bytes=0,
-                    word=dtype.itemsize,
-                    typed_shape=slot_shape(first),
-                    typed_dtype=stored,
-                    layers=0,
-                )
-            )
+            specs.append(_typed_pool(first, dtype, pool_dtype))
         new = stacks[key]
         where[old] = (new, specs[new]["layers"])
         specs[new]["layers"] += 1
@@ -308,6 +291,41 @@ def plan_pools(
             )
         out[name] = stamped[id(view)]
     return PoolLayout(pools=tuple(pools), views=out)
+
+
+def _typed_pool(view: KVCacheView, dtype: np.dtype, pool_dtype: str) -> dict[str, Any]:
+    """A typed pool's spec fields, before its layers are counted."""
+    return dict(
+        size_bytes=0,
+        word=dtype.itemsize,
+        typed_shape=slot_shape(view),
+        typed_dtype=storage_dtype(dtype, _stores_bits(dtype, pool_dtype)),
+        layers=0,
+    )
+
+
+def _word_pool(
+    size: int,
+    word: int,
+    views: Sequence[LayerView],
+    *,
+    num_blocks: int,
+    max_flat_words: int,
+) -> dict[str, Any]:
+    """A carrier-word pool's spec fields: flat, or one row per block when it
+    has `max_flat_words` words or more and its views allow it.
+    """  # noqa: D205
+    rows = 0
+    if size // word >= max_flat_words:
+        rows = _rows(views, size, word, num_blocks)
+    if not rows and size // word >= 2**31:
+        raise ValueError(
+            f"A pool of {size} bytes has {size // word} {word}-byte words, past "
+            "int32 indexing, and its views cannot be stored one block per row; "
+            "plan it with storage='typed' or 'stacked' (typed pools index blocks, "
+            "not words), or split it into several KVCacheTensors."
+        )
+    return dict(size_bytes=size, word=word, rows=rows)
 
 
 def _stamp(

@@ -108,30 +108,15 @@ class Engine(ServingLoop):
         self.config = config
         self.mesh = mesh
         vocab = model.lm_head.out_features
-        split: Any = None
-        specs: Any = None
-        if mesh is None:
-            plan: Any = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
-            local = plan
-            graphdef, state = nnx.split(model)
-        else:
-            plan = shard_plan(
-                config,
-                mesh=mesh,
-                data_axis=data_axis,
-                tensor_axis=tensor_axis,
-                num_blocks=num_blocks,
-                maps_slot_mapping=True,
-            )
-            local = plan.local
-            tp = plan.tensor_parallel
-            graphdef, state, split = tensor_parallel_state(
-                model,
-                local_runner_config(config, tensor_parallel=tp),
-                tensor_parallel=tp,
-                vocab_size=vocab,
-            )
-            specs = jax.tree.map(lambda s: P(tensor_axis) if s else P(), split)
+        plan, graphdef, state, split, specs = _plan_and_state(
+            config,
+            model,
+            num_blocks=num_blocks,
+            mesh=mesh,
+            data_axis=data_axis,
+            tensor_axis=tensor_axis,
+        )
+        local = plan if mesh is None else plan.local
         if pages_per_chunk is None:
             pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
@@ -277,3 +262,39 @@ class Engine(ServingLoop):
             for k, v in s.stats.items():
                 out[k] = out.get(k, 0) + v
         return out
+
+
+def _plan_and_state(
+    config: RunnerConfig,
+    model: TinyHybridModel,
+    *,
+    num_blocks: int,
+    mesh: Mesh | None,
+    data_axis: str,
+    tensor_axis: str,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """``(plan, graphdef, state, split, param_specs)``: the model's plan (a
+    :class:`ShardedPlan` on a mesh) and its weights, on a mesh split over the
+    tensor axis (`split` marks the split leaves; ``None`` on one device).
+    """  # noqa: D205
+    if mesh is None:
+        plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
+        graphdef, state = nnx.split(model)
+        return plan, graphdef, state, None, None
+    plan = shard_plan(
+        config,
+        mesh=mesh,
+        data_axis=data_axis,
+        tensor_axis=tensor_axis,
+        num_blocks=num_blocks,
+        maps_slot_mapping=True,
+    )
+    tp = plan.tensor_parallel
+    graphdef, state, split = tensor_parallel_state(
+        model,
+        local_runner_config(config, tensor_parallel=tp),
+        tensor_parallel=tp,
+        vocab_size=model.lm_head.out_features,
+    )
+    specs = jax.tree.map(lambda s: P(tensor_axis) if s else P(), split)
+    return plan, graphdef, state, split, specs

@@ -7,7 +7,7 @@ tables and slot mappings to it; ``_cg_support`` answers which step shapes a
 group's backends can replay.
 """  # noqa: D205
 
-from jaxkv.groups._attn_group import AttentionGroup
+from jaxkv.groups._attn_group import AttentionGroup, flat_groups
 from jaxkv.groups._cg_support import (
     AttentionCGSupportInfo,
     get_attn_cg_support,
@@ -34,6 +34,7 @@ __all__ = [
     "AttnBackendInit",
     "check_kernel_block_sizes",
     "expand_block_table",
+    "flat_groups",
     "get_attn_cg_support",
     "get_query_lens_mismatch_unsupported_backend",
     "get_varlen_cudagraph_unsupported_backend",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxkv._backends import AttentionBackend
@@ -120,3 +120,23 @@ class AttentionGroup:
             f"group={self.kv_cache_group_id}, {type(self.kv_cache_spec).__name__}"
             f"(block_size={self.block_size}), num_heads={self.num_heads}{k})"
         )
+
+
+def flat_groups(groups: Iterable[Any]) -> list[AttentionGroup]:
+    """Attention groups from a flat or a per-KV-cache-group nested sequence.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> [len(g) for g in plan.attn_groups]  # per KV-cache group
+      [2, 2, 1]
+      >>> len(jaxkv.groups.flat_groups(plan.attn_groups))
+      5
+    """
+    flat: list[AttentionGroup] = []
+    for item in groups:
+        if isinstance(item, AttentionGroup):
+            flat.append(item)
+        else:
+            flat.extend(item)
+    return flat
