@@ -43,6 +43,7 @@ from jaxkv._specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from jaxkv._transfer import LayerKV, RequestKV, export_request, import_request
 from jaxkv.cache import (
     KVCacheBudget,
     KVCachePlan,
@@ -104,6 +105,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheView",
     "LayerConfig",
+    "LayerKV",
     "LayerStack",
     "MLAAttentionSpec",
     "MambaSpec",
@@ -111,6 +113,7 @@ __all__ = [
     "Programs",
     "RawPageSpec",
     "Request",
+    "RequestKV",
     "RequestStatus",
     "RunnerConfig",
     "SamplingParams",
@@ -125,8 +128,10 @@ __all__ = [
     "StepMetadataBuilder",
     "UniformTypeKVCacheSpecs",
     "count_compilations",
+    "export_request",
     "gather_kv_pages",
     "get_backend",
+    "import_request",
     "kernel_cache",
     "kv_cache_budget",
     "llama_like_config",

@@ -13,6 +13,7 @@ import jaxkv
 NO_EXAMPLE = {
     "KVCacheSpec",
     "LayerView",
+    "LayerKV",
     "HybridBlockAlignment",
     "BoundKVCaches",
     "KVCacheLayout",

@@ -1,0 +1,296 @@
+"""A request's KV cache exported from one plan and imported into another:
+every pair of layouts (blocks-first, fused, K/V-first), block sizes and
+storages (carrier words, typed, layer-stacked), checked byte by byte against
+an oracle that reads the target pool's bytes from its views' strides alone.
+"""  # noqa: D205
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+
+N = 70  # tokens: crosses blocks of 16, 32 and 64, and the window of 48
+# (and 64: the Mamba state then ends exactly on a block boundary)
+
+
+def _hybrid(backend, block_size):
+    cfg = jaxkv.tiny_hybrid_config(
+        attention_backend=backend, block_size=block_size, sliding_window=48
+    )
+    return jaxkv.make_plan(cfg, num_blocks=16)
+
+
+def _llama(backend, block_size, storage):
+    cfg = jaxkv.llama_like_config(
+        num_layers=4,
+        attention_backend=backend,
+        block_size=block_size,
+        sliding_window=48,
+        window_every=2,
+    )
+    return jaxkv.make_plan(cfg, num_blocks=24, storage=storage)
+
+
+HYBRID = {
+    "blocks-first/16": ("JAX_PAGED", 16),
+    "fused/32": ("JAX_PAGED_FUSED", 32),
+    "kv-first/64": ("JAX_PAGED_KV_FIRST", 64),
+}
+LLAMA = {
+    "fused/16/typed": ("JAX_PAGED_FUSED", 16, "typed"),
+    "blocks-first/32/stacked": ("JAX_PAGED", 32, "stacked"),
+    "kv-first/16/words": ("JAX_PAGED_KV_FIRST", 16, "words"),
+    "flashinfer/128 in kernel blocks of 64": ("FLASHINFER", 128, "words"),
+}
+
+
+def _plan(name):
+    return _hybrid(*HYBRID[name]) if name in HYBRID else _llama(*LLAMA[name])
+
+
+def _owning(plan):
+    seen, out = set(), {}
+    for name, view in plan.views.items():
+        if id(view) not in seen:
+            seen.add(id(view))
+            out[name] = view
+    return out
+
+
+def _filled(plan, seed, n=None):
+    """A request of N tokens with random K/V and states, through the public
+    write path; its windows' old blocks given back (commit)."""
+    n = N if n is None else n
+    rng = np.random.default_rng(seed)
+    m = jaxkv.KVCacheManager(plan)
+    req = jaxkv.Request("r", prompt=list(range(n)), max_new_tokens=1)
+    assert m.allocate(req, n)
+    blocks = m.step_blocks([(req, n)])
+    pools = plan.allocate()
+    want_kv, want_state = {}, {}
+    groups = {
+        name: g
+        for g, grp in enumerate(plan.kv_cache_config.kv_cache_groups)
+        for name in grp.layer_names
+    }
+    for name, view in _owning(plan).items():
+        g = groups[name]
+        if isinstance(view, jaxkv.MambaView):
+            states = [
+                rng.standard_normal((1, *s.shape[1:])).astype(s.dtype)
+                for s in view.states
+            ]
+            block = blocks.block_tables[g][0, (n - 1) // plan.block_sizes[g]]
+            pools = jaxkv.write_mamba_state(pools, view, np.array([block]), states)
+            want_state[name] = states
+            continue
+        heads, dim = view.shape[view.axes.index("head")], view.head_size
+        k = rng.standard_normal((n, heads, dim)).astype(np.float32)
+        v = rng.standard_normal((n, heads, dim)).astype(np.float32)
+        pools = jaxkv.write_kv(pools, view, k, v, blocks.slot_mappings[g])
+        want_kv[name] = (k, v)
+    req.num_computed = n
+    m.commit(req)
+    return pools, m.blocks_of(req), want_kv, want_state
+
+
+def _pool_bytes(pools, i):
+    """Pool `i`'s bytes (a list of byte arrays passes through)."""
+    if isinstance(pools[i], np.ndarray) and pools[i].dtype == np.uint8:
+        return pools[i]
+    return np.asarray(jax.device_get(pools[i])).reshape(-1).view(np.uint8)
+
+
+def _element_addresses(view, fixed):
+    """Byte address of every element of `view` with the dims in `fixed` set
+    (a dict axis name -> index array, broadcast against each other)."""
+    addr = view.offset
+    for d, axis in enumerate(view.axes):
+        addr = (
+            addr + np.asarray(fixed[axis], np.int64) * view.strides[d] * view.itemsize
+        )
+    return addr
+
+
+def _oracle_kv(plan, pools, name, view, ids, bs, n):
+    """Per token (n, heads, dim) K and V read from the bytes, and which tokens
+    the target holds."""
+    k = view.block_size
+    tok = np.arange(n)
+    block = np.asarray(ids)[tok // bs]
+    held = block != 0
+    kb = block * (bs // k) + (tok % bs) // k
+    off = tok % k
+    heads, dim = view.shape[view.axes.index("head")], view.head_size
+    h = np.arange(heads)[None, :, None]
+    e = np.arange(dim)[None, None, :]
+    raw = _pool_bytes(pools, view.pool)
+    out = []
+    for which in (0, 1):
+        fixed = {"block": kb[:, None, None], "token": off[:, None, None], "head": h}
+        if "kv" in view.axes:
+            fixed["kv"], fixed["dim"] = which, e
+        else:  # fused: K then V along the last dim
+            fixed["dim"] = e + which * dim
+        addr = _element_addresses(view, fixed)
+        b = raw[addr[..., None] + np.arange(view.itemsize)]
+        out.append(b.reshape(-1).view(view.dtype).reshape(n, heads, dim))
+    return out[0], out[1], held
+
+
+def _oracle_state(pools, view, block):
+    out = []
+    for s in view.states:
+        fixed_shape = s.shape[1:]
+        idx = np.indices(fixed_shape).reshape(len(fixed_shape), -1)
+        addr = s.offset + block * s.strides[0] * s.itemsize
+        for d in range(len(fixed_shape)):
+            addr = addr + idx[d] * s.strides[d + 1] * s.itemsize
+        raw = _pool_bytes(pools, s.pool)
+        b = raw[addr[:, None] + np.arange(s.itemsize)]
+        out.append(b.reshape(-1).view(s.dtype).reshape(fixed_shape))
+    return out
+
+
+def _check_moved(dst, pools, before, ids, want_kv, want_state, src_ids, src_plan, n):
+    groups = {
+        name: g
+        for g, grp in enumerate(dst.kv_cache_config.kv_cache_groups)
+        for name in grp.layer_names
+    }
+    src_groups = {
+        name: g
+        for g, grp in enumerate(src_plan.kv_cache_config.kv_cache_groups)
+        for name in grp.layer_names
+    }
+    for name, view in _owning(dst).items():
+        g = groups[name]
+        bs = dst.block_sizes[g]
+        if isinstance(view, jaxkv.MambaView):
+            block = ids[g][(n - 1) // bs]
+            for got, want in zip(
+                _oracle_state(pools, view, block), want_state[name], strict=True
+            ):
+                np.testing.assert_array_equal(got, want[0])
+            continue
+        k, v, held = _oracle_kv(dst, pools, name, view, ids[g], bs, n)
+        sg = src_groups[name]
+        src_held = (
+            np.asarray(src_ids[sg])[np.arange(n) // src_plan.block_sizes[sg]] != 0
+        )
+        both = held & src_held
+        # Every token a future query of the window sees is held on both sides.
+        window = getattr(dst.runner_config.layer(name).spec, "sliding_window", None)
+        if window:
+            assert both[n - window + 1 :].all(), name
+        else:
+            assert both.all(), name
+        np.testing.assert_array_equal(k[both], want_kv[name][0][both], err_msg=name)
+        np.testing.assert_array_equal(v[both], want_kv[name][1][both], err_msg=name)
+        # Held by the target but gone from the source: written nowhere.
+        k0, _, _ = _oracle_kv(dst, before, name, view, ids[g], bs, n)
+        stale = held & ~src_held
+        np.testing.assert_array_equal(k[stale], k0[stale], err_msg=name)
+
+
+def _move(src_name, dst_name, n=N):
+    src = _plan(src_name)
+    dst = _plan(dst_name)
+    pools, src_ids, want_kv, want_state = _filled(src, seed=len(src_name), n=n)
+    kv = jaxkv.export_request(src, pools, block_ids=src_ids, num_tokens=n)
+    # Each cache once: KV-sharing layers read their target's.
+    assert set(kv.attention) | set(kv.states) == set(_owning(src))
+    m = jaxkv.KVCacheManager(dst)
+    filler = jaxkv.Request("other", prompt=[1] * 40, max_new_tokens=1)
+    m.allocate(filler, 40)  # the request does not land on blocks 1, 2, ...
+    req = jaxkv.Request("r", prompt=list(range(n)), max_new_tokens=1)
+    assert m.allocate(req, n)
+    ids = m.blocks_of(req)
+    # The target's pools hold other bytes already: what the import does not
+    # write must keep them.
+    target = tuple(jax.numpy.full(p.shape, 7, p.dtype) for p in dst.allocate())
+    before = [_pool_bytes(target, i).copy() for i in range(len(target))]
+    out = jaxkv.import_request(dst, target, kv, block_ids=ids)
+    _check_moved(dst, out, before, ids, want_kv, want_state, src_ids, src, n)
+    # Nothing outside the request's blocks was written (the bytes every view
+    # addresses in them, K and V halves, page padding, other layers' pages).
+    owned = [np.zeros(_pool_bytes(out, i).size, bool) for i in range(len(out))]
+    groups = {
+        name: g
+        for g, grp in enumerate(dst.kv_cache_config.kv_cache_groups)
+        for name in grp.layer_names
+    }
+    for name, view in _owning(dst).items():
+        g = groups[name]
+        blocks = np.array([b for b in ids[g] if b])
+        parts = view.states if isinstance(view, jaxkv.MambaView) else [view]
+        for part in parts:
+            r = dst.block_sizes[g] // part.block_size if part.block_size else 1
+            kernel = (blocks[:, None] * r + np.arange(r)[None]).ravel()
+            owned[part.pool][_block_bytes(part, kernel)] = True
+    for i in range(len(out)):
+        np.testing.assert_array_equal(
+            _pool_bytes(out, i)[~owned[i]], before[i][~owned[i]]
+        )
+
+
+def _block_bytes(view, blocks):
+    """Every byte address `view` has in `blocks` (its block axis)."""
+    axes = [
+        blocks if axis == "block" else np.arange(n)
+        for axis, n in zip(view.axes, view.shape, strict=True)
+    ]
+    grids = np.ix_(*axes)
+    addr = view.offset
+    for d, grid in enumerate(grids):
+        addr = addr + grid.astype(np.int64) * view.strides[d] * view.itemsize
+    return (addr.reshape(-1, 1) + np.arange(view.itemsize)).ravel()
+
+
+@pytest.mark.parametrize("n", [N, 64])
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(HYBRID, 2)))
+def test_a_hybrid_request_moves_between_layouts_and_block_sizes(src, dst, n):
+    _move(src, dst, n)
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(LLAMA, 2)))
+def test_a_request_moves_between_storages_layouts_and_block_sizes(src, dst):
+    _move(src, dst)
+
+
+def test_moving_to_the_same_plan_round_trips():
+    _move("blocks-first/16", "blocks-first/16")
+
+
+def test_what_cannot_move_is_refused_naming_what_differs():
+    src = _hybrid("JAX_PAGED", 32)
+    pools, ids, _, _ = _filled(src, seed=0)
+    kv = jaxkv.export_request(src, pools, block_ids=ids, num_tokens=N)
+    other_heads = jaxkv.make_plan(
+        jaxkv.tiny_hybrid_config(num_kv_heads=4, num_heads=8, sliding_window=48),
+        num_blocks=16,
+    )
+    with pytest.raises(
+        ValueError, match="layer 'layers.0.self_attn': the target's keys"
+    ):
+        jaxkv.import_request(other_heads, other_heads.allocate(), kv, block_ids=ids)
+    llama = _llama("JAX_PAGED", 32, "words")
+    with pytest.raises(ValueError, match="cached layers differ"):
+        jaxkv.import_request(
+            llama, llama.allocate(), kv, block_ids=[ids[0]] * len(llama.block_sizes)
+        )
+    with pytest.raises(ValueError, match="block_ids has 2 tables, the plan has 3"):
+        jaxkv.export_request(src, pools, block_ids=ids[:2], num_tokens=N)
+    with pytest.raises(ValueError, match=r"block_ids\[0\] has 1 blocks; 70 tokens"):
+        jaxkv.export_request(src, pools, block_ids=[[1], *ids[1:]], num_tokens=N)
+    with pytest.raises(ValueError, match=r"block_ids\[0\]\[0\] = 99 is not a block"):
+        jaxkv.export_request(src, pools, block_ids=[[99, 1, 2], *ids[1:]], num_tokens=N)
+    with pytest.raises(ValueError, match="num_tokens must be a positive int"):
+        jaxkv.export_request(src, pools, block_ids=ids, num_tokens=0)
+    with pytest.raises(ValueError, match="Mamba layer 'layers.2.mixer' has no block"):
+        jaxkv.export_request(
+            src, pools, block_ids=[ids[0], ids[1], [0, 0, 0]], num_tokens=N
+        )
