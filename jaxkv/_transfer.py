@@ -234,6 +234,60 @@ def _check_layer(name: str, want: Any, got: jax.Array | None, what: str) -> None
         )
 
 
+def _checked_layer(
+    plan: KVCachePlan,
+    pools: Pools,
+    kv: RequestKV,
+    name: str,
+    group: AttentionGroup | None,
+) -> Any:
+    """Refuses a layer of `kv` that does not fit `plan`'s (named); returns the
+    view to write through.
+    """  # noqa: D205
+    view = plan.views[name]
+    if isinstance(view, MambaView):
+        got = kv.states.get(name)
+        if got is None:
+            raise ValueError(
+                f"import_request: layer {name!r} is a Mamba layer in the target, "
+                "an attention layer in the request."
+            )
+        if len(got) != len(view.states):
+            raise ValueError(
+                f"import_request: layer {name!r}: the target has "
+                f"{len(view.states)} state arrays, the request {len(got)}."
+            )
+        for i, (s, x) in enumerate(zip(view.states, got, strict=True)):
+            if tuple(x.shape[1:]) != tuple(s.shape[1:]) or x.dtype != s.dtype:
+                raise ValueError(
+                    f"import_request: layer {name!r} state {i}: the target's is "
+                    f"{np.dtype(s.dtype)}{list(s.shape[1:])}, the request's "
+                    f"{x.dtype}{list(x.shape[1:])}."
+                )
+        return view
+    if group is None or not isinstance(view, KVCacheView):  # pragma: no cover
+        raise TypeError(f"import_request: layer {name!r} has no attention view.")
+    layer = kv.attention.get(name)
+    if layer is None:
+        raise ValueError(
+            f"import_request: layer {name!r} is an attention layer in the "
+            "target, a Mamba layer in the request."
+        )
+    want_k, want_v = jax.eval_shape(
+        lambda p, v=view: gather_kv_pages(p, v, jnp.zeros((1, 1), jnp.int32)),
+        pools,
+    )
+    _check_layer(name, want_k, layer.keys, "keys")
+    _check_layer(name, want_v, layer.values, "values")
+    if group.kernel_block_stride:
+        raise ValueError(
+            f"import_request: layer {name!r} is a kernel view with "
+            f"kernel_block_stride={group.kernel_block_stride} (a packed pool): not "
+            "supported yet."
+        )
+    return view
+
+
 def import_request(
     plan: KVCachePlan,
     pools: Pools,
@@ -285,48 +339,22 @@ def import_request(
             f"request's: only in the target {sorted(mine - theirs)}, only in the "
             f"request {sorted(theirs - mine)}."
         )
-    for g, name, group in layers:
+    # Everything is checked before anything is written: a refused import
+    # leaves the pools as they were.
+    writes = [_checked_layer(plan, pools, kv, name, group) for _, name, group in layers]
+    for g, name, _ in layers:
+        if isinstance(plan.views[name], MambaView):
+            _state_block(tables[g], n, plan.block_sizes[g], name, "import")
+    for (g, name, _), write in zip(layers, writes, strict=True):
         view = plan.views[name]
         ids, bs = tables[g], plan.block_sizes[g]
         if isinstance(view, MambaView):
-            got = kv.states.get(name)
-            if got is None:
-                raise ValueError(
-                    f"import_request: layer {name!r} is a Mamba layer in the target, "
-                    "an attention layer in the request."
-                )
-            if len(got) != len(view.states):
-                raise ValueError(
-                    f"import_request: layer {name!r}: the target has "
-                    f"{len(view.states)} state arrays, the request {len(got)}."
-                )
-            for i, (s, x) in enumerate(zip(view.states, got, strict=True)):
-                if tuple(x.shape[1:]) != tuple(s.shape[1:]) or x.dtype != s.dtype:
-                    raise ValueError(
-                        f"import_request: layer {name!r} state {i}: the target's is "
-                        f"{np.dtype(s.dtype)}{list(s.shape[1:])}, the request's "
-                        f"{x.dtype}{list(x.shape[1:])}."
-                    )
             last = _state_block(ids, n, bs, name, "import")
-            pools = write_mamba_state(pools, view, last, list(got))
+            pools = write_mamba_state(pools, view, last, list(kv.states[name]))
             continue
-        if group is None or not isinstance(view, KVCacheView):  # pragma: no cover
-            raise TypeError(f"import_request: layer {name!r} has no attention view.")
-        layer = kv.attention.get(name)
-        if layer is None:
-            raise ValueError(
-                f"import_request: layer {name!r} is an attention layer in the "
-                "target, a Mamba layer in the request."
-            )
-        want_k, want_v = jax.eval_shape(
-            lambda p, v=view: gather_kv_pages(p, v, jnp.zeros((1, 1), jnp.int32)),
-            pools,
-        )
-        _check_layer(name, want_k, layer.keys, "keys")
-        _check_layer(name, want_v, layer.values, "values")
-        _kernel_table(group, ids, "import_request", name)
+        layer = kv.attention[name]
         pos = np.arange(n)
         block = ids[pos // bs]
         slots = np.where(layer.present & (block != 0), block * bs + pos % bs, -1)
-        pools = write_kv(pools, view, layer.keys, layer.values, slots.astype(np.int32))
+        pools = write_kv(pools, write, layer.keys, layer.values, slots.astype(np.int32))
     return pools

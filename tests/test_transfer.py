@@ -9,8 +9,10 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxkv
+import jaxkv.demo
 
 N = 70  # tokens: crosses blocks of 16, 32 and 64, and the window of 48
 # (and 64: the Mamba state then ends exactly on a block boundary)
@@ -294,3 +296,83 @@ def test_what_cannot_move_is_refused_naming_what_differs():
         jaxkv.export_request(
             src, pools, block_ids=[ids[0], ids[1], [0, 0, 0]], num_tokens=N
         )
+
+
+def _engine(backend, block_size, model=None):
+    cfg = jaxkv.tiny_hybrid_config(
+        attention_backend=backend,
+        block_size=block_size,
+        head_size=16,
+        num_heads=2,
+        sliding_window=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        token_buckets=(8, 64),
+        request_buckets=(4,),
+        kv_sharing_fast_prefill=False,
+    )
+    if model is None:
+        model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(3))
+    return jaxkv.demo.Engine(cfg, model, num_blocks=64, record_logits=True), model
+
+
+def test_a_request_prefilled_on_one_plan_decodes_on_another_as_if_never_moved():
+    # Prefill on blocks-first pools of 16, decode on K/V-first pools of 64:
+    # the moved request's tokens and logits equal an unmoved run's.
+    prompt = np.random.default_rng(5).integers(1, 64, 50).tolist()
+    ref_engine, model = _engine("JAX_PAGED", 16)
+    ref = jaxkv.Request("ref", prompt=prompt, max_new_tokens=6)
+    ref_engine.submit(ref)
+    while ref_engine.has_unfinished:
+        ref_engine.step()
+    want_logits = ref_engine.logits["ref"]
+
+    prefill, _ = _engine("JAX_PAGED", 16, model)
+    first = jaxkv.Request("p", prompt=prompt, max_new_tokens=6)
+    prefill.submit(first)
+    while not first.output:
+        prefill.step()
+    kv = prefill.export_request(first)
+    assert kv.num_tokens == len(prompt)
+    decode, _ = _engine("JAX_PAGED_KV_FIRST", 64, model)
+    moved = jaxkv.Request("d", prompt=prompt + first.output, max_new_tokens=5)
+    assert decode.adopt(moved, kv)
+    while decode.has_unfinished:
+        decode.step()
+    assert first.output + moved.output == ref.output
+    np.testing.assert_allclose(
+        np.stack(decode.logits["d"]), np.stack(want_logits[1:]), rtol=2e-5, atol=2e-5
+    )
+
+
+def test_a_refused_adoption_changes_nothing():
+    src, model = _engine("JAX_PAGED", 16)
+    req = jaxkv.Request("p", prompt=list(range(1, 40)), max_new_tokens=3)
+    src.submit(req)
+    while not req.output:
+        src.step()
+    kv = src.export_request(req)
+    other = jaxkv.tiny_hybrid_config(num_heads=4, num_kv_heads=4, head_size=16)
+    wrong = jaxkv.demo.Engine(
+        other,
+        jaxkv.demo.TinyHybridModel(other, vocab_size=64, rngs=nnx.Rngs(0)),
+        num_blocks=64,
+    )
+    before = [np.asarray(p).copy() for p in wrong.pools]
+    moved = jaxkv.Request("d", prompt=req.prompt + req.output, max_new_tokens=2)
+    free = wrong.scheduler.manager.num_free_blocks
+    with pytest.raises(ValueError, match="the target's keys"):
+        wrong.adopt(moved, kv)
+    assert wrong.scheduler.manager.num_free_blocks == free
+    assert not wrong.scheduler.running
+    assert moved.status is jaxkv.RequestStatus.WAITING
+    for a, b in zip(before, wrong.pools, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # The same request adopts on a plan that fits.
+    fits, _ = _engine("JAX_PAGED_FUSED", 32, model)
+    with pytest.raises(ValueError, match=r"num_computed=39 .* must be in \[1, 38\]"):
+        fits.adopt(jaxkv.Request("x", prompt=req.prompt, max_new_tokens=2), kv)
+    assert fits.adopt(moved, kv)
+    with pytest.raises(ValueError, match="already live"):
+        fits.adopt(moved, kv)

@@ -208,6 +208,70 @@ class Scheduler(StepOutcomes):
         self.waiting.append(req)
         return True
 
+    def adopt(self, req: Request, *, num_computed: int) -> list[list[int]] | None:
+        """Admits `req` with its first `num_computed` tokens computed elsewhere
+        (a KV cache moved with :func:`import_request`: prefill/decode
+        disaggregation): holds blocks for them and marks them computed, so the
+        next :meth:`schedule` continues from token `num_computed`.
+
+        A request continued after its first sampled tokens carries them in its
+        prompt (``prompt + generated``, with ``max_new_tokens`` the rest).
+        Import the KV cache into the returned blocks before the next
+        :meth:`schedule` (prefix caching registers them as they are held).
+
+        Returns:
+          The request's blocks per KV-cache group (:meth:`KVCacheManager.
+          blocks_of`), or ``None`` when too few blocks are free now (nothing
+          changed).
+
+        Raises:
+          TypeError: If `req` is not a :class:`Request`.
+          ValueError: If the request would be rejected (the reason), is live
+            already, or `num_computed` is not in ``[1, len(prompt) - 1]`` (the
+            last prompt token is computed here: its logits are sampled).
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+          >>> s = jaxkv.Scheduler(plan)
+          >>> r = jaxkv.Request("r", prompt=[1] * 40 + [7], max_new_tokens=2)
+          >>> s.adopt(r, num_computed=40)
+          [[1, 2], [3, 4], [0, 5]]
+          >>> [(q.req_id, n) for q, n in s.schedule().batch], r.num_computed
+          ([('r', 1)], 40)
+        """  # noqa: D205
+        if not isinstance(req, Request):
+            raise TypeError(
+                f"adopt: expected a jaxkv.Request, got {type(req).__name__}."
+            )
+        if req.req_id in self._ids:
+            raise ValueError(f"adopt: request id {req.req_id!r} is already live.")
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            raise ValueError(f"adopt: request {req.req_id!r} {reason}.")
+        n = num_computed
+        if (
+            not isinstance(n, int)
+            or isinstance(n, bool)
+            or not 1 <= n < len(req.prompt)
+        ):
+            raise ValueError(
+                f"adopt: num_computed={n!r} for request {req.req_id!r} must be in "
+                f"[1, {len(req.prompt) - 1}] (its last prompt token is computed "
+                "here)."
+            )
+        req.prompt = [int(t) for t in req.prompt]
+        req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
+        req.max_new_tokens = int(req.max_new_tokens)
+        if not self.manager.allocate(req, n):
+            return None
+        req.num_computed = n
+        self.manager.commit(req)
+        req.status = RequestStatus.RUNNING
+        self._ids.add(req.req_id)
+        self.running.append(req)
+        return self.manager.blocks_of(req)
+
     def _chunk(self, req: Request, budget: int, start: int) -> int:
         """Tokens `req` computes from `start` under `budget`.
 

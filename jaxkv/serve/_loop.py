@@ -19,7 +19,7 @@ from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
 from jaxkv.sched import Request, ScheduledStep, Scheduler
 from jaxkv.serve._checks import check_loop_arguments, check_param_specs
 from jaxkv.serve._device_step import DeviceStep, Forward
-from jaxkv.serve._pipeline import StepPipeline
+from jaxkv.serve._moves import RequestMoves
 from jaxkv.serve._sampling import (
     SamplingParams,
     abstract_sampling_rows,
@@ -31,7 +31,7 @@ from jaxkv.step import (
 )
 
 
-class ServingLoop(StepPipeline):
+class ServingLoop(RequestMoves):
     """Serves requests with your model's step through jaxkv.
 
     Each :meth:`step`: the :class:`Scheduler` picks requests and tokens
