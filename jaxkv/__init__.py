@@ -44,6 +44,7 @@ from jaxkv._specs import (
     SlidingWindowSpec,
 )
 from jaxkv._transfer import LayerKV, RequestKV, export_request, import_request
+from jaxkv._transfer_ranks import export_rank_request, import_rank_request
 from jaxkv.cache import (
     KVCacheBudget,
     KVCachePlan,
@@ -128,9 +129,11 @@ __all__ = [
     "StepMetadataBuilder",
     "UniformTypeKVCacheSpecs",
     "count_compilations",
+    "export_rank_request",
     "export_request",
     "gather_kv_pages",
     "get_backend",
+    "import_rank_request",
     "import_request",
     "kernel_cache",
     "kv_cache_budget",

@@ -376,3 +376,26 @@ def test_a_refused_adoption_changes_nothing():
     assert fits.adopt(moved, kv)
     with pytest.raises(ValueError, match="already live"):
         fits.adopt(moved, kv)
+
+
+@pytest.mark.slow
+def test_a_request_moves_between_tensor_parallel_degrees():
+    """1 -> 2x2 (data rank 1) -> 1x4 -> 1x2 -> 1 on 4 simulated devices, with 4
+    and with 2 KV heads (replicated over 4 ranks): each rank holds exactly its
+    heads and Mamba slices, other ranks' shards unchanged, the round trip
+    byte-exact (``transfer_mesh_check.py``).
+    """  # noqa: D205
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("transfer_mesh_check.py")
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")
