@@ -43,8 +43,6 @@ from jaxkv._specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from jaxkv._transfer import LayerKV, RequestKV, export_request, import_request
-from jaxkv._transfer_ranks import export_rank_request, import_rank_request
 from jaxkv.cache import (
     KVCacheBudget,
     KVCachePlan,
@@ -106,7 +104,6 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheView",
     "LayerConfig",
-    "LayerKV",
     "LayerStack",
     "MLAAttentionSpec",
     "MambaSpec",
@@ -114,7 +111,6 @@ __all__ = [
     "Programs",
     "RawPageSpec",
     "Request",
-    "RequestKV",
     "RequestStatus",
     "RunnerConfig",
     "SamplingParams",
@@ -129,12 +125,8 @@ __all__ = [
     "StepMetadataBuilder",
     "UniformTypeKVCacheSpecs",
     "count_compilations",
-    "export_rank_request",
-    "export_request",
     "gather_kv_pages",
     "get_backend",
-    "import_rank_request",
-    "import_request",
     "kernel_cache",
     "kv_cache_budget",
     "llama_like_config",
@@ -161,7 +153,16 @@ __all__ = [
     "zero_blocks",
 ]
 
-_PUBLIC_MODULES = ("cache", "groups", "pictures", "sched", "serve", "step", "vllm")
+_PUBLIC_MODULES = (
+    "cache",
+    "groups",
+    "pictures",
+    "sched",
+    "serve",
+    "step",
+    "transfer",
+    "vllm",
+)
 # Where a name outside __all__ resolves, in order: vLLM's names first (the
 # seeds' API, where a vLLM port's user looks), then each layer's sub-package.
 _ELSEWHERE = (
@@ -171,6 +172,7 @@ _ELSEWHERE = (
     "jaxkv.sched",
     "jaxkv.step",
     "jaxkv.serve",
+    "jaxkv.transfer",
 )
 
 

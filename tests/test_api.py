@@ -92,7 +92,16 @@ def test_the_plan_first_namespace_is_curated():
     assert 40 <= len(jaxkv.__all__) <= 70, len(jaxkv.__all__)
     assert not set(SEED_NAMES) & set(jaxkv.__all__)
     assert not [n for n in jaxkv.__all__ if n.startswith("_")]
-    modules = {"cache", "groups", "pictures", "sched", "serve", "step", "vllm"}
+    modules = {
+        "cache",
+        "groups",
+        "pictures",
+        "sched",
+        "serve",
+        "step",
+        "transfer",
+        "vllm",
+    }
     assert set(dir(jaxkv)) == set(jaxkv.__all__) | modules | {"__version__"}
     with pytest.raises(AttributeError, match="no_such_name"):
         jaxkv.no_such_name  # noqa: B018
@@ -102,7 +111,7 @@ def test_every_sub_package_name_has_a_docstring():
     import importlib
 
     missing = []
-    for mod in ("vllm", "cache", "groups", "sched", "step", "serve"):
+    for mod in ("vllm", "cache", "groups", "sched", "step", "serve", "transfer"):
         module = importlib.import_module(f"jaxkv.{mod}")
         assert list(module.__all__) == sorted(module.__all__), mod
         for name in module.__all__:

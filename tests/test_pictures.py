@@ -4,6 +4,7 @@ layout model, step pictures against the step's arrays, PNGs that render."""
 import io
 from typing import Any
 
+import jax
 import matplotlib
 import numpy as np
 import pytest
@@ -206,3 +207,52 @@ def test_pictures_name_a_bad_argument(call, error, match):
     plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
     with pytest.raises(error, match=match):
         call(plan, _step_arrays())
+
+
+@pytest.mark.parametrize(
+    ("src_backend", "dst_backend"),
+    [("JAX_PAGED", "JAX_PAGED_KV_FIRST"), ("JAX_PAGED_KV_FIRST", "JAX_PAGED_FUSED")],
+)
+def test_the_transfer_picture_marks_exactly_the_bytes_a_move_writes(
+    src_backend, dst_backend
+):
+    # One layer per plan: its pool's bytes are that layer's only. The bytes
+    # the picture gives tokens are the bytes write_kv filled on the source and
+    # import_request filled on the target (a zero pool, nonzero K/V).
+    from jaxkv.pictures import transfer_map
+
+    def plan(backend, block_size):
+        cfg = jaxkv.llama_like_config(
+            num_layers=1, attention_backend=backend, block_size=block_size
+        )
+        return jaxkv.make_plan(cfg, num_blocks=8)
+
+    src, dst = plan(src_backend, 16), plan(dst_backend, 32)
+    name = src.runner_config.layers[0].name
+    n = 40
+    rng = np.random.default_rng(0)
+    k = rng.uniform(1, 2, (n, 2, 32)).astype(np.float32)
+    s_ids, d_ids = [3, 1, 5], [6, 2]
+    slots = np.array([s_ids[p // 16] * 16 + p % 16 for p in range(n)])
+    pools = jaxkv.write_kv(src.allocate(), src.views[name], k, k + 1, slots)
+    kv = jaxkv.transfer.export_request(src, pools, block_ids=[s_ids], num_tokens=n)
+    out = jaxkv.transfer.import_request(dst, dst.allocate(), kv, block_ids=[d_ids])
+    m = transfer_map(
+        src, dst, layer=name, source_blocks=s_ids, target_blocks=d_ids, num_tokens=n
+    )
+    assert m.moved == n
+
+    def written(pools):
+        raw = np.asarray(jax.device_get(pools[0])).reshape(-1).view(np.uint8)
+        # A float in [1, 3) has a nonzero high byte: no written byte reads 0
+        # in every byte of its element.
+        per_elem = raw.reshape(-1, 4).any(axis=1)
+        return np.repeat(per_elem, 4)
+
+    np.testing.assert_array_equal(written(pools), (m.source >= 0).reshape(-1))
+    np.testing.assert_array_equal(written(out), (m.target >= 0).reshape(-1))
+    # Each token holds the same bytes on both sides.
+    np.testing.assert_array_equal(
+        np.bincount(m.source[m.source >= 0], minlength=n),
+        np.bincount(m.target[m.target >= 0], minlength=n),
+    )

@@ -202,7 +202,7 @@ def _move(src_name, dst_name, n=N):
     src = _plan(src_name)
     dst = _plan(dst_name)
     pools, src_ids, want_kv, want_state = _filled(src, seed=len(src_name), n=n)
-    kv = jaxkv.export_request(src, pools, block_ids=src_ids, num_tokens=n)
+    kv = jaxkv.transfer.export_request(src, pools, block_ids=src_ids, num_tokens=n)
     # Each cache once: KV-sharing layers read their target's.
     assert set(kv.attention) | set(kv.states) == set(_owning(src))
     m = jaxkv.KVCacheManager(dst)
@@ -215,7 +215,7 @@ def _move(src_name, dst_name, n=N):
     # write must keep them.
     target = tuple(jax.numpy.full(p.shape, 7, p.dtype) for p in dst.allocate())
     before = [_pool_bytes(target, i).copy() for i in range(len(target))]
-    out = jaxkv.import_request(dst, target, kv, block_ids=ids)
+    out = jaxkv.transfer.import_request(dst, target, kv, block_ids=ids)
     _check_moved(dst, out, before, ids, want_kv, want_state, src_ids, src, n)
     # Nothing outside the request's blocks was written (the bytes every view
     # addresses in them, K and V halves, page padding, other layers' pages).
@@ -270,7 +270,7 @@ def test_moving_to_the_same_plan_round_trips():
 def test_what_cannot_move_is_refused_naming_what_differs():
     src = _hybrid("JAX_PAGED", 32)
     pools, ids, _, _ = _filled(src, seed=0)
-    kv = jaxkv.export_request(src, pools, block_ids=ids, num_tokens=N)
+    kv = jaxkv.transfer.export_request(src, pools, block_ids=ids, num_tokens=N)
     other_heads = jaxkv.make_plan(
         jaxkv.tiny_hybrid_config(num_kv_heads=4, num_heads=8, sliding_window=48),
         num_blocks=16,
@@ -278,22 +278,28 @@ def test_what_cannot_move_is_refused_naming_what_differs():
     with pytest.raises(
         ValueError, match="layer 'layers.0.self_attn': the target's keys"
     ):
-        jaxkv.import_request(other_heads, other_heads.allocate(), kv, block_ids=ids)
+        jaxkv.transfer.import_request(
+            other_heads, other_heads.allocate(), kv, block_ids=ids
+        )
     llama = _llama("JAX_PAGED", 32, "words")
     with pytest.raises(ValueError, match="cached layers differ"):
-        jaxkv.import_request(
+        jaxkv.transfer.import_request(
             llama, llama.allocate(), kv, block_ids=[ids[0]] * len(llama.block_sizes)
         )
     with pytest.raises(ValueError, match="block_ids has 2 tables, the plan has 3"):
-        jaxkv.export_request(src, pools, block_ids=ids[:2], num_tokens=N)
+        jaxkv.transfer.export_request(src, pools, block_ids=ids[:2], num_tokens=N)
     with pytest.raises(ValueError, match=r"block_ids\[0\] has 1 blocks; 70 tokens"):
-        jaxkv.export_request(src, pools, block_ids=[[1], *ids[1:]], num_tokens=N)
+        jaxkv.transfer.export_request(
+            src, pools, block_ids=[[1], *ids[1:]], num_tokens=N
+        )
     with pytest.raises(ValueError, match=r"block_ids\[0\]\[0\] = 99 is not a block"):
-        jaxkv.export_request(src, pools, block_ids=[[99, 1, 2], *ids[1:]], num_tokens=N)
+        jaxkv.transfer.export_request(
+            src, pools, block_ids=[[99, 1, 2], *ids[1:]], num_tokens=N
+        )
     with pytest.raises(ValueError, match="num_tokens must be a positive int"):
-        jaxkv.export_request(src, pools, block_ids=ids, num_tokens=0)
+        jaxkv.transfer.export_request(src, pools, block_ids=ids, num_tokens=0)
     with pytest.raises(ValueError, match="Mamba layer 'layers.2.mixer' has no block"):
-        jaxkv.export_request(
+        jaxkv.transfer.export_request(
             src, pools, block_ids=[ids[0], ids[1], [0, 0, 0]], num_tokens=N
         )
 
@@ -399,3 +405,43 @@ def test_a_request_moves_between_tensor_parallel_degrees():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_in_two_processes_give_the_tokens_of_one(tmp_path):
+    """Two processes on the loopback address, the caches moved with
+    ``jax.experimental.transfer`` (``send_request`` / ``receive_request``):
+    blocks-first pools of 16 for prefill, K/V-first pools of 64 for decode; the
+    tokens of three requests equal a one-process run. Both processes stop by
+    themselves (deadlines of 120 s, killed at 240 s).
+    """  # noqa: D205
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("disagg_check.py")
+    root = script.parent.parent
+    prefill = subprocess.Popen(
+        [sys.executable, str(script), "prefill", str(tmp_path)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        decode = subprocess.run(
+            [sys.executable, str(script), "decode", str(tmp_path)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        try:
+            out, _ = prefill.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            prefill.kill()
+            out, _ = prefill.communicate()
+    assert decode.returncode == 0, decode.stdout[-3000:] + decode.stderr[-3000:]
+    assert prefill.returncode == 0, out[-3000:]
+    assert decode.stdout.strip().endswith("OK")

@@ -76,7 +76,7 @@ def _source():
         else:
             k = rng.standard_normal((N, KV_HEADS[0], 16)).astype(np.float32)
             pools = jaxkv.write_kv(pools, view, k, -k, blocks.slot_mappings[g])
-    kv = jaxkv.export_request(plan, pools, block_ids=ids, num_tokens=N)
+    kv = jaxkv.transfer.export_request(plan, pools, block_ids=ids, num_tokens=N)
     return kv
 
 
@@ -108,13 +108,15 @@ def _move_to_mesh(kv, d, t, data):
         ]
         for p in pools
     ]
-    pools = jaxkv.import_rank_request(sp, pools, kv, data=data, block_ids=ids)
+    pools = jaxkv.transfer.import_rank_request(sp, pools, kv, data=data, block_ids=ids)
     # Each tensor rank holds exactly its heads and state slices.
     for j in range(t):
         local_pools = tuple(
             jax.device_put(sp.rank_pool(p, data=data, tensor=j)) for p in pools
         )
-        part = jaxkv.export_request(sp.local, local_pools, block_ids=ids, num_tokens=N)
+        part = jaxkv.transfer.export_request(
+            sp.local, local_pools, block_ids=ids, num_tokens=N
+        )
         h = KV_HEADS[0]  # vLLM's split: a block of heads, or one replicated
         heads = (
             np.arange(j * (h // t), (j + 1) * (h // t))
@@ -144,7 +146,9 @@ def _move_to_mesh(kv, d, t, data):
                 np.testing.assert_array_equal(
                     sp.rank_pool(p, data=i, tensor=j), b[i][j]
                 )
-    back = jaxkv.export_rank_request(sp, pools, data=data, block_ids=ids, num_tokens=N)
+    back = jaxkv.transfer.export_rank_request(
+        sp, pools, data=data, block_ids=ids, num_tokens=N
+    )
     _same(kv, back)
     return back
 
@@ -164,8 +168,8 @@ def _round_trip() -> None:
     at2 = _move_to_mesh(at4, 1, 2, data=0)
     plan = jaxkv.make_plan(_config(), num_blocks=16)
     ids, _ = _blocks(plan, N)
-    pools = jaxkv.import_request(plan, plan.allocate(), at2, block_ids=ids)
-    _same(kv, jaxkv.export_request(plan, pools, block_ids=ids, num_tokens=N))
+    pools = jaxkv.transfer.import_request(plan, plan.allocate(), at2, block_ids=ids)
+    _same(kv, jaxkv.transfer.export_request(plan, pools, block_ids=ids, num_tokens=N))
 
 
 if __name__ == "__main__":

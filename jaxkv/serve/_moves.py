@@ -6,9 +6,9 @@ disaggregation).
 
 from __future__ import annotations
 
-from jaxkv._transfer import RequestKV, export_request, import_request
 from jaxkv.sched import Request, RequestStatus, Scheduler
 from jaxkv.serve._pipeline import StepPipeline
+from jaxkv.transfer import RequestKV, export_request, import_request
 
 
 class RequestMoves(StepPipeline):

@@ -69,7 +69,7 @@ class RequestKV:
     Example:
       >>> import jaxkv
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
-      >>> kv = jaxkv.export_request(plan, plan.allocate(),
+      >>> kv = jaxkv.transfer.export_request(plan, plan.allocate(),
       ...                           block_ids=[[1], [2], [3]], num_tokens=5)
       >>> kv.num_tokens, kv.attention["layers.0.self_attn"].keys.shape
       (5, (5, 2, 32))
@@ -82,7 +82,7 @@ class RequestKV:
     states: Mapping[str, tuple[jax.Array, ...]]
 
 
-def _owning_layers(plan: KVCachePlan) -> list[tuple[int, str, AttentionGroup | None]]:
+def owning_layers(plan: KVCachePlan) -> list[tuple[int, str, AttentionGroup | None]]:
     """``(kv-cache group, layer, attention group)`` of every layer owning its
     view (KV-sharing layers read their target's and are left out).
     """  # noqa: D205
@@ -187,15 +187,15 @@ def export_request(
       >>> r = jaxkv.Request("r", prompt=[1] * 40, max_new_tokens=1)
       >>> m.allocate(r, 40), m.blocks_of(r)
       (True, [[1, 2], [3, 4], [0, 5]])
-      >>> kv = jaxkv.export_request(plan, plan.allocate(), block_ids=m.blocks_of(r),
-      ...                           num_tokens=40)
+      >>> kv = jaxkv.transfer.export_request(plan, plan.allocate(),
+      ...     block_ids=m.blocks_of(r), num_tokens=40)
       >>> kv.attention["layers.1.self_attn"].present.all()  # a window of 64
       np.True_
     """
     tables, n = _checked_ids(plan, block_ids, num_tokens, "export_request")
     attention: dict[str, LayerKV] = {}
     states: dict[str, tuple[jax.Array, ...]] = {}
-    for g, name, group in _owning_layers(plan):
+    for g, name, group in owning_layers(plan):
         view = plan.views[name]
         ids, bs = tables[g], plan.block_sizes[g]
         if isinstance(view, MambaView):
@@ -323,14 +323,15 @@ def import_request(
       >>> k = jnp.arange(5 * 2 * 32, dtype=jnp.float32).reshape(5, 2, 32)
       >>> pools = jaxkv.write_kv(src.allocate(), src.views[name], k, k,
       ...                        jnp.array([32, 33, 34, 35, 36]))
-      >>> kv = jaxkv.export_request(src, pools, block_ids=[[1]] * 3, num_tokens=5)
-      >>> out = jaxkv.import_request(dst, dst.allocate(), kv, block_ids=[[3]] * 3)
-      >>> back = jaxkv.export_request(dst, out, block_ids=[[3]] * 3, num_tokens=5)
+      >>> move = jaxkv.transfer
+      >>> kv = move.export_request(src, pools, block_ids=[[1]] * 3, num_tokens=5)
+      >>> out = move.import_request(dst, dst.allocate(), kv, block_ids=[[3]] * 3)
+      >>> back = move.export_request(dst, out, block_ids=[[3]] * 3, num_tokens=5)
       >>> bool((back.attention[name].keys == k).all())
       True
     """
     tables, n = _checked_ids(plan, block_ids, kv.num_tokens, "import_request")
-    layers = _owning_layers(plan)
+    layers = owning_layers(plan)
     mine = {name for _, name, _ in layers}
     theirs = set(kv.attention) | set(kv.states)
     if mine != theirs:

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv._transfer import LayerKV, RequestKV, export_request, import_request
 from jaxkv.cache import Pools, ShardedPlan
+from jaxkv.transfer._requests import LayerKV, RequestKV, export_request, import_request
 
 
 def _check_rank(sharded: ShardedPlan, data: object, fn: str) -> int:
@@ -91,7 +91,7 @@ def export_rank_request(
       >>> import jaxkv
       >>> sp = jaxkv.shard_plan(jaxkv.tiny_hybrid_config(),
       ...     mesh=jax.make_mesh((1, 1), ("data", "tensor")), num_blocks=8)
-      >>> kv = jaxkv.export_rank_request(sp, sp.allocate(), data=0,
+      >>> kv = jaxkv.transfer.export_rank_request(sp, sp.allocate(), data=0,
       ...     block_ids=[[1], [2], [3]], num_tokens=5)
       >>> kv.attention["layers.0.self_attn"].keys.shape  # every KV head
       (5, 2, 32)
@@ -228,11 +228,11 @@ def import_rank_request(
       >>> import jax
       >>> import jaxkv
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
-      >>> kv = jaxkv.export_request(plan, plan.allocate(),
+      >>> kv = jaxkv.transfer.export_request(plan, plan.allocate(),
       ...                           block_ids=[[1], [2], [3]], num_tokens=5)
       >>> sp = jaxkv.shard_plan(jaxkv.tiny_hybrid_config(),
       ...     mesh=jax.make_mesh((1, 1), ("data", "tensor")), num_blocks=8)
-      >>> pools = jaxkv.import_rank_request(sp, sp.allocate(), kv, data=0,
+      >>> pools = jaxkv.transfer.import_rank_request(sp, sp.allocate(), kv, data=0,
       ...                                   block_ids=[[4], [5], [6]])
       >>> [p.shape[:2] for p in pools]  # (data, tensor) ranks
       [(1, 1), (1, 1)]
