@@ -23,11 +23,11 @@ if __name__ == "__main__":  # never when pytest imports this file for doctests
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.experimental import transfer  # noqa: E402
 
 import jaxkv  # noqa: E402
 import jaxkv.demo  # noqa: E402
+from tests.mesh_cases import transfer_engine  # noqa: E402
 
 PROMPTS = [
     np.random.default_rng(s).integers(1, 64, 30 + 11 * s).tolist() for s in range(3)
@@ -36,21 +36,7 @@ NEW = 6
 
 
 def _engine(backend: str, block_size: int) -> jaxkv.demo.Engine:
-    cfg = jaxkv.tiny_hybrid_config(
-        attention_backend=backend,
-        block_size=block_size,
-        head_size=16,
-        num_heads=2,
-        sliding_window=32,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        token_buckets=(8, 64),
-        request_buckets=(4,),
-        kv_sharing_fast_prefill=False,
-    )
-    model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(3))
-    return jaxkv.demo.Engine(cfg, model, num_blocks=64)
+    return transfer_engine(backend, block_size)[0]
 
 
 def _server() -> Any:

@@ -62,3 +62,34 @@ def rank_steps(
             for tb, sl in zip(tables, slots, strict=True)
         ]
     )
+
+
+def transfer_engine(
+    backend: str,
+    block_size: int,
+    model: jaxkv.demo.TinyHybridModel | None = None,
+    *,
+    record_logits: bool = False,
+) -> tuple[jaxkv.demo.Engine, jaxkv.demo.TinyHybridModel]:
+    """The demo hybrid model on `backend` pools of `block_size` (the KV-cache
+    moves of tests/test_transfer.py and disagg_check.py), and its model.
+    """  # noqa: D205
+    from flax import nnx
+
+    cfg = jaxkv.tiny_hybrid_config(
+        attention_backend=backend,
+        block_size=block_size,
+        head_size=16,
+        num_heads=2,
+        sliding_window=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        token_buckets=(8, 64),
+        request_buckets=(4,),
+        kv_sharing_fast_prefill=False,
+    )
+    if model is None:
+        model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(3))
+    engine = jaxkv.demo.Engine(cfg, model, num_blocks=64, record_logits=record_logits)
+    return engine, model

@@ -13,6 +13,7 @@ from flax import nnx
 
 import jaxkv
 import jaxkv.demo
+from tests.mesh_cases import transfer_engine
 
 N = 70  # tokens: crosses blocks of 16, 32 and 64, and the window of 48
 # (and 64: the Mamba state then ends exactly on a block boundary)
@@ -53,6 +54,15 @@ def _plan(name):
     return _hybrid(*HYBRID[name]) if name in HYBRID else _llama(*LLAMA[name])
 
 
+def _group_of(plan):
+    """Layer name -> its KV-cache group."""
+    return {
+        name: g
+        for g, grp in enumerate(plan.kv_cache_config.kv_cache_groups)
+        for name in grp.layer_names
+    }
+
+
 def _owning(plan):
     seen, out = set(), {}
     for name, view in plan.views.items():
@@ -73,11 +83,7 @@ def _filled(plan, seed, n=None):
     blocks = m.step_blocks([(req, n)])
     pools = plan.allocate()
     want_kv, want_state = {}, {}
-    groups = {
-        name: g
-        for g, grp in enumerate(plan.kv_cache_config.kv_cache_groups)
-        for name in grp.layer_names
-    }
+    groups = _group_of(plan)
     for name, view in _owning(plan).items():
         g = groups[name]
         if isinstance(view, jaxkv.MambaView):
@@ -158,16 +164,8 @@ def _oracle_state(pools, view, block):
 
 
 def _check_moved(dst, pools, before, ids, want_kv, want_state, src_ids, src_plan, n):
-    groups = {
-        name: g
-        for g, grp in enumerate(dst.kv_cache_config.kv_cache_groups)
-        for name in grp.layer_names
-    }
-    src_groups = {
-        name: g
-        for g, grp in enumerate(src_plan.kv_cache_config.kv_cache_groups)
-        for name in grp.layer_names
-    }
+    groups = _group_of(dst)
+    src_groups = _group_of(src_plan)
     for name, view in _owning(dst).items():
         g = groups[name]
         bs = dst.block_sizes[g]
@@ -220,11 +218,7 @@ def _move(src_name, dst_name, n=N):
     # Nothing outside the request's blocks was written (the bytes every view
     # addresses in them, K and V halves, page padding, other layers' pages).
     owned = [np.zeros(_pool_bytes(out, i).size, bool) for i in range(len(out))]
-    groups = {
-        name: g
-        for g, grp in enumerate(dst.kv_cache_config.kv_cache_groups)
-        for name in grp.layer_names
-    }
+    groups = _group_of(dst)
     for name, view in _owning(dst).items():
         g = groups[name]
         blocks = np.array([b for b in ids[g] if b])
@@ -305,22 +299,7 @@ def test_what_cannot_move_is_refused_naming_what_differs():
 
 
 def _engine(backend, block_size, model=None):
-    cfg = jaxkv.tiny_hybrid_config(
-        attention_backend=backend,
-        block_size=block_size,
-        head_size=16,
-        num_heads=2,
-        sliding_window=32,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        token_buckets=(8, 64),
-        request_buckets=(4,),
-        kv_sharing_fast_prefill=False,
-    )
-    if model is None:
-        model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(3))
-    return jaxkv.demo.Engine(cfg, model, num_blocks=64, record_logits=True), model
+    return transfer_engine(backend, block_size, model, record_logits=True)
 
 
 def test_a_request_prefilled_on_one_plan_decodes_on_another_as_if_never_moved():
