@@ -77,7 +77,7 @@ def _check_mesh(
     with count_compilations() as compiles:
         engine.run(got)
     assert compiles == [], compiles
-    # Fast prefill armed on the mesh too (staged per data rank in the step).
+    # Fast prefill armed on the mesh too (staged per data rank by the builder).
     assert engine.counters["fast_prefill_armed"] > 0, engine.counters
     for a, b in zip(want, got, strict=True):
         assert a.output == b.output, (a.req_id, a.output, b.output)

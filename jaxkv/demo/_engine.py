@@ -64,8 +64,9 @@ class Engine(ServingLoop):
     `tensor_axis` and data-parallel over requests on `data_axis`: pools from
     :func:`shard_plan`, the model's weights split by
     :func:`~jaxkv.demo._tensor_parallel.tensor_parallel_state`, the loop's
-    ``shard_map`` per step (check_vma on), one scheduler per data rank, fast
-    prefill staged per rank inside the step.
+    ``shard_map`` per step (check_vma on), one scheduler per data rank, every
+    rank's step prepared at once by the builder (fast prefill staged on each
+    rank's row).
 
     Args:
       config: The runner configuration (layers, limits, buckets).
