@@ -302,25 +302,40 @@ def _engine(backend, block_size, model=None):
     return transfer_engine(backend, block_size, model, record_logits=True)
 
 
-def test_a_request_prefilled_on_one_plan_decodes_on_another_as_if_never_moved():
-    # Prefill on blocks-first pools of 16, decode on K/V-first pools of 64:
-    # the moved request's tokens and logits equal an unmoved run's.
+SERVED = [("JAX_PAGED", 16), ("JAX_PAGED_FUSED", 32), ("JAX_PAGED_KV_FIRST", 64)]
+SERVED_PAIRS = [
+    # One pair in the default run, every other ordered pair in the slow pass.
+    pytest.param(
+        a,
+        b,
+        marks=[] if (a, b) == (SERVED[0], SERVED[2]) else [pytest.mark.slow],
+        id=f"{a[0]}/{a[1]}->{b[0]}/{b[1]}",
+    )
+    for a, b in itertools.permutations(SERVED, 2)
+]
+
+
+@pytest.mark.parametrize(("src", "dst"), SERVED_PAIRS)
+def test_a_request_prefilled_on_one_plan_decodes_on_another_as_if_never_moved(src, dst):
+    # Prefill on one layout and block size, decode on another (the hybrid
+    # model: full and sliding-window attention, Mamba, YOCO): the moved
+    # request's tokens and logits equal an unmoved run's.
     prompt = np.random.default_rng(5).integers(1, 64, 50).tolist()
-    ref_engine, model = _engine("JAX_PAGED", 16)
+    ref_engine, model = _engine(*src)
     ref = jaxkv.Request("ref", prompt=prompt, max_new_tokens=6)
     ref_engine.submit(ref)
     while ref_engine.has_unfinished:
         ref_engine.step()
     want_logits = ref_engine.logits["ref"]
 
-    prefill, _ = _engine("JAX_PAGED", 16, model)
+    prefill, _ = _engine(src[0], src[1], model)
     first = jaxkv.Request("p", prompt=prompt, max_new_tokens=6)
     prefill.submit(first)
     while not first.output:
         prefill.step()
     kv = prefill.export_request(first)
     assert kv.num_tokens == len(prompt)
-    decode, _ = _engine("JAX_PAGED_KV_FIRST", 64, model)
+    decode, _ = _engine(dst[0], dst[1], model)
     moved = jaxkv.Request("d", prompt=prompt + first.output, max_new_tokens=5)
     assert decode.adopt(moved, kv)
     while decode.has_unfinished:
