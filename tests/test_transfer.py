@@ -439,3 +439,23 @@ def test_prefill_and_decode_in_two_processes_give_the_tokens_of_one(tmp_path):
     assert decode.returncode == 0, decode.stdout[-3000:] + decode.stderr[-3000:]
     assert prefill.returncode == 0, out[-3000:]
     assert decode.stdout.strip().endswith("OK")
+
+
+def test_a_packed_pools_strided_kernel_view_is_refused_on_both_sides():
+    cfg = jaxkv.tiny_hybrid_config(attention_backend="FLASHINFER", block_size=128)
+    packed = jaxkv.make_plan(cfg, num_blocks=8, packed=True, maps_slot_mapping=True)
+    ids = [[1], [2], [3]]
+    with pytest.raises(ValueError, match="kernel_block_stride=4 .* not supported"):
+        jaxkv.transfer.export_request(
+            packed, packed.allocate(), block_ids=ids, num_tokens=5
+        )
+    plain = jaxkv.make_plan(cfg, num_blocks=8)
+    kv = jaxkv.transfer.export_request(
+        plain, plain.allocate(), block_ids=ids, num_tokens=5
+    )
+    pools = packed.allocate()
+    before = [np.asarray(p).copy() for p in pools]
+    with pytest.raises(ValueError, match="import_request: layer 'layers.0.self_attn'"):
+        jaxkv.transfer.import_request(packed, pools, kv, block_ids=ids)
+    for a, b in zip(before, pools, strict=True):  # checked before any write
+        np.testing.assert_array_equal(a, np.asarray(b))

@@ -147,12 +147,17 @@ def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Ar
     return jnp.asarray([block], jnp.int32)
 
 
-def _kernel_table(group: AttentionGroup, ids: np.ndarray, fn: str, name: str) -> Any:
+def _refuse_strided(group: AttentionGroup, fn: str, name: str) -> None:
+    """Packed pools' strided kernel views are not moved (yet)."""
     if group.kernel_block_stride:
         raise ValueError(
             f"{fn}: layer {name!r} is a kernel view with kernel_block_stride="
             f"{group.kernel_block_stride} (a packed pool): not supported yet."
         )
+
+
+def _kernel_table(group: AttentionGroup, ids: np.ndarray, fn: str, name: str) -> Any:
+    _refuse_strided(group, fn, name)
     return group.map_to_kernel_block_table(ids[None, :])
 
 
@@ -279,12 +284,7 @@ def _checked_layer(
     )
     _check_layer(name, want_k, layer.keys, "keys")
     _check_layer(name, want_v, layer.values, "values")
-    if group.kernel_block_stride:
-        raise ValueError(
-            f"import_request: layer {name!r} is a kernel view with "
-            f"kernel_block_stride={group.kernel_block_stride} (a packed pool): not "
-            "supported yet."
-        )
+    _refuse_strided(group, "import_request", name)
     return view
 
 
