@@ -37,6 +37,11 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
         ("bench_layer_scan", "--layers 3 --tokens 32".split()),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
         (
+            "bench_offload",
+            "--prefixes 3 --prefix 32 --suffix 4 --per-prefix 1 --new 2 --rounds 2 "
+            "--device-blocks 6 --host-blocks 32 --layers 1 --iters 1".split(),
+        ),
+        (
             "bench_sched",
             "--running 4 --prompt 24 --prefix 8 --steps 3".split(),
         ),
@@ -131,6 +136,16 @@ def _prefix(r):
     assert cached["compiles"] == uncached["compiles"] == 0
 
 
+def _offload(r):
+    assert r["identical"]
+    modes = r["modes"]
+    dev, host = modes["device prefix cache only"], modes["device + host tier"]
+    assert r["tokens_saved"] > 0
+    assert host["prompt tokens computed"] < dev["prompt tokens computed"]
+    assert host["blocks back"] > 0
+    assert all(m["compiles"] == 0 for m in modes.values())
+
+
 def _step_metadata(r):
     assert r["executables"] >= 1
     assert _positive(r["packed_ms"], r["naive_ms"], r["kernel_ms"])
@@ -145,6 +160,7 @@ FIGURES = {
     "bench_serve": _serve,
     "bench_sched": _sched,
     "bench_prefix": _prefix,
+    "bench_offload": _offload,
     "bench_step_metadata": _step_metadata,
 }
 

@@ -61,6 +61,10 @@ class BlockAllocator:
         # key -> its blocks, first registered first (a dict as an ordered set).
         self._cached: dict[Hashable, dict[int, None]] = {}
         self.num_evictions = 0
+        #: Keep ``(block, key)`` of each block :meth:`allocate` evicts, for
+        #: :meth:`take_evicted` (a host tier copies them out first).
+        self.record_evictions = False
+        self._evicted: list[tuple[int, Hashable]] = []
 
     @property
     def num_free(self) -> int:
@@ -105,6 +109,8 @@ class BlockAllocator:
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
             if block in self._key_of:
+                if self.record_evictions:
+                    self._evicted.append((block, self._key_of[block]))
                 self._evict(block)
             self._refs[block] = 1
             out.append(block)
@@ -117,6 +123,13 @@ class BlockAllocator:
         if not copies:
             del self._cached[key]
         self.num_evictions += 1
+
+    def take_evicted(self) -> list[tuple[int, Hashable]]:
+        """``(block, key)`` of the cached blocks :meth:`allocate` evicted since
+        the last call (with :attr:`record_evictions` set), first evicted first.
+        """  # noqa: D205
+        out, self._evicted = self._evicted, []
+        return out
 
     def free(self, ids: Sequence[int]) -> None:
         """Drops one hold on each id, in eviction order (first evicted first).

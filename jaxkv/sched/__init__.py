@@ -1,7 +1,8 @@
 """sched: requests, the block manager with prefix caching, the scheduler.
 
 ``_request`` (a request's tokens and state) -> ``_prefix`` (block hashes,
-the longest cached prefix, the manager's prefix-cache side) ->
+the longest cached prefix, the manager's prefix-cache side; ``_host_tier``:
+evicted prefix blocks kept in host memory and copied back on a hit) ->
 ``_table_rows`` (block tables as arrays, a batch's slots) -> ``_manager``
 (blocks per group, vLLM's ``KVCacheManager`` semantics) -> ``_scheduled``
 (a scheduled step, its host arrays) -> ``_scheduler`` (admission, chunked
@@ -9,6 +10,7 @@ prefill, preemption) with ``_outcomes`` (applying a step: update, async
 scheduling's advance/resolve, recompute).
 """  # noqa: D205
 
+from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._prefix import (
     hash_token_blocks,
@@ -21,6 +23,7 @@ from jaxkv.sched._scheduler import Scheduler
 from jaxkv.sched._table_rows import StepBlocks
 
 __all__ = [
+    "HostKVCache",
     "KVCacheManager",
     "Request",
     "RequestStatus",

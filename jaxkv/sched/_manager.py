@@ -5,6 +5,7 @@ prefix caching, window freeing and Mamba state blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -15,8 +16,9 @@ from jaxkv._specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from jaxkv._util import cdiv
+from jaxkv._util import cdiv, is_int
 from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
+from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._prefix import PrefixHits, prefix_caching_unsupported
 from jaxkv.sched._request import Request
 from jaxkv.sched._table_rows import StepBlocks, TableRows
@@ -48,13 +50,19 @@ class KVCacheManager(PrefixHits):
     least one token is always computed). Freed blocks stay cached until
     allocation evicts them (:class:`BlockAllocator`: uncached blocks are
     reused first, cached ones evicted least recently freed first; copies of
-    one prefix all stay cached). Models with cross-attention or encoder-only
-    caches (not a function of the tokens) cannot enable it.
+    one prefix all stay cached). With `host_blocks`, evicted prefix blocks
+    are copied to a :class:`HostKVCache` first, and a hit on a block only the
+    host holds takes a new device block with the bytes copied back (run by
+    ``manager.host.flush(pools)`` before the step). Models with
+    cross-attention or encoder-only caches (not a function of the tokens)
+    cannot enable it.
 
     Args:
       plan: The model's plan (its groups, block sizes and block count).
       enable_prefix_caching: Reuse cached prefixes.
       num_blocks: Blocks to manage (default: the plan's).
+      host_blocks: Blocks of the host tier (:attr:`host`; 0: none). Needs
+        prefix caching.
 
     Example:
       >>> import jaxkv
@@ -75,6 +83,7 @@ class KVCacheManager(PrefixHits):
         *,
         enable_prefix_caching: bool = False,
         num_blocks: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         """Reads the groups from `plan`; all blocks start free."""
         groups = plan.kv_cache_config.kv_cache_groups
@@ -107,6 +116,20 @@ class KVCacheManager(PrefixHits):
             reason = prefix_caching_unsupported(plan)
             if reason:
                 raise ValueError(f"enable_prefix_caching: {reason}")
+        if not is_int(host_blocks) or host_blocks < 0:
+            raise ValueError(
+                f"KVCacheManager: host_blocks must be an int >= 0, got {host_blocks!r}."
+            )
+        if host_blocks and not self.enable_prefix_caching:
+            raise ValueError(
+                "KVCacheManager: host_blocks needs enable_prefix_caching=True (the "
+                "host tier holds evicted prefix-cache blocks)."
+            )
+        #: The host tier (``None`` without `host_blocks`).
+        self.host = (
+            HostKVCache(plan, num_blocks=int(host_blocks)) if host_blocks else None
+        )
+        self.allocator.record_evictions = self.host is not None
         self._tables: dict[str, list[list[int]]] = {}
         # The same tables as rows of one array per group, kept in step with
         # the lists, so a batch's block table is one gather (no per-step
@@ -210,15 +233,16 @@ class KVCacheManager(PrefixHits):
         self._check_allocate(req, num_new_tokens, num_cached)
         tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
         hits: list[list[int]] = []
+        from_host: list[tuple[int, int, bytes]] = []
         if num_cached:
             found = self._hit_tables(req, num_cached)
             if found is None:
                 return False
-            tables, hits = found
+            tables, hits, from_host = found
         start = num_cached or req.num_computed
         end = start + num_new_tokens
         new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
-        need = sum(map(len, new))
+        need = sum(map(len, new)) + len(from_host)
         touched_free = (
             sum(
                 self.allocator.ref_count(b) == 0 for blocks in hits for b in set(blocks)
@@ -236,11 +260,17 @@ class KVCacheManager(PrefixHits):
                 for j in cols:
                     tables[g] += [0] * (j + 1 - len(tables[g]))
                     tables[g][j] = next(ids)
+            self._copy_evicted()
+            for g, j, block_hash in from_host:
+                tables[g][j] = block = next(ids)
+                self.allocator.cache(block, key=(g, block_hash))
+                if self.host is not None:
+                    self.host.record_restore(key=(g, block_hash), block=block)
         self._tables[req.req_id] = tables
         for g, cols in enumerate(new):
             self._rows.set(req.req_id, g, cols, tables[g])
         for g, blocks in enumerate(hits):
-            if blocks:
+            if blocks or any(h[0] == g for h in from_host):
                 self._rows.set(req.req_id, g, range(len(tables[g])), tables[g])
         registered = self._registered.setdefault(req.req_id, [0] * len(tables))
         if num_cached:
@@ -250,6 +280,17 @@ class KVCacheManager(PrefixHits):
         if self.enable_prefix_caching:
             self._register(req, tables, registered, min(end, req.num_known_tokens))
         return True
+
+    def _copy_evicted(self) -> None:
+        """Records a host copy of each cached block allocation just evicted
+        whose prefix no other device block and no host entry holds.
+        """  # noqa: D205
+        if self.host is None:
+            return
+        for block, key in self.allocator.take_evicted():
+            if self.allocator.lookup(key) is None:
+                group, _ = cast(tuple[int, bytes], key)
+                self.host.record_offload(group=group, block=block, key=key)
 
     def _allocate_decode(self, req: Request) -> bool | None:
         """One more token where every group has its block already.
@@ -350,6 +391,9 @@ class KVCacheManager(PrefixHits):
         if self._tables or self.allocator.num_free != self.num_usable_blocks:
             return False
         self.allocator = BlockAllocator(self.allocator.num_blocks)
+        self.allocator.record_evictions = self.host is not None
+        if self.host is not None:
+            self.host.discard_pending()  # what they would copy is gone
         self._hashes.clear()
         self._registered.clear()
         self._uncommitted.clear()

@@ -13,6 +13,7 @@ import numpy as np
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import CrossAttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
 from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
+from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._request import Request
 
 _ROOT = hashlib.sha256(b"jaxkv-prefix-cache-v1").digest()
@@ -122,6 +123,7 @@ class PrefixHits:
     is_mamba: list[bool]
     specs: list[KVCacheSpec | None]
     allocator: BlockAllocator
+    host: HostKVCache | None
     _hashes: dict[str, dict[int, list[bytes]]]
     _uncommitted: dict[str, list[int]]
     _pending_states: set[int]
@@ -159,14 +161,18 @@ class PrefixHits:
                 k = longest_cache_hit(
                     spec,
                     num_blocks=min(agreed // bs, len(hashes)),
-                    is_cached=lambda j, g=g, h=hashes: (
-                        self.allocator.lookup((g, h[j])) is not None
-                    ),
+                    is_cached=lambda j, g=g, h=hashes: self._is_cached((g, h[j])),
                 )
                 agreed = k * bs
             if agreed == hit:
                 return hit
             hit = agreed
+
+    def _is_cached(self, key: tuple[int, bytes]) -> bool:
+        """On the device, or in the host tier (copied back on a hit)."""
+        if self.allocator.lookup(key) is not None:
+            return True
+        return self.host is not None and key in self.host
 
     def _hit_columns(self, g: int, num_tokens: int) -> list[int]:
         """Columns group `g` reuses for a hit of `num_tokens` (others null)."""
@@ -182,17 +188,27 @@ class PrefixHits:
 
     def _hit_tables(
         self, req: Request, num_cached: int
-    ) -> tuple[list[list[int]], list[list[int]]] | None:
-        """``(tables, hit blocks)`` per group of a cache hit of `num_cached`
-        tokens, or ``None`` while a hit block's Mamba state is still pending.
+    ) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int, bytes]]] | None:
+        """``(tables, hit blocks, host hits)`` per group of a cache hit of
+        `num_cached` tokens, or ``None`` while a hit block's Mamba state is
+        still pending. Host hits are ``(group, column, hash)`` of blocks only
+        the host tier holds (their column is 0 until a block is allocated).
         """  # noqa: D205
         tables: list[list[int]] = []
         hits: list[list[int]] = [[] for _ in self.block_sizes]
+        from_host: list[tuple[int, int, bytes]] = []
         for g, bs in enumerate(self.block_sizes):
             hashes = self._block_hashes(req, bs)
             table = [0] * (num_cached // bs)
             for j in self._hit_columns(g, num_cached):
                 block = self.allocator.lookup((g, hashes[j]))
+                if (
+                    block is None
+                    and self.host is not None
+                    and (g, hashes[j]) in (self.host)
+                ):
+                    from_host.append((g, j, hashes[j]))
+                    continue
                 if block is None:
                     raise ValueError(
                         f"allocate: num_cached={num_cached} is not a cache hit of "
@@ -203,7 +219,7 @@ class PrefixHits:
                 table[j] = block
                 hits[g].append(block)
             tables.append(table)
-        return tables, hits
+        return tables, hits, from_host
 
     def _register(
         self,

@@ -51,6 +51,9 @@ class Scheduler(StepOutcomes):
       enable_prefix_caching: Reuse cached prefixes.
       vocab_size: Check prompt token ids against it (``None``: no check).
       num_blocks: Blocks to manage (default: the plan's).
+      host_blocks: Blocks of a host tier for evicted prefix-cache blocks
+        (:class:`HostKVCache`, at ``scheduler.manager.host``; needs prefix
+        caching; run ``manager.host.flush(pools)`` before each step).
 
     Example:
       >>> import jaxkv
@@ -76,11 +79,15 @@ class Scheduler(StepOutcomes):
         enable_prefix_caching: bool = False,
         vocab_size: int | None = None,
         num_blocks: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         """Creates the block manager; no requests yet."""
         cfg = plan.runner_config
         self.manager = KVCacheManager(
-            plan, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks
+            plan,
+            enable_prefix_caching=enable_prefix_caching,
+            num_blocks=num_blocks,
+            host_blocks=host_blocks,
         )
         # Given limits are checked, never replaced by the config's (0 is not
         # "the default").

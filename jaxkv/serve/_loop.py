@@ -16,8 +16,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
-from jaxkv.sched import Request, ScheduledStep, Scheduler
-from jaxkv.serve._checks import check_loop_arguments, check_param_specs
+from jaxkv.sched import HostKVCache, Request, ScheduledStep, Scheduler
+from jaxkv.serve._checks import (
+    check_host_blocks,
+    check_loop_arguments,
+    check_param_specs,
+)
 from jaxkv.serve._device_step import DeviceStep, Forward
 from jaxkv.serve._moves import RequestMoves
 from jaxkv.serve._sampling import (
@@ -88,6 +92,11 @@ class ServingLoop(RequestMoves):
         samples with :func:`sample_tokens_per_row` from per-row arrays, one
         program for any mix (a sort of the vocabulary per sampled row, which
         a greedy-only loop does not pay).
+      host_blocks: Keep up to this many evicted prefix-cache blocks in host
+        memory (:class:`HostKVCache`, :attr:`host`; needs prefix caching, one
+        device): a prefix hit on one copies it back instead of recomputing
+        it. The copies run just before the step that needs them, compiled by
+        :meth:`warm_up`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -127,9 +136,11 @@ class ServingLoop(RequestMoves):
         param_specs: Any = None,
         dispatcher: BucketDispatcher | None = None,
         per_request_sampling: bool = False,
+        host_blocks: int = 0,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         check_loop_arguments(plan, forward, sampling, param_specs)
+        check_host_blocks(plan, host_blocks, enable_prefix_caching)
         self.sampling = SamplingParams() if sampling is None else sampling
         sharded = plan if isinstance(plan, ShardedPlan) else None
         self.sharded = sharded
@@ -154,7 +165,10 @@ class ServingLoop(RequestMoves):
         }
         self.schedulers: list[Scheduler] = [
             Scheduler(
-                self.plan, enable_prefix_caching=enable_prefix_caching, **self._limits
+                self.plan,
+                enable_prefix_caching=enable_prefix_caching,
+                host_blocks=host_blocks,
+                **self._limits,
             )
             for _ in range(self.num_ranks)
         ]
@@ -208,6 +222,11 @@ class ServingLoop(RequestMoves):
         return jax.device_put(params, shardings), self.sharded.allocate(), specs
 
     @property
+    def host(self) -> HostKVCache | None:
+        """The host tier of evicted prefix blocks (``host_blocks``), or None."""
+        return self.schedulers[0].manager.host
+
+    @property
     def scheduler(self) -> Scheduler:
         """The scheduler (one device, or one data-parallel rank).
 
@@ -223,22 +242,29 @@ class ServingLoop(RequestMoves):
         return self.schedulers[0]
 
     def reset(
-        self, *, enable_prefix_caching: bool = False, num_blocks: int | None = None
+        self,
+        *,
+        enable_prefix_caching: bool = False,
+        num_blocks: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
-        """New schedulers: requests, cached prefixes and recorded logits are
-        forgotten; pools and compiled programs stay.
+        """New schedulers: requests, cached prefixes (the host tier's too) and
+        recorded logits are forgotten; pools and compiled programs stay.
 
         Args:
           enable_prefix_caching: Reuse cached prefixes.
           num_blocks: Blocks each scheduler may use (default: all of the
             pool's); fewer simulate a smaller pool without recompiling.
+          host_blocks: Blocks of a new host tier (see the class).
         """  # noqa: D205
+        check_host_blocks(self.sharded or self.plan, host_blocks, enable_prefix_caching)
         self.resume()
         self.schedulers = [
             Scheduler(
                 self.plan,
                 enable_prefix_caching=enable_prefix_caching,
                 num_blocks=num_blocks,
+                host_blocks=host_blocks,
                 **self._limits,
             )
             for _ in range(self.num_ranks)
@@ -282,6 +308,8 @@ class ServingLoop(RequestMoves):
                 progress(i, len(todo))
             seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
             self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
+        if self.host is not None:
+            self.host.warm_up(pools)
         self.builder.warm_up_host()
         if progress is not None:
             progress(len(todo), len(todo))
