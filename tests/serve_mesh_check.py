@@ -2,6 +2,9 @@
 serves: a tensor-parallel GQA model (its own psum) with data-parallel ranks
 prepared by the loop, nothing per-rank in this script.
 
+Requests also move between meshes: prefilled on 1x4, decoded on 2x2
+(:func:`check_moved`).
+
 Run by ``tests/test_shard.py`` in its own process:
 ``python tests/serve_mesh_check.py 2x4 4x2-auto`` prints OK.
 """  # noqa: D205
@@ -204,8 +207,89 @@ def check(arg, want, want_logits):
     print(arg, "served", len(want), "requests on", d, "data ranks")
 
 
+def check_moved(src=(1, 4), dst=(2, 2)):
+    """Prefill on a `src` (data x tensor) mesh (devices 0-3, Explicit axes),
+    decode on a `dst` mesh (devices 4-7, Auto axes): each request's KV cache
+    moves with ``export_request`` -> ``adopt`` (heads re-split from one
+    tensor-parallel degree to the other, read from and written to the rank
+    that holds the request); tokens and logits equal one device's, never
+    moved.
+    """  # noqa: D205
+    fresh = [
+        (r.req_id, r.prompt, r.max_new_tokens) for r in requests("m")
+    ]  # no stop tokens: every request has tokens left to decode
+    plan = jaxkv.make_plan(CFG, num_blocks=64)
+    ref = jaxkv.ServingLoop(
+        plan, make_forward(plan, None), params(), vocab_size=VOCAB, record_logits=True
+    )
+    want = {
+        r.req_id: r.output
+        for r in ref.run(
+            [jaxkv.Request(i, prompt=p, max_new_tokens=n) for i, p, n in fresh]
+        )
+    }
+    devices = np.array(jax.devices())
+    explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+
+    def loop_on(shape, devs, kind):
+        mesh = jax.make_mesh(
+            shape, ("data", "tensor"), axis_types=(kind,) * 2, devices=devs
+        )
+        sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
+        return jaxkv.ServingLoop(
+            sp,
+            make_forward(sp.local, "tensor"),
+            params(),
+            param_specs=SPECS,
+            vocab_size=VOCAB,
+            record_logits=True,
+            overlap=False,
+        )
+
+    prefill = loop_on(src, devices[:4], explicit)
+    decode = loop_on(dst, devices[4:], auto)
+    reqs = [jaxkv.Request(i, prompt=p, max_new_tokens=n) for i, p, n in fresh]
+    for r in reqs:
+        assert prefill.submit(r)
+    moved: dict[str, tuple[list[int], jaxkv.Request]] = {}
+    while reqs:
+        prefill.step()
+        for r in [r for r in reqs if r.output]:
+            reqs.remove(r)
+            kv = prefill.export_request(r)
+            assert kv.num_tokens == len(r.prompt) + len(r.output) - 1
+            rank = next(s for s in prefill.schedulers if r in s.running)
+            rank.finish(r)  # it continues elsewhere
+            first = list(r.output)
+            cont = jaxkv.Request(
+                r.req_id,
+                prompt=r.prompt + first,
+                max_new_tokens=r.max_new_tokens - len(first),
+            )
+            assert decode.adopt(cont, kv)
+            moved[r.req_id] = (first, cont)
+    while decode.has_unfinished:
+        decode.step()
+    assert len(moved) == len(fresh)
+    steps = [s.stats["steps"] for s in decode.schedulers]
+    assert all(n > 0 for n in steps), ("a data rank left idle", steps)
+    for rid, (first, cont) in moved.items():
+        assert first + cont.output == want[rid], (rid, first, cont.output, want[rid])
+        np.testing.assert_allclose(
+            np.stack(decode.logits[rid]),
+            np.stack(ref.logits[rid][len(first) :]),
+            rtol=1e-4,
+            atol=2e-3,
+        )
+    busy = [s.stats["steps"] for s in prefill.schedulers]
+    assert all(n > 0 for n in busy), ("a prefill rank left idle", busy)
+    print("moved", len(moved), "requests from a", src, "prefill mesh to", dst)
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.device_count()
+    check_moved((1, 4), (2, 2))
+    check_moved((2, 2), (1, 4))
     want, want_logits = reference()
     for arg in sys.argv[1:] or ["2x4"]:
         check(arg, want, want_logits)

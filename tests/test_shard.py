@@ -115,7 +115,8 @@ SERVE = Path(__file__).with_name("serve_mesh_check.py")
 def test_serving_loop_on_meshes_serves_what_one_device_serves():
     """2x4 (Explicit axes), 4x2 (Auto axes), 8x1: data-parallel ranks and a
     tensor-parallel model through one ServingLoop, with and without overlap,
-    preemption and prefix caching; no pool-moving collective.
+    preemption and prefix caching; no pool-moving collective. Requests moved
+    from a 1x4 prefill loop to a 2x2 decode loop and back decode as never moved.
     """  # noqa: D205
     _run_check(SERVE, "2x4", "4x2-auto", "8x1")
 
