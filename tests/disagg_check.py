@@ -8,6 +8,11 @@ to ``DIR/prefill.txt`` and serves until ``DIR/done`` appears (or 120 s).
 ``decode DIR``: the same model on K/V-first pools of block 64 pulls each cache
 (``receive_request``), continues the request (``ServingLoop.adopt``) and
 checks its tokens against a one-process run; prints ``OK``.
+
+With ``mesh`` as a third argument each process simulates 4 CPU devices:
+prefill runs on a 1x4 tensor-parallel mesh (the cache read from every tensor
+rank, heads joined), decode on a 2x2 mesh (heads re-split, requests placed
+on the data ranks).
 """  # noqa: D205
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # never when pytest imports this file for doctests
+    import os
+
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if sys.argv[3:] == ["mesh"]:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_force_host_platform_device_count=4"
+        )
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,8 +47,16 @@ PROMPTS = [
 NEW = 6
 
 
-def _engine(backend: str, block_size: int) -> jaxkv.demo.Engine:
-    return transfer_engine(backend, block_size)[0]
+MESH: tuple[int, int] | None = None  # set by ``mesh``: this process's mesh
+
+
+def _engine(
+    backend: str, block_size: int, mesh: tuple[int, int] | None = None
+) -> jaxkv.demo.Engine:
+    m = None if mesh is None else jax.make_mesh(mesh, ("data", "tensor"))
+    # 4 query heads split over 4 tensor ranks (the 2 KV heads replicated).
+    heads = 4 if MESH else 2
+    return transfer_engine(backend, block_size, mesh=m, num_heads=heads)[0]
 
 
 def _server() -> Any:
@@ -45,7 +65,7 @@ def _server() -> Any:
 
 
 def prefill(folder: Path) -> None:
-    engine = _engine("JAX_PAGED", 16)
+    engine = _engine("JAX_PAGED", 16, (1, 4) if MESH else None)
     server = _server()
     firsts = []
     for i, prompt in enumerate(PROMPTS):
@@ -55,7 +75,7 @@ def prefill(folder: Path) -> None:
             engine.step()
         jaxkv.transfer.send_request(server, engine.export_request(req), uuid=10 * i)
         firsts.append(req.output[0])
-        engine.scheduler.finish(req)
+        next(s for s in engine.schedulers if req in s.running).finish(req)
     info = {"address": server.address(), "first": firsts}
     (folder / "prefill.txt").write_text(json.dumps(info))
     deadline = time.time() + 120
@@ -70,11 +90,14 @@ def decode(folder: Path) -> None:
             raise TimeoutError("no prefill.txt")
         time.sleep(0.1)
     info = json.loads((folder / "prefill.txt").read_text())
-    engine = _engine("JAX_PAGED_KV_FIRST", 64)
+    engine = _engine("JAX_PAGED_KV_FIRST", 64, (2, 2) if MESH else None)
+    # The arrays pulled are the global model's (all heads): shaped by a plan
+    # of it (on a mesh, engine.plan is a rank's, with its local heads).
+    shapes = engine.plan if not MESH else _engine("JAX_PAGED_KV_FIRST", 64).plan
     connection = _server().connect(info["address"])
     moved = []
     for i, prompt in enumerate(PROMPTS):
-        kv = jaxkv.transfer.receive_request(connection, engine.plan, uuid=10 * i)
+        kv = jaxkv.transfer.receive_request(connection, shapes, uuid=10 * i)
         assert kv.num_tokens == len(prompt), kv.num_tokens
         req = jaxkv.Request(
             f"d{i}", prompt=prompt + [info["first"][i]], max_new_tokens=NEW - 1
@@ -84,6 +107,9 @@ def decode(folder: Path) -> None:
     while engine.has_unfinished:
         engine.step()
     (folder / "done").write_text("")
+    if MESH:
+        steps = [s.stats["steps"] for s in engine.schedulers]
+        assert all(steps), ("a data rank left idle", steps)
     # One process, never moved.
     ref = _engine("JAX_PAGED", 16)
     want = [
@@ -102,4 +128,7 @@ def decode(folder: Path) -> None:
 
 if __name__ == "__main__":
     role, folder = sys.argv[1], Path(sys.argv[2])
+    if sys.argv[3:] == ["mesh"]:
+        assert jax.device_count() == 4, jax.device_count()
+        MESH = (1, 4) if role == "prefill" else (2, 2)
     (prefill if role == "prefill" else decode)(folder)

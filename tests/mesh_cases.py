@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import jaxkv
@@ -70,9 +72,12 @@ def transfer_engine(
     model: jaxkv.demo.TinyHybridModel | None = None,
     *,
     record_logits: bool = False,
+    mesh: Any = None,
+    num_heads: int = 2,
 ) -> tuple[jaxkv.demo.Engine, jaxkv.demo.TinyHybridModel]:
     """The demo hybrid model on `backend` pools of `block_size` (the KV-cache
-    moves of tests/test_transfer.py and disagg_check.py), and its model.
+    moves of tests/test_transfer.py and disagg_check.py), and its model; on
+    `mesh` (data x tensor) when given.
     """  # noqa: D205
     from flax import nnx
 
@@ -80,7 +85,7 @@ def transfer_engine(
         attention_backend=backend,
         block_size=block_size,
         head_size=16,
-        num_heads=2,
+        num_heads=num_heads,
         sliding_window=32,
         max_num_seqs=4,
         max_num_batched_tokens=64,
@@ -91,5 +96,7 @@ def transfer_engine(
     )
     if model is None:
         model = jaxkv.demo.TinyHybridModel(cfg, vocab_size=64, rngs=nnx.Rngs(3))
-    engine = jaxkv.demo.Engine(cfg, model, num_blocks=64, record_logits=record_logits)
+    engine = jaxkv.demo.Engine(
+        cfg, model, num_blocks=64, record_logits=record_logits, mesh=mesh
+    )
     return engine, model
