@@ -25,6 +25,12 @@ PLANS = {
         num_blocks=16,
         storage="typed",
     ),
+    "packed, strided kernel blocks": lambda: jaxkv.make_plan(
+        jaxkv.tiny_hybrid_config(attention_backend="FLASHINFER", block_size=128),
+        num_blocks=16,
+        packed=True,
+        maps_slot_mapping=True,
+    ),
     "fp8 kv-first words": lambda: jaxkv.make_plan(
         jaxkv.llama_like_config(
             num_layers=2,

@@ -26,7 +26,7 @@ def _hybrid(backend, block_size):
     return jaxkv.make_plan(cfg, num_blocks=16)
 
 
-def _llama(backend, block_size, storage):
+def _llama(backend, block_size, storage, packed=False):
     cfg = jaxkv.llama_like_config(
         num_layers=4,
         attention_backend=backend,
@@ -34,7 +34,10 @@ def _llama(backend, block_size, storage):
         sliding_window=48,
         window_every=2,
     )
-    return jaxkv.make_plan(cfg, num_blocks=24, storage=storage)
+    # A packed pool's kernel views are strided: the caller maps its slots.
+    return jaxkv.make_plan(
+        cfg, num_blocks=24, storage=storage, packed=packed, maps_slot_mapping=packed
+    )
 
 
 HYBRID = {
@@ -47,6 +50,7 @@ LLAMA = {
     "blocks-first/32/stacked": ("JAX_PAGED", 32, "stacked"),
     "kv-first/16/words": ("JAX_PAGED_KV_FIRST", 16, "words"),
     "flashinfer/128 in kernel blocks of 64": ("FLASHINFER", 128, "words"),
+    "flashinfer/128 packed, strided kernel blocks": ("FLASHINFER", 128, "words", True),
 }
 
 
@@ -61,6 +65,25 @@ def _group_of(plan):
         for g, grp in enumerate(plan.kv_cache_config.kv_cache_groups)
         for name in grp.layer_names
     }
+
+
+def _attn_group(plan, name):
+    """The attention group of layer `name` (None: a Mamba layer)."""
+    for groups in plan.attn_groups:
+        for grp in groups:
+            if name in grp.layer_names and not isinstance(
+                grp.kv_cache_spec, jaxkv.MambaSpec
+            ):
+                return grp
+    return None
+
+
+def _kernel_step(plan, name, bs, k):
+    """Kernel blocks between two manager blocks of layer `name`: ``bs // k``,
+    or a packed pool's stride (spec section 1.8), from the group alone."""
+    grp = _attn_group(plan, name)
+    stride = 0 if grp is None else grp.kernel_block_stride
+    return stride or bs // k
 
 
 def _owning(plan):
@@ -98,7 +121,10 @@ def _filled(plan, seed, n=None):
         heads, dim = view.shape[view.axes.index("head")], view.head_size
         k = rng.standard_normal((n, heads, dim)).astype(np.float32)
         v = rng.standard_normal((n, heads, dim)).astype(np.float32)
-        pools = jaxkv.write_kv(pools, view, k, v, blocks.slot_mappings[g])
+        grp = _attn_group(plan, name)
+        assert grp is not None
+        slots = grp.map_to_kernel_slot_mapping(blocks.slot_mappings[g])
+        pools = jaxkv.write_kv(pools, view, k, v, slots)
         want_kv[name] = (k, v)
     req.num_computed = n
     m.commit(req)
@@ -130,7 +156,7 @@ def _oracle_kv(plan, pools, name, view, ids, bs, n):
     tok = np.arange(n)
     block = np.asarray(ids)[tok // bs]
     held = block != 0
-    kb = block * (bs // k) + (tok % bs) // k
+    kb = block * _kernel_step(plan, name, bs, k) + (tok % bs) // k
     off = tok % k
     heads, dim = view.shape[view.axes.index("head")], view.head_size
     h = np.arange(heads)[None, :, None]
@@ -225,7 +251,9 @@ def _move(src_name, dst_name, n=N):
         parts = view.states if isinstance(view, jaxkv.MambaView) else [view]
         for part in parts:
             r = dst.block_sizes[g] // part.block_size if part.block_size else 1
-            kernel = (blocks[:, None] * r + np.arange(r)[None]).ravel()
+            t = _kernel_step(dst, name, dst.block_sizes[g], part.block_size or 1)
+            t = t if part.block_size else 1
+            kernel = (blocks[:, None] * t + np.arange(r)[None]).ravel()
             owned[part.pool][_block_bytes(part, kernel)] = True
     for i in range(len(out)):
         np.testing.assert_array_equal(
@@ -446,21 +474,27 @@ def test_prefill_and_decode_in_two_processes_give_the_tokens_of_one(tmp_path, me
     assert decode.stdout.strip().endswith("OK")
 
 
-def test_a_packed_pools_strided_kernel_view_is_refused_on_both_sides():
+def test_a_packed_pools_strided_kernel_view_round_trips_through_its_blocks():
+    """The tiny hybrid on FLASHINFER, block 128 in kernel blocks of 64 of a
+    packed pool (stride 4): what is imported into its blocks exports back the
+    same, and the oracle reads it from the kernel blocks ``b * 4 + j``."""
     cfg = jaxkv.tiny_hybrid_config(attention_backend="FLASHINFER", block_size=128)
     packed = jaxkv.make_plan(cfg, num_blocks=8, packed=True, maps_slot_mapping=True)
-    ids = [[1], [2], [3]]
-    with pytest.raises(ValueError, match="kernel_block_stride=4 .* not supported"):
-        jaxkv.transfer.export_request(
-            packed, packed.allocate(), block_ids=ids, num_tokens=5
-        )
+    grp = _attn_group(packed, "layers.0.self_attn")
+    assert grp is not None
+    assert grp.kernel_block_stride == 4
     plain = jaxkv.make_plan(cfg, num_blocks=8)
-    kv = jaxkv.transfer.export_request(
-        plain, plain.allocate(), block_ids=ids, num_tokens=5
-    )
-    pools = packed.allocate()
-    before = [np.asarray(p).copy() for p in pools]
-    with pytest.raises(ValueError, match="import_request: layer 'layers.0.self_attn'"):
-        jaxkv.transfer.import_request(packed, pools, kv, block_ids=ids)
-    for a, b in zip(before, pools, strict=True):  # checked before any write
-        np.testing.assert_array_equal(a, np.asarray(b))
+    pools, ids, want_kv, _ = _filled(plain, seed=4, n=200)
+    kv = jaxkv.transfer.export_request(plain, pools, block_ids=ids, num_tokens=200)
+    out = jaxkv.transfer.import_request(packed, packed.allocate(), kv, block_ids=ids)
+    back = jaxkv.transfer.export_request(packed, out, block_ids=ids, num_tokens=200)
+    for name, (k, v) in want_kv.items():
+        held = back.attention[name].present
+        got = np.asarray(back.attention[name].keys)
+        np.testing.assert_array_equal(got[held], k[held], err_msg=name)
+        g = _group_of(packed)[name]
+        ok, ov, oheld = _oracle_kv(
+            packed, out, name, packed.views[name], ids[g], 128, 200
+        )
+        np.testing.assert_array_equal(ok[oheld], k[oheld], err_msg=name)
+        np.testing.assert_array_equal(ov[oheld], v[oheld], err_msg=name)

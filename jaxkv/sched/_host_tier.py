@@ -13,7 +13,8 @@ each step). Copies are dispatched asynchronously, as the step is.
 
 What is copied is each layer's own data through its view, as the step
 writes it: per attention layer the K/V of the block's ``block_size`` tokens
-(kernel views: the manager block's kernel blocks), per Mamba layer the
+(kernel views: the manager block's kernel blocks, strided in a packed
+pool), per Mamba layer the
 states the block holds, in the cache dtype (no conversion: bf16 and fp8 are
 moved as they are stored).
 """
@@ -172,8 +173,8 @@ class HostKVCache:
         or ``"device"`` (a second device tier, for tests).
 
     Raises:
-      ValueError: If `num_blocks` is not positive, the device has no memory of
-        `memory_kind`, or a layer is a packed pool's strided kernel view.
+      ValueError: If `num_blocks` is not positive or the device has no memory
+        of `memory_kind`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -210,14 +211,6 @@ class HostKVCache:
                 f"HostKVCache: memory_kind={memory_kind!r} is not a memory of "
                 f"{device.device_kind} devices (they have {kinds})."
             )
-        for g in range(len(plan.block_sizes)):
-            for name, view, attn_group in _group_layers(plan, g):
-                if isinstance(view, KVCacheView) and attn_group.kernel_block_stride:
-                    raise ValueError(
-                        f"HostKVCache: layer {name!r} is a kernel view with "
-                        f"kernel_block_stride={attn_group.kernel_block_stride} (a "
-                        "packed pool): not supported yet."
-                    )
         self.memory_kind = memory_kind
         self._device = device
         self._host = SingleDeviceSharding(device, memory_kind=memory_kind)

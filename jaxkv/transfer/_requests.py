@@ -147,17 +147,10 @@ def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Ar
     return jnp.asarray([block], jnp.int32)
 
 
-def _refuse_strided(group: AttentionGroup, fn: str, name: str) -> None:
-    """Packed pools' strided kernel views are not moved (yet)."""
-    if group.kernel_block_stride:
-        raise ValueError(
-            f"{fn}: layer {name!r} is a kernel view with kernel_block_stride="
-            f"{group.kernel_block_stride} (a packed pool): not supported yet."
-        )
-
-
-def _kernel_table(group: AttentionGroup, ids: np.ndarray, fn: str, name: str) -> Any:
-    _refuse_strided(group, fn, name)
+def _kernel_table(group: AttentionGroup, ids: np.ndarray) -> Any:
+    """The request's kernel block ids (a packed pool's strided kernel view: a
+    manager block's pieces ``b * stride + j``).
+    """  # noqa: D205
     return group.map_to_kernel_block_table(ids[None, :])
 
 
@@ -183,7 +176,7 @@ def export_request(
 
     Raises:
       ValueError: Naming the group or layer: a table of the wrong count or too
-        short, an id outside the plan, a packed kernel view.
+        short, an id outside the plan.
 
     Example:
       >>> import jaxkv
@@ -210,7 +203,7 @@ def export_request(
             continue
         if group is None or not isinstance(view, KVCacheView):  # pragma: no cover
             raise TypeError(f"export_request: layer {name!r} has no attention view.")
-        table = _kernel_table(group, ids, "export_request", name)
+        table = _kernel_table(group, ids)
         k_pages, v_pages = gather_kv_pages(pools, view, jnp.asarray(table))
         present = ids[np.arange(n) // bs] != 0
         keep = jnp.asarray(present)
@@ -284,7 +277,6 @@ def _checked_layer(
     )
     _check_layer(name, want_k, layer.keys, "keys")
     _check_layer(name, want_v, layer.values, "values")
-    _refuse_strided(group, "import_request", name)
     return view
 
 
@@ -346,7 +338,7 @@ def import_request(
     for g, name, _ in layers:
         if isinstance(plan.views[name], MambaView):
             _state_block(tables[g], n, plan.block_sizes[g], name, "import")
-    for (g, name, _), write in zip(layers, writes, strict=True):
+    for (g, name, group), write in zip(layers, writes, strict=True):
         view = plan.views[name]
         ids, bs = tables[g], plan.block_sizes[g]
         if isinstance(view, MambaView):
@@ -357,5 +349,7 @@ def import_request(
         pos = np.arange(n)
         block = ids[pos // bs]
         slots = np.where(layer.present & (block != 0), block * bs + pos % bs, -1)
+        if group is not None:  # manager slots -> the view's kernel slots
+            slots = np.asarray(group.map_to_kernel_slot_mapping(slots))
         pools = write_kv(pools, write, layer.keys, layer.values, slots.astype(np.int32))
     return pools
