@@ -286,8 +286,76 @@ def check_moved(src=(1, 4), dst=(2, 2)):
     print("moved", len(moved), "requests from a", src, "prefill mesh to", dst)
 
 
+def check_host_tier(arg="2x4"):
+    """Each data rank keeps its evicted prefix blocks in its own host tier
+    (its shards only) and restores them on a hit: fewer prompt tokens than
+    the device cache alone, the tokens of one device, 0 compilations.
+    """  # noqa: D205
+    d, t = (int(x) for x in arg.split("x"))
+    rng = np.random.default_rng(11)
+    prefixes = [rng.integers(0, VOCAB, 24).tolist() for _ in range(2 * d * 2)]
+    rounds = []
+    for rnd in range(2):
+        for k in range(0, len(prefixes), d):  # one request per rank at a time
+            rounds.append(
+                [
+                    (f"h{j}.{rnd}", p + rng.integers(0, VOCAB, 4).tolist())
+                    for j, p in enumerate(prefixes[k : k + d], start=k)
+                ]
+            )
+    plan = jaxkv.make_plan(CFG, num_blocks=64)
+    ref = jaxkv.ServingLoop(plan, make_forward(plan, None), params(), vocab_size=VOCAB)
+    want = {}
+    for batch in rounds:
+        reqs = [jaxkv.Request(i, prompt=p, max_new_tokens=4) for i, p in batch]
+        want.update({r.req_id: r.output for r in ref.run(reqs)})
+    mesh = jax.make_mesh((d, t), ("data", "tensor"))
+    sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
+    loop = jaxkv.ServingLoop(
+        sp,
+        make_forward(sp.local, "tensor"),
+        params(),
+        param_specs=SPECS,
+        vocab_size=VOCAB,
+        enable_prefix_caching=True,
+        host_blocks=64,
+    )
+    loop.warm_up()
+    stats = {}
+    for host_blocks in (0, 64):
+        loop.reset(enable_prefix_caching=True, num_blocks=12, host_blocks=host_blocks)
+        got = {}
+        with jaxkv.count_compilations() as compiles:
+            for batch in rounds:
+                reqs = [jaxkv.Request(i, prompt=p, max_new_tokens=4) for i, p in batch]
+                got.update({r.req_id: r.output for r in loop.run(reqs)})
+        assert got == want, (host_blocks, got, want)
+        assert compiles == [], compiles
+        stats[host_blocks] = sum(s.stats["prefill_tokens"] for s in loop.schedulers)
+        if host_blocks:
+            for rank, sched in enumerate(loop.schedulers):
+                host = sched.manager.host
+                assert host is not None
+                assert host.rank == rank
+                assert host.stats["restored_blocks"] > 0, (rank, host.stats)
+                # Only this rank's shards are kept: one tensor rank's heads each.
+                entry = next(e for e in host._entries.values() if e.arrays)
+                assert all(len(leaf) == t for leaf in entry.arrays)
+    assert stats[64] < stats[0], stats
+    # The copies move no pool between devices: no collective at all.
+    host = loop.schedulers[0].manager.host
+    assert host is not None
+    for exe in host._programs.values():
+        hlo = exe.as_text()
+        for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+            assert op not in hlo, (arg, op)
+    print(arg, "host tier: prompt tokens", stats[64], "vs", stats[0], "device only")
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.device_count()
+    check_host_tier("2x4")
+    check_host_tier("4x2")
     check_moved((1, 4), (2, 2))
     check_moved((2, 2), (1, 4))
     want, want_logits = reference()

@@ -286,7 +286,14 @@ def test_the_loop_refuses_host_blocks_it_cannot_serve():
         )
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
     sp = jaxkv.shard_plan(plan.runner_config, mesh=mesh, num_blocks=16)
-    with pytest.raises(ValueError, match="on a mesh is not supported"):
-        jaxkv.ServingLoop(
-            sp, forward, params, enable_prefix_caching=True, host_blocks=8
+    with pytest.raises(ValueError, match="plan must be sharded.local"):
+        jaxkv.sched.HostKVCache(plan, num_blocks=4, sharded=sp)
+    with pytest.raises(ValueError, match="rank=1 is outside the mesh's 1"):
+        jaxkv.sched.HostKVCache(sp.local, num_blocks=4, sharded=sp, rank=1)
+    with pytest.raises(ValueError, match="give host_blocks or host, not both"):
+        jaxkv.KVCacheManager(
+            sp.local,
+            enable_prefix_caching=True,
+            host_blocks=4,
+            host=jaxkv.sched.HostKVCache(sp.local, num_blocks=4, sharded=sp),
         )

@@ -30,7 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv._util import check_positive_int
 from jaxkv.cache import (
@@ -38,6 +39,7 @@ from jaxkv.cache import (
     KVCacheView,
     MambaView,
     Pools,
+    ShardedPlan,
     check_pools_alive,
     gather_kv_pages,
     read_mamba_state,
@@ -60,6 +62,8 @@ class _Entry:
     group: int
     arrays: Any = None
     dropped: bool = False
+    # On a mesh: the blocks' tree, and per leaf the rank's shards on the host.
+    treedef: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,19 +144,60 @@ def _write_blocks(
     return pools
 
 
+def _read_ranks(
+    sp: ShardedPlan, group: int, pools: Pools, ids: jax.Array
+) -> tuple[Any, ...]:
+    """:func:`_read_blocks` on every device of the mesh: `ids` ``(D, n)``, one
+    row per data rank (``-1``: nothing); leaves ``(D, T, ...)``.
+    """  # noqa: D205
+
+    def per_device(pools: Any, ids: Any) -> Any:
+        blocks = _read_blocks(sp.local, group, sp.local_pools(pools), ids[0])
+        return jax.tree.map(lambda a: a[None, None], blocks)
+
+    return jax.shard_map(
+        per_device,
+        mesh=sp.mesh,
+        in_specs=(sp.pool_spec, P(sp.data_axis)),
+        out_specs=P(sp.data_axis, sp.tensor_axis),
+    )(pools, ids)
+
+
+def _write_ranks(
+    sp: ShardedPlan, group: int, pools: Pools, ids: jax.Array, blocks: Any
+) -> Pools:
+    """:func:`_write_blocks` on every device of the mesh (see
+    :func:`_read_ranks`).
+    """  # noqa: D205
+
+    def per_device(pools: Any, ids: Any, blocks: Any) -> Any:
+        local = jax.tree.map(lambda a: a[0, 0], blocks)
+        out = _write_blocks(sp.local, group, sp.local_pools(pools), ids[0], local)
+        return sp.global_pools(out)
+
+    return jax.shard_map(
+        per_device,
+        mesh=sp.mesh,
+        in_specs=(sp.pool_spec, P(sp.data_axis), P(sp.data_axis, sp.tensor_axis)),
+        out_specs=sp.pool_spec,
+    )(pools, ids, blocks)
+
+
 def _nbytes(tree: Any) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(tree))
 
 
 _read = jax.jit(_read_blocks, static_argnums=(0, 1))
 _write = jax.jit(_write_blocks, static_argnums=(0, 1), donate_argnums=2)
+_read_mesh = jax.jit(_read_ranks, static_argnums=(0, 1))
+_write_mesh = jax.jit(_write_ranks, static_argnums=(0, 1), donate_argnums=2)
 
 # Per plan, its compiled copy programs by (kind, group, bucket): shared by
 # every host tier of the plan (a new scheduler compiles nothing again), and
 # gone with the plan.
-_PROGRAMS: weakref.WeakKeyDictionary[KVCachePlan, dict[tuple[str, int, int], Any]] = (
-    weakref.WeakKeyDictionary()
-)
+_PROGRAMS: weakref.WeakKeyDictionary[
+    KVCachePlan | ShardedPlan, dict[tuple[str, int, int], Any]
+] = weakref.WeakKeyDictionary()
 
 
 class HostKVCache:
@@ -165,16 +210,26 @@ class HostKVCache:
     copies run at :meth:`flush`. An entry stays on the host after a restore
     (evicting that block again copies nothing).
 
+    On a mesh (`sharded`), each data-parallel rank has its own tier (its own
+    scheduler's), and the pools are the mesh's global pools: the copies run
+    on every device under ``jax.shard_map`` with the other ranks' block ids
+    ``-1`` (nothing read, nothing written), and the host keeps only the
+    rank's own shards (each tensor rank's heads, on its device's host
+    memory). No pool moves between devices.
+
     Args:
-      plan: The plan whose pools are copied (one device; not a mesh).
+      plan: The plan whose pools are copied (on a mesh: ``sharded.local``).
       num_blocks: Host blocks (each one group's block of every layer).
       memory_kind: Where the copies live: ``"pinned_host"`` (default: the
         device can copy to and from it asynchronously), ``"unpinned_host"``
         or ``"device"`` (a second device tier, for tests).
+      sharded: The mesh plan, when the pools are a mesh's.
+      rank: The data-parallel rank this tier serves (on a mesh).
 
     Raises:
-      ValueError: If `num_blocks` is not positive or the device has no memory
-        of `memory_kind`.
+      ValueError: If `num_blocks` is not positive, the devices have no memory
+        of `memory_kind`, `plan` is not ``sharded.local`` or `rank` is not a
+        data rank of the mesh.
 
     Example:
       >>> import jax.numpy as jnp
@@ -200,11 +255,33 @@ class HostKVCache:
         *,
         num_blocks: int,
         memory_kind: str = "pinned_host",
+        sharded: ShardedPlan | None = None,
+        rank: int = 0,
     ) -> None:
         """Checks the plan and the memory kind; the host tier starts empty."""
         self.plan = plan
         self.num_blocks = check_positive_int("HostKVCache", "num_blocks", num_blocks)
-        device = jax.devices()[0]
+        self.sharded, self.rank = sharded, rank
+        if sharded is not None:
+            if plan is not sharded.local:
+                raise ValueError(
+                    "HostKVCache: on a mesh, plan must be sharded.local (the plan "
+                    "each device runs)."
+                )
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise TypeError(f"HostKVCache: rank must be an int, got {rank!r}.")
+            if not 0 <= rank < sharded.data_parallel:
+                raise ValueError(
+                    f"HostKVCache: rank={rank} is outside the mesh's "
+                    f"{sharded.data_parallel} data-parallel ranks."
+                )
+            mesh = sharded.mesh
+            self._ids_sharding = NamedSharding(mesh, P(sharded.data_axis))
+            self._blocks_sharding = NamedSharding(
+                mesh, P(sharded.data_axis, sharded.tensor_axis)
+            )
+            self._zeros: dict[tuple[Any, ...], jax.Array] = {}
+        device = jax.devices()[0] if sharded is None else sharded.mesh.devices.flat[0]
         kinds = [m.kind for m in device.addressable_memories()]
         if memory_kind not in kinds:
             raise ValueError(
@@ -216,7 +293,7 @@ class HostKVCache:
         self._host = SingleDeviceSharding(device, memory_kind=memory_kind)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._pending: list[_Move] = []
-        self._programs = _PROGRAMS.setdefault(plan, {})
+        self._programs = _PROGRAMS.setdefault(sharded or plan, {})
         #: Blocks copied each way, their bytes, and entries dropped (LRU).
         self.stats = {
             "offloaded_blocks": 0,
@@ -327,19 +404,55 @@ class HostKVCache:
 
     def _ids(self, run: Sequence[_Move]) -> tuple[int, jax.Array]:
         size = next(b for b in COPY_BUCKETS if b >= len(run))
-        ids = np.full(size, -1, np.int32)
-        ids[: len(run)] = [m.block for m in run]
-        return size, jax.device_put(ids, self._device)
+        if self.sharded is None:
+            ids = np.full(size, -1, np.int32)
+            ids[: len(run)] = [m.block for m in run]
+            return size, jax.device_put(ids, self._device)
+        ids = np.full((self.sharded.data_parallel, size), -1, np.int32)
+        ids[self.rank, : len(run)] = [m.block for m in run]
+        return size, jax.device_put(ids, self._ids_sharding)
 
     def _offload(self, pools: Pools, run: Sequence[_Move]) -> None:
-        _, ids = self._ids(run)
-        size = ids.shape[0]
+        size, ids = self._ids(run)
         blocks = self._program("read", run[0].group, size, pools)(pools, ids)
         blocks = blocks[: len(run)]
+        if self.sharded is not None:
+            self._offload_rank(run, blocks)
+            return
         host = jax.device_put(blocks, self._host)
         for move, arrays in zip(run, host, strict=True):
             move.entry.arrays = arrays
             self.stats["bytes_to_host"] += _nbytes(arrays)
+        self.stats["offloaded_blocks"] += len(run)
+
+    def _offload_rank(self, run: Sequence[_Move], blocks: Sequence[Any]) -> None:
+        """Keeps this rank's shards of each block (one per tensor rank)."""
+        rank = self.rank
+        shards, targets = [], []
+        for tree in blocks:
+            per_leaf = []
+            for leaf in jax.tree.leaves(tree):
+                mine = [
+                    s.data
+                    for s in leaf.addressable_shards
+                    if (s.index[0].start or 0) <= rank < (s.index[0].stop or 1 + rank)
+                ]
+                per_leaf.append(mine)
+                targets.append(
+                    [
+                        SingleDeviceSharding(
+                            next(iter(a.devices())), memory_kind=self.memory_kind
+                        )
+                        for a in mine
+                    ]
+                )
+            shards.append(per_leaf)
+        flat = [a for per_leaf in shards for leaf in per_leaf for a in leaf]
+        put = iter(jax.device_put(flat, [t for ts in targets for t in ts]))
+        for move, tree, per_leaf in zip(run, blocks, shards, strict=True):
+            move.entry.treedef = jax.tree.structure(tree)
+            move.entry.arrays = [[next(put) for _ in leaf] for leaf in per_leaf]
+            self.stats["bytes_to_host"] += _nbytes(move.entry.arrays)
         self.stats["offloaded_blocks"] += len(run)
 
     def _restore(self, pools: Pools, run: Sequence[_Move]) -> Pools:
@@ -347,13 +460,54 @@ class HostKVCache:
         if any(m.entry.arrays is None for m in run):  # pragma: no cover
             raise RuntimeError("HostKVCache.flush: a restore before its offload.")
         host = [m.entry.arrays for m in run]
-        blocks = jax.device_put(host, SingleDeviceSharding(self._device))
+        if self.sharded is None:
+            blocks = jax.device_put(host, SingleDeviceSharding(self._device))
+        else:
+            blocks = self._restore_rank(run)
         blocks += [blocks[0]] * (size - len(run))  # padding: ids -1
         write = self._program("write", run[0].group, size, pools)
         pools = write(pools, ids, tuple(blocks))
         self.stats["restored_blocks"] += len(run)
         self.stats["bytes_to_device"] += _nbytes(host)
         return pools
+
+    def _restore_rank(self, run: Sequence[_Move]) -> list[Any]:
+        """Each entry's blocks as global ``(D, T, ...)`` arrays: this rank's
+        shards back on their devices, zeros (never written: ids -1) on the
+        other ranks' devices.
+        """  # noqa: D205
+        sp, sharding = self.sharded, self._blocks_sharding
+        assert sp is not None  # noqa: S101 - only called on a mesh
+        flat = [a for m in run for leaf in m.entry.arrays for a in leaf]
+        on_device = iter(
+            jax.device_put(
+                flat, [SingleDeviceSharding(next(iter(a.devices()))) for a in flat]
+            )
+        )
+        out = []
+        for move in run:
+            leaves = []
+            for leaf in move.entry.arrays:
+                mine = {next(iter(a.devices())): next(on_device) for a in leaf}
+                local = leaf[0].shape
+                shape = (sp.data_parallel, sp.tensor_parallel, *local[2:])
+                arrays = [
+                    mine[d] if d in mine else self._zero(local, leaf[0].dtype, d)
+                    for d in sharding.addressable_devices
+                ]
+                leaves.append(
+                    jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+                )
+            out.append(jax.tree.unflatten(move.entry.treedef, leaves))
+        return out
+
+    def _zero(self, shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
+        key = (shape, np.dtype(dtype), device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = jax.device_put(np.zeros(shape, dtype), SingleDeviceSharding(device))
+            self._zeros[key] = zero
+        return zero
 
     @property
     def nbytes(self) -> int:
@@ -366,6 +520,9 @@ class HostKVCache:
         """  # noqa: D205
         key = (kind, group, size)
         program = self._programs.get(key)
+        if program is None and self.sharded is not None:
+            program = self._mesh_program(kind, group, size, pools)
+            self._programs[key] = program
         if program is None:
             shapes = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pools
@@ -381,6 +538,26 @@ class HostKVCache:
                 program = lowered.compile()
             self._programs[key] = program
         return program
+
+    def _mesh_program(self, kind: str, group: int, size: int, pools: Any) -> Any:
+        sp = self.sharded
+        assert sp is not None  # noqa: S101 - only called on a mesh
+        shapes = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sp.pool_sharding),
+            pools,
+        )
+        ids = jax.ShapeDtypeStruct(
+            (sp.data_parallel, size), jnp.int32, sharding=self._ids_sharding
+        )
+        if kind == "read":
+            return _read_mesh.lower(sp, group, shapes, ids).compile()
+        blocks = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=self._blocks_sharding
+            ),
+            jax.eval_shape(lambda p, i: _read_ranks(sp, group, p, i), shapes, ids),
+        )
+        return _write_mesh.lower(sp, group, shapes, ids, blocks).compile()
 
     def warm_up(self, pools: Any) -> None:
         """Compiles every copy program (each group, each bucket, both ways) for

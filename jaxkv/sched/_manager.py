@@ -63,6 +63,9 @@ class KVCacheManager(PrefixHits):
       num_blocks: Blocks to manage (default: the plan's).
       host_blocks: Blocks of the host tier (:attr:`host`; 0: none). Needs
         prefix caching.
+      host: A host tier of your own instead (e.g. a mesh rank's
+        :class:`HostKVCache`, ``sharded=`` and ``rank=`` set); needs prefix
+        caching.
 
     Example:
       >>> import jaxkv
@@ -84,6 +87,7 @@ class KVCacheManager(PrefixHits):
         enable_prefix_caching: bool = False,
         num_blocks: int | None = None,
         host_blocks: int = 0,
+        host: HostKVCache | None = None,
     ) -> None:
         """Reads the groups from `plan`; all blocks start free."""
         groups = plan.kv_cache_config.kv_cache_groups
@@ -120,14 +124,24 @@ class KVCacheManager(PrefixHits):
             raise ValueError(
                 f"KVCacheManager: host_blocks must be an int >= 0, got {host_blocks!r}."
             )
-        if host_blocks and not self.enable_prefix_caching:
+        if host is not None and not isinstance(host, HostKVCache):
+            raise TypeError(
+                "KVCacheManager: host must be a HostKVCache, got "
+                f"{type(host).__name__}."
+            )
+        if host is not None and host_blocks:
+            raise ValueError(
+                "KVCacheManager: give host_blocks or host, not both (host has its "
+                "own num_blocks)."
+            )
+        if (host_blocks or host is not None) and not self.enable_prefix_caching:
             raise ValueError(
                 "KVCacheManager: host_blocks needs enable_prefix_caching=True (the "
                 "host tier holds evicted prefix-cache blocks)."
             )
-        #: The host tier (``None`` without `host_blocks`).
+        #: The host tier (``None`` without `host_blocks` or `host`).
         self.host = (
-            HostKVCache(plan, num_blocks=int(host_blocks)) if host_blocks else None
+            HostKVCache(plan, num_blocks=int(host_blocks)) if host_blocks else host
         )
         self.allocator.record_evictions = self.host is not None
         self._tables: dict[str, list[list[int]]] = {}

@@ -13,6 +13,7 @@ from collections import deque
 
 from jaxkv._util import check_positive_int
 from jaxkv.cache import KVCachePlan
+from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._outcomes import StepOutcomes
 from jaxkv.sched._request import Request, RequestStatus, request_problem
@@ -54,6 +55,7 @@ class Scheduler(StepOutcomes):
       host_blocks: Blocks of a host tier for evicted prefix-cache blocks
         (:class:`HostKVCache`, at ``scheduler.manager.host``; needs prefix
         caching; run ``manager.host.flush(pools)`` before each step).
+      host: A host tier of your own instead (see :class:`KVCacheManager`).
 
     Example:
       >>> import jaxkv
@@ -80,6 +82,7 @@ class Scheduler(StepOutcomes):
         vocab_size: int | None = None,
         num_blocks: int | None = None,
         host_blocks: int = 0,
+        host: HostKVCache | None = None,
     ) -> None:
         """Creates the block manager; no requests yet."""
         cfg = plan.runner_config
@@ -88,6 +91,7 @@ class Scheduler(StepOutcomes):
             enable_prefix_caching=enable_prefix_caching,
             num_blocks=num_blocks,
             host_blocks=host_blocks,
+            host=host,
         )
         # Given limits are checked, never replaced by the config's (0 is not
         # "the default").

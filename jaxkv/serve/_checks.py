@@ -83,7 +83,7 @@ def check_param_specs(params: Any, param_specs: Any) -> None:
 def check_host_blocks(
     plan: KVCachePlan | ShardedPlan, host_blocks: Any, enable_prefix_caching: bool
 ) -> None:
-    """`host_blocks` is an int >= 0, with prefix caching, on one device."""
+    """`host_blocks` is an int >= 0, with prefix caching."""
     if isinstance(host_blocks, bool) or not isinstance(host_blocks, int):
         raise TypeError(
             "ServingLoop: host_blocks must be an int, got "
@@ -95,10 +95,4 @@ def check_host_blocks(
         raise ValueError(
             f"ServingLoop: host_blocks={host_blocks} needs enable_prefix_caching=True "
             "(the host tier holds evicted prefix-cache blocks)."
-        )
-    if host_blocks and isinstance(plan, ShardedPlan):
-        raise ValueError(
-            f"ServingLoop: host_blocks={host_blocks} on a mesh is not supported yet "
-            "(the host tier copies one device's pools); serve on one device, or "
-            "without host_blocks."
         )

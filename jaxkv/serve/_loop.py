@@ -93,10 +93,10 @@ class ServingLoop(RequestMoves):
         program for any mix (a sort of the vocabulary per sampled row, which
         a greedy-only loop does not pay).
       host_blocks: Keep up to this many evicted prefix-cache blocks in host
-        memory (:class:`HostKVCache`, :attr:`host`; needs prefix caching, one
-        device): a prefix hit on one copies it back instead of recomputing
-        it. The copies run just before the step that needs them, compiled by
-        :meth:`warm_up`.
+        memory (:class:`HostKVCache`, :attr:`host`; needs prefix caching; on a
+        mesh, per data rank): a prefix hit on one copies it back instead of
+        recomputing it. The copies run just before the step that needs them,
+        compiled by :meth:`warm_up`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -163,15 +163,11 @@ class ServingLoop(RequestMoves):
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
         }
-        self.schedulers: list[Scheduler] = [
-            Scheduler(
-                self.plan,
-                enable_prefix_caching=enable_prefix_caching,
-                host_blocks=host_blocks,
-                **self._limits,
-            )
-            for _ in range(self.num_ranks)
-        ]
+        self.schedulers: list[Scheduler] = self._schedulers(
+            enable_prefix_caching=enable_prefix_caching,
+            num_blocks=None,
+            host_blocks=host_blocks,
+        )
         self.params, self.pools, self._param_specs = self._place(params, param_specs)
         self.device_step = DeviceStep(
             builder=self.builder,
@@ -202,6 +198,32 @@ class ServingLoop(RequestMoves):
         )
         self._prev_tokens = self._no_tokens()
 
+    def _schedulers(
+        self, *, enable_prefix_caching: bool, num_blocks: int | None, host_blocks: int
+    ) -> list[Scheduler]:
+        """One scheduler per data-parallel rank, each with its own host tier
+        (`host_blocks`; on a mesh, the rank's copies of the global pools).
+        """  # noqa: D205
+
+        def host(rank: int) -> HostKVCache | None:
+            if not host_blocks:
+                return None
+            return HostKVCache(
+                self.plan, num_blocks=host_blocks, sharded=self.sharded, rank=rank
+            )
+
+        return [
+            Scheduler(
+                self.plan,
+                enable_prefix_caching=enable_prefix_caching,
+                num_blocks=num_blocks,
+                host_blocks=0,  # the tier is `host`
+                host=host(rank),
+                **self._limits,
+            )
+            for rank in range(self.num_ranks)
+        ]
+
     def _place(self, params: Any, param_specs: Any) -> tuple[Any, Pools, Any]:
         """``(params, pools, param specs)``: on the device, or over the mesh
         (parameters replicated unless `param_specs` shard them).
@@ -223,7 +245,9 @@ class ServingLoop(RequestMoves):
 
     @property
     def host(self) -> HostKVCache | None:
-        """The host tier of evicted prefix blocks (``host_blocks``), or None."""
+        """The host tier of evicted prefix blocks (``host_blocks``), or None
+        (on a mesh, rank 0's: each rank's is ``schedulers[rank].manager.host``).
+        """  # noqa: D205
         return self.schedulers[0].manager.host
 
     @property
@@ -259,16 +283,11 @@ class ServingLoop(RequestMoves):
         """  # noqa: D205
         check_host_blocks(self.sharded or self.plan, host_blocks, enable_prefix_caching)
         self.resume()
-        self.schedulers = [
-            Scheduler(
-                self.plan,
-                enable_prefix_caching=enable_prefix_caching,
-                num_blocks=num_blocks,
-                host_blocks=host_blocks,
-                **self._limits,
-            )
-            for _ in range(self.num_ranks)
-        ]
+        self.schedulers = self._schedulers(
+            enable_prefix_caching=enable_prefix_caching,
+            num_blocks=num_blocks,
+            host_blocks=host_blocks,
+        )
         self.logits = {}
 
     # --- device side ----------------------------------------------------------
@@ -308,8 +327,9 @@ class ServingLoop(RequestMoves):
                 progress(i, len(todo))
             seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
             self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
-        if self.host is not None:
-            self.host.warm_up(pools)
+        for sched in self.schedulers:  # the ranks share the programs
+            if sched.manager.host is not None:
+                sched.manager.host.warm_up(pools)
         self.builder.warm_up_host()
         if progress is not None:
             progress(len(todo), len(todo))

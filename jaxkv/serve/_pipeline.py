@@ -89,11 +89,12 @@ class StepPipeline:
             seeds = jax.tree.map(lambda x: x[0], seeds)
         else:
             seeds = jax.device_put(seeds, self._rows())
-        host = self.schedulers[0].manager.host
-        if host is not None and host.num_pending:
-            # Evicted blocks out to the host, hits back in, before the step
-            # that reuses their device blocks (dispatched in order).
-            self.pools = host.flush(self.pools)
+        for sched in self.schedulers:
+            host = sched.manager.host
+            if host is not None and host.num_pending:
+                # Evicted blocks out to the host, hits back in, before the step
+                # that reuses their device blocks (dispatched in order).
+                self.pools = host.flush(self.pools)
         self.pools, next_tokens, logits = self.programs(
             inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
         )
