@@ -160,3 +160,44 @@ def write_json(path: Path | None, name: str, payload: dict[str, Any]) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
+
+
+#: The GQA decoder of bench_serve.py and bench_offload.py: vocabulary, width.
+GQA_VOCAB, GQA_D = 256, 128
+
+
+def gqa_params(layers: int, heads: int, kv_heads: int, head: int) -> dict[str, Any]:
+    """Random weights of the GQA decoder (`layers` attention layers)."""
+    keys = iter(jax.random.split(jax.random.key(0), 4 * layers + 2))
+    return {
+        "embed": jax.random.normal(next(keys), (GQA_VOCAB, GQA_D)),
+        "layers": [
+            {
+                "wq": jax.random.normal(next(keys), (GQA_D, heads, head)) / 11,
+                "wk": jax.random.normal(next(keys), (GQA_D, kv_heads, head)) / 11,
+                "wv": jax.random.normal(next(keys), (GQA_D, kv_heads, head)) / 11,
+                "wo": jax.random.normal(next(keys), (heads * head, GQA_D)) / 11,
+            }
+            for _ in range(layers)
+        ],
+        "unembed": jax.random.normal(next(keys), (GQA_D, GQA_VOCAB)),
+    }
+
+
+def gqa_forward(layers: Any, scale: float) -> Callable[..., Any]:
+    """The GQA decoder's step through jaxkv (a ``ServingLoop`` forward) over
+    `layers` (``plan.attention_layer(name)`` each).
+    """  # noqa: D205
+    import jax.numpy as jnp
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params["embed"][tokens]
+        for layer, w in zip(layers, params["layers"], strict=True):
+            q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in ("wq", "wk", "wv"))
+            m = meta[layer.name]
+            pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+            out = jaxkv.paged_attention(q, pools, layer, m, scale=scale)
+            x = x + out.reshape(x.shape[0], -1) @ w["wo"]
+        return pools, x[sample] @ params["unembed"]
+
+    return forward

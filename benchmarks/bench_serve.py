@@ -33,28 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import parser, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    GQA_VOCAB,
+    gqa_forward,
+    gqa_params,
+    parser,
+    print_table,
+    write_json,
+)
 
 import jaxkv  # noqa: E402
 
-VOCAB, D = 256, 128
-
-
-def _params(layers: int, heads: int, kv_heads: int, head: int) -> dict[str, Any]:
-    keys = iter(jax.random.split(jax.random.key(0), 4 * layers + 2))
-    return {
-        "embed": jax.random.normal(next(keys), (VOCAB, D)),
-        "layers": [
-            {
-                "wq": jax.random.normal(next(keys), (D, heads, head)) / 11,
-                "wk": jax.random.normal(next(keys), (D, kv_heads, head)) / 11,
-                "wv": jax.random.normal(next(keys), (D, kv_heads, head)) / 11,
-                "wo": jax.random.normal(next(keys), (heads * head, D)) / 11,
-            }
-            for _ in range(layers)
-        ],
-        "unembed": jax.random.normal(next(keys), (D, VOCAB)),
-    }
+VOCAB = GQA_VOCAB
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -74,18 +64,10 @@ def run(args: Any) -> dict[str, Any]:
     )
     plan = jaxkv.make_plan(cfg, num_blocks=args.batch * (-(-max_len // 16)) + 2)
     layers = [plan.attention_layer(layer.name) for layer in cfg.layers]
-    params = _params(args.layers, heads, kv_heads, head)
+    params = gqa_params(args.layers, heads, kv_heads, head)
     scale = head**-0.5
 
-    def forward(params, pools, meta, tokens, sample):
-        x = params["embed"][tokens]
-        for layer, w in zip(layers, params["layers"], strict=True):
-            q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in ("wq", "wk", "wv"))
-            m = meta[layer.name]
-            pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
-            out = jaxkv.paged_attention(q, pools, layer, m, scale=scale)
-            x = x + out.reshape(x.shape[0], -1) @ w["wo"]
-        return pools, x[sample] @ params["unembed"]
+    forward = gqa_forward(layers, scale)
 
     loop = jaxkv.ServingLoop(plan, forward, params)
     warm_s = loop.warm_up()
