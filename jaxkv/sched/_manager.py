@@ -343,6 +343,19 @@ class KVCacheManager(PrefixHits):
             if j >= len(table) or not table[j]
         ]
 
+    def register_computed(self, req: Request) -> None:
+        """With prefix caching, caches every block `req`'s computed tokens
+        fill (after a step of several tokens per request, e.g.
+        :meth:`Scheduler.schedule_decode`, whose blocks the per-token decode
+        path would only register at the next boundary); a no-op otherwise.
+        """  # noqa: D205
+        if not self.enable_prefix_caching:
+            return
+        tables = self._tables_of(req, "register_computed")
+        n = min(req.num_computed, req.num_known_tokens)
+        registered = self._registered.setdefault(req.req_id, [0] * len(tables))
+        self._register(req, tables, registered, n)
+
     def commit(self, req: Request) -> None:
         """After a step: frees what `req` no longer needs (blocks no window of a
         future query reaches, Mamba states before its last) and marks the Mamba

@@ -70,6 +70,11 @@ class StepOutcomes:
                 f"update: {len(self._unresolved)} advanced steps are not resolved; "
                 "with advance() every step is finished by resolve()."
             )
+        if step.num_steps > 1:
+            raise ValueError(
+                "update: a schedule_decode() step of several iterations; apply it "
+                "with update_decode()."
+            )
         if step is self._applied:
             raise ValueError(
                 "update: this step was already applied (a retry?); schedule() the "
@@ -101,6 +106,87 @@ class StepOutcomes:
             req.num_computed = computed + n
             if token is not None and len(req.output) == outputs:
                 req.output.append(token)
+            self.manager.commit(req)
+        finished = [req for req in live if req.finished]
+        for req in finished:
+            self.finish(req)
+        self._applied = step
+        self._applying = None
+        return finished
+
+    def update_decode(
+        self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
+    ) -> list[Request]:
+        """Applies a :meth:`~Scheduler.schedule_decode` step; returns the
+        requests that finished.
+
+        Args:
+          step: The step, after its iterations ran.
+          sampled_token_ids: Per request of ``step.batch``, in order, the
+            tokens its iterations sampled (at least ``steps_per_request`` of
+            them; more are ignored). A stop token ends the request there.
+
+        Checked before anything changes (as :meth:`update`); applying again
+        after a fault midway finishes the step, applying no entry twice.
+
+        Raises:
+          ValueError: If the step is not the latest scheduled one, was
+            applied, is not a multi-step decode, or the tokens are not one
+            row per request, each with its count of valid ids.
+          TypeError: If the tokens are not integers.
+        """  # noqa: D205
+        if step.steps_per_request is None:
+            raise ValueError(
+                "update_decode: the step is not a schedule_decode() step; apply it "
+                "with update()."
+            )
+        if step is self._applied:
+            raise ValueError("update_decode: this step was already applied.")
+        if step is not self._latest:
+            raise ValueError(
+                "update_decode: the step is not the one schedule_decode() returned "
+                "last; apply each scheduled step once, in order."
+            )
+        counts = step.steps_per_request
+        if len(sampled_token_ids) != len(step.batch):
+            raise ValueError(
+                f"update_decode: {len(step.batch)} requests decode this step, got "
+                f"{len(sampled_token_ids)} rows of tokens."
+            )
+        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        rows = []
+        for (req, _), k, row in zip(step.batch, counts, sampled_token_ids, strict=True):
+            arr = host_int_array(
+                row, f"update_decode: tokens of request {req.req_id!r}"
+            ).reshape(-1)
+            if arr.size < k:
+                raise ValueError(
+                    f"update_decode: request {req.req_id!r} sampled {int(k)} "
+                    f"tokens this step, got {arr.size}."
+                )
+            arr = arr[: int(k)]
+            bad = np.flatnonzero((arr < 0) | (arr >= top))
+            if bad.size:
+                raise ValueError(
+                    f"update_decode: request {req.req_id!r} sampled token "
+                    f"{arr[bad[0]]}, outside [0, {top})."
+                )
+            rows.append(arr.tolist())
+        self._applying = step
+        live = []
+        for (req, _), (computed, outputs), row in zip(
+            step.batch, step._before, rows, strict=True
+        ):
+            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
+                continue
+            live.append(req)
+            stops = [i for i, t in enumerate(row) if t in req.stop_token_ids]
+            taken = row[: stops[0] + 1] if stops else row
+            # Set from the recorded counts: a retry appends nothing twice.
+            del req.output[outputs:]
+            req.output += taken
+            req.num_computed = computed + len(taken)
+            self.manager.register_computed(req)
             self.manager.commit(req)
         finished = [req for req in live if req.finished]
         for req in finished:
@@ -171,6 +257,11 @@ class StepOutcomes:
             raise RuntimeError(
                 "advance: update() of the latest step raised midway; call "
                 "update(step, tokens) again with the same step first."
+            )
+        if step.num_steps > 1:
+            raise ValueError(
+                "advance: a schedule_decode() step runs its iterations on the "
+                "device and is applied with update_decode(), not advanced."
             )
         if step is self._applied:
             raise ValueError("advance: this step was already applied.")

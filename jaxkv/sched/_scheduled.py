@@ -50,6 +50,16 @@ class ScheduledStep(StepArrays):
     )
     # Requests advance() finished (their last token still on the device).
     _early: list[Request] = dataclasses.field(default_factory=list, repr=False)
+    #: Decode iterations the step runs on the device (``1``: an ordinary step;
+    #: more: :meth:`Scheduler.schedule_decode`).
+    num_steps: int = 1
+    #: With ``num_steps > 1``: per KV-cache group, ``(num_steps, num_reqs)``
+    #: slots of each iteration's token (``-1`` once a request has had its
+    #: tokens).
+    step_slots: list[np.ndarray] | None = dataclasses.field(default=None, repr=False)
+    #: With ``num_steps > 1``: ``(num_reqs,)`` tokens each request samples
+    #: (at most ``num_steps``, fewer near its ``max_new_tokens``).
+    steps_per_request: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self._before:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
+
 from jaxkv._util import check_positive_int
 from jaxkv.cache import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
@@ -394,3 +396,88 @@ class Scheduler(StepOutcomes):
         self.stats["prefill_tokens"] += sum(prefill)
         self._latest = scheduled_step(batch, preempted, self.manager.step_blocks(batch))
         return self._latest
+
+    def schedule_decode(self, num_steps: int) -> ScheduledStep | None:
+        """A step of `num_steps` decode iterations on the device (multi-step
+        decoding, as vLLM's ``num_scheduler_steps``), or ``None`` when the
+        batch is not in steady decoding.
+
+        Steady decoding: nothing waiting, every running request one token from
+        its end (its last token known, none pending on the device), the batch
+        within ``max_num_seqs`` and the token budget, and no Mamba prefix
+        caching (whose states are kept at block boundaries). Each request gets
+        its blocks for ``k = min(num_steps, max_new_tokens - len(output))``
+        tokens now; the device computes them one iteration at a time, each
+        sampled token the next iteration's input, and :meth:`update_decode`
+        takes up to ``k`` tokens per request (a stop token ends it; what was
+        computed after it is dropped with its blocks). When the blocks do not
+        fit, ``None`` (what was allocated stays held for the next tokens:
+        :meth:`schedule` runs as usual, preempting as it needs).
+
+        The step is the ordinary decode step of its first iteration
+        (``builder.prepare`` takes it) with ``num_steps``, ``step_slots``
+        and ``steps_per_request`` set.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+          >>> s = jaxkv.Scheduler(plan)
+          >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=6))
+          >>> s.update(s.schedule(), [5])  # the prefill samples the first token
+          []
+          >>> step = s.schedule_decode(4)
+          >>> step.num_steps, step.steps_per_request.tolist(), step.positions.tolist()
+          (4, [4], [3])
+          >>> s.update_decode(step, [[1, 2, 3, 4]]), s.running[0].output
+          ([], [5, 1, 2, 3, 4])
+          >>> s.schedule_decode(4).steps_per_request.tolist()  # one token left
+          [1]
+
+        Raises:
+          ValueError: If `num_steps` is not an int >= 1.
+          RuntimeError: If :meth:`update` of the latest step raised midway.
+        """  # noqa: D205
+        if (
+            not isinstance(num_steps, int)
+            or isinstance(num_steps, bool)
+            or num_steps < 1
+        ):
+            raise ValueError(
+                f"schedule_decode: num_steps must be an int >= 1, got {num_steps!r}."
+            )
+        if self._applying is not None:
+            raise RuntimeError(
+                "schedule_decode: update() of the latest step raised midway; call "
+                "update(step, tokens) again with the same step to finish it."
+            )
+        running = self.running
+        if (
+            self._align
+            or self.waiting
+            or self._unresolved
+            or not running
+            or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
+            or any(r.num_pending or r.num_computed != r.num_tokens - 1 for r in running)
+        ):
+            return None
+        counts = [min(num_steps, r.max_new_tokens - len(r.output)) for r in running]
+        for req, k in zip(running, counts, strict=True):
+            if not self.manager.allocate(req, k):
+                return None
+        batch = [(r, 1) for r in running]
+        step = scheduled_step(batch, [], self.manager.step_blocks(batch))
+        ahead = self.manager.step_blocks(list(zip(running, counts, strict=True)))
+        k_arr = np.asarray(counts, np.int32)
+        starts = np.concatenate([[0], np.cumsum(k_arr)[:-1]]).astype(np.int64)
+        it = np.arange(num_steps)[:, None]
+        live = it < k_arr[None, :]
+        at = np.where(live, starts[None, :] + it, 0)
+        step.step_slots = [
+            np.where(live, slots[at], -1).astype(np.int32)
+            for slots in ahead.slot_mappings
+        ]
+        step.steps_per_request = k_arr
+        step.num_steps = num_steps
+        self.stats["steps"] += 1
+        self._latest = step
+        return step

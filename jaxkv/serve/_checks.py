@@ -96,3 +96,21 @@ def check_host_blocks(
             f"ServingLoop: host_blocks={host_blocks} needs enable_prefix_caching=True "
             "(the host tier holds evicted prefix-cache blocks)."
         )
+
+
+def check_decode_steps(plan: object, decode_steps: object) -> int:
+    """`decode_steps` is an int >= 1, and 1 on a mesh."""
+    if (
+        not isinstance(decode_steps, int)
+        or isinstance(decode_steps, bool)
+        or decode_steps < 1
+    ):
+        raise ValueError(
+            f"ServingLoop: decode_steps must be an int >= 1, got {decode_steps!r}."
+        )
+    if decode_steps > 1 and isinstance(plan, ShardedPlan):
+        raise ValueError(
+            f"ServingLoop: decode_steps={decode_steps} (multi-step decoding) runs "
+            "on one device only for now; on a mesh leave it at 1."
+        )
+    return decode_steps

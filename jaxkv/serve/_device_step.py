@@ -103,6 +103,37 @@ class DeviceStep:
         padded = padded.at[: next_tokens.shape[0]].set(next_tokens.astype(jnp.int32))
         return pools, padded, logits
 
+    def decode_steps(
+        self,
+        pools: Pools,
+        params: Any,
+        inputs: StepInputs,
+        seeds: jax.Array,
+        prev_tokens: jax.Array,
+    ) -> tuple[Pools, jax.Array, jax.Array]:
+        """Several decode iterations in one program (multi-step decoding):
+        `inputs` packs one row per iteration (:func:`decode_step_inputs`);
+        each iteration is :meth:`rank_step`, its input tokens the previous
+        iteration's sampled ones, the pools carried through a ``lax.scan``.
+
+        Returns:
+          ``(pools, tokens (num_steps, width), logits (num_steps, samples,
+          vocab))``.
+        """  # noqa: D205
+
+        def body(
+            carry: tuple[Pools, jax.Array], packed: jax.Array
+        ) -> tuple[tuple[Pools, jax.Array], tuple[jax.Array, jax.Array]]:
+            pools, prev = carry
+            step = dataclasses.replace(inputs, packed=packed)
+            pools, tokens, logits = self.rank_step(pools, params, step, seeds, prev)
+            return (pools, tokens), (tokens, logits)
+
+        (pools, _), (tokens, logits) = jax.lax.scan(
+            body, (pools, prev_tokens), inputs.packed
+        )
+        return pools, tokens, logits
+
     def __call__(
         self,
         pools: Pools,

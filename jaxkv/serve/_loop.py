@@ -4,6 +4,7 @@ jitted program per bucket, sampling, stop tokens, streaming and resumption.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
 from jaxkv.sched import HostKVCache, Request, ScheduledStep, Scheduler
 from jaxkv.serve._checks import (
+    check_decode_steps,
     check_host_blocks,
     check_loop_arguments,
     check_param_specs,
@@ -31,6 +33,8 @@ from jaxkv.serve._sampling import (
 from jaxkv.step import (
     BucketDispatcher,
     Programs,
+    StepArrays,
+    StepInputs,
     StepMetadataBuilder,
 )
 
@@ -97,6 +101,16 @@ class ServingLoop(RequestMoves):
         mesh, per data rank): a prefix hit on one copies it back instead of
         recomputing it. The copies run just before the step that needs them,
         compiled by :meth:`warm_up`.
+      decode_steps: Decode iterations per dispatch in steady decoding
+        (multi-step decoding, as vLLM's ``num_scheduler_steps``): when
+        nothing waits and every running request is decoding, one program runs
+        this many iterations on the device, each feeding its sampled tokens to
+        the next, and the host schedules, packs and reads back once for all
+        (:meth:`Scheduler.schedule_decode`). Tokens are the same as one step
+        at a time; a request admitted meanwhile waits up to this many
+        iterations, and a request that stops early has the rest of its
+        iterations computed and dropped. One device only; ``1`` (the
+        default) runs every step on its own.
 
     Example:
       >>> import jax.numpy as jnp
@@ -137,9 +151,11 @@ class ServingLoop(RequestMoves):
         dispatcher: BucketDispatcher | None = None,
         per_request_sampling: bool = False,
         host_blocks: int = 0,
+        decode_steps: int = 1,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         check_loop_arguments(plan, forward, sampling, param_specs)
+        self.decode_steps = check_decode_steps(plan, decode_steps)
         check_host_blocks(plan, host_blocks, enable_prefix_caching)
         self.sampling = SamplingParams() if sampling is None else sampling
         sharded = plan if isinstance(plan, ShardedPlan) else None
@@ -179,9 +195,18 @@ class ServingLoop(RequestMoves):
             per_request_sampling=self.per_request_sampling,
         )
         self.programs = Programs(self.device_step, donate_argnums=0)
-        #: Steps run, steps with fast prefill armed, rank steps with a prefill
-        #: chunk that did not finish its prompt.
-        self.counters = {"steps": 0, "fast_prefill_armed": 0, "partial_prefills": 0}
+        #: Multi-step decode programs (``decode_steps > 1``), one per decode
+        #: bucket.
+        self.decode_programs = Programs(self.device_step.decode_steps, donate_argnums=0)
+        #: Steps run (a multi-step decode counts once), steps with fast prefill
+        #: armed, rank steps with a prefill chunk that did not finish its
+        #: prompt, iterations run by multi-step decodes.
+        self.counters = {
+            "steps": 0,
+            "fast_prefill_armed": 0,
+            "partial_prefills": 0,
+            "decode_iterations": 0,
+        }
         #: Per request id, the logits each sampled token came from
         #: (``record_logits=True``).
         self.logits: dict[str, list[np.ndarray]] = {}
@@ -327,6 +352,9 @@ class ServingLoop(RequestMoves):
                 progress(i, len(todo))
             seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
             self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
+        for key, inputs in self._decode_inputs().items():
+            seeds = self._abstract_seeds((inputs.layout.num_samples,), rows)
+            self.decode_programs.compile(key, pools, params, inputs, seeds, prev)
         for sched in self.schedulers:  # the ranks share the programs
             if sched.manager.host is not None:
                 sched.manager.host.warm_up(pools)
@@ -334,6 +362,41 @@ class ServingLoop(RequestMoves):
         if progress is not None:
             progress(len(todo), len(todo))
         return time.perf_counter() - t0
+
+    def _decode_inputs(self) -> dict[Any, StepInputs]:
+        """Abstract inputs of every multi-step decode program, by key: the
+        programs a decode of 1 to ``max_num_seqs`` requests prepares to (found
+        by preparing such a step on the host).
+        """  # noqa: D205
+        if self.decode_steps == 1:
+            return {}
+        out: dict[Any, StepInputs] = {}
+        groups = len(self.plan.kv_cache_config.kv_cache_groups)
+        for n in range(1, self.schedulers[0].max_num_seqs + 1):
+            qsl = np.arange(n + 1, dtype=np.int32)
+            arrays = StepArrays(
+                query_start_loc=qsl,
+                seq_lens=np.ones(n, np.int32),
+                positions=np.zeros(n, np.int32),
+                block_tables=[np.zeros((n, 1), np.int32)] * groups,
+                slot_mappings=[np.full(n, -1, np.int32)] * groups,
+                logits_indices=np.arange(n, dtype=np.int32),
+                cu_num_logits=qsl,
+                token_ids=np.zeros(n, np.int32),
+                is_prefilling=np.zeros(n, bool),
+            )
+            inputs = self.builder.prepare(arrays, validate=False)
+            key = self._decode_key(inputs)
+            if key not in out:
+                shape = (self.decode_steps, inputs.layout.size)
+                out[key] = dataclasses.replace(
+                    jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
+                        inputs,
+                    ),
+                    packed=jax.ShapeDtypeStruct(shape, jnp.int32),
+                )
+        return out
 
     # --- host side ------------------------------------------------------------
 
@@ -388,22 +451,26 @@ class ServingLoop(RequestMoves):
             self._recover()
         else:
             self.resume()
+        done: list[Request] = []
+        if self.decode_steps > 1:
+            ran, done = self._decode_ahead()
+            if ran:
+                return done
         steps = [s.schedule() for s in self.schedulers]
         if not any(step.batch for step in steps):
             if self._pipeline:
-                return self._resolve_all()
+                return done + self._resolve_all()
             if any(s.has_unfinished for s in self.schedulers):
                 raise RuntimeError(
                     "ServingLoop: requests are waiting but none could be scheduled."
                 )
-            return []
+            return done
         if not self.overlap:
-            return self._run_step(steps)
+            return done + self._run_step(steps)
         self._dispatch_ahead(steps)
-        finished = []
         while len(self._pipeline) > 1:
-            finished += self._resolve_oldest()
-        return finished
+            done += self._resolve_oldest()
+        return done
 
     def run(
         self,

@@ -19,7 +19,12 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.cache import KVCachePlan, Pools, ShardedPlan, any_deleted
 from jaxkv.sched import Request, ScheduledStep, Scheduler
 from jaxkv.serve._sampling import SamplingParams, sampling_rows
-from jaxkv.step import Programs, StepMetadataBuilder
+from jaxkv.step import (
+    Programs,
+    StepInputs,
+    StepMetadataBuilder,
+    decode_step_inputs,
+)
 
 
 class StepPipeline:
@@ -32,6 +37,8 @@ class StepPipeline:
     # State owned by ServingLoop.__init__.
     builder: StepMetadataBuilder
     programs: Programs
+    decode_programs: Programs
+    decode_steps: int
     params: Any
     sampling: SamplingParams
     per_request_sampling: bool
@@ -89,12 +96,7 @@ class StepPipeline:
             seeds = jax.tree.map(lambda x: x[0], seeds)
         else:
             seeds = jax.device_put(seeds, self._rows())
-        for sched in self.schedulers:
-            host = sched.manager.host
-            if host is not None and host.num_pending:
-                # Evicted blocks out to the host, hits back in, before the step
-                # that reuses their device blocks (dispatched in order).
-                self.pools = host.flush(self.pools)
+        self._flush_host_tiers()
         self.pools, next_tokens, logits = self.programs(
             inputs.program, self.pools, self.params, inputs, seeds, prev_tokens
         )
@@ -104,6 +106,84 @@ class StepPipeline:
             any(r.num_computed + n < len(r.prompt) for r, n in s.batch) for s in steps
         )
         return next_tokens, logits
+
+    def _flush_host_tiers(self) -> None:
+        for sched in self.schedulers:
+            host = sched.manager.host
+            if host is not None and host.num_pending:
+                # Evicted blocks out to the host, hits back in, before the step
+                # that reuses their device blocks (dispatched in order).
+                self.pools = host.flush(self.pools)
+
+    @staticmethod
+    def _decode_key(inputs: StepInputs) -> tuple[Any, ...]:
+        """The multi-step decode program of a first iteration's inputs."""
+        return ("decode", inputs.program)
+
+    def _decode_ahead(self) -> tuple[bool, list[Request]]:
+        """Multi-step decoding (``decode_steps > 1``, one device): when the
+        batch is in steady decoding, resolves the steps in flight and runs
+        ``decode_steps`` iterations in one program. Returns whether it ran
+        and the requests finished.
+        """  # noqa: D205
+        sched = self.schedulers[0]
+        if sched.waiting or not sched.running:
+            return False, []
+        done = self._resolve_all()
+        step = sched.schedule_decode(self.decode_steps)
+        if step is None:
+            return False, done
+        return True, done + self._run_decode(step)
+
+    def _run_decode(self, step: ScheduledStep) -> list[Request]:
+        self._inflight, self._results = [step], None
+        first = self.builder.prepare(step)
+        inputs = decode_step_inputs(
+            first, num_reqs=step.num_reqs, step_slots=step.step_slots or []
+        )
+        seeds = self._seeds([step], first.layout.num_samples)
+        seeds = jax.tree.map(lambda x: x[0], seeds)
+        self._flush_host_tiers()
+        self.pools, tokens, logits = self.decode_programs(
+            self._decode_key(first),
+            self.pools,
+            self.params,
+            inputs,
+            seeds,
+            self._no_tokens(),
+        )
+        self.counters["steps"] += 1
+        self.counters["decode_iterations"] += step.num_steps
+        # It ran: on resume() it is applied, never run again.
+        self._results = tokens, logits
+        return self._apply()
+
+    def _apply_decode(self, step: ScheduledStep) -> list[Request]:
+        """Applies a multi-step decode step from ``self._results``."""
+        if self._results is None:
+            raise RuntimeError("ServingLoop: no step result to apply.")
+        tokens = _to_host(self._results[0])  # (num_steps, width)
+        logits = self._results[1]
+        host_logits = (
+            _to_host(logits) if logits is not None and self.record_logits else None
+        )
+        sched = self.schedulers[0]
+        before = [len(r.output) for r, _ in step.batch]
+        rows = tokens[:, : step.num_reqs].T.tolist()
+        finished = [] if sched.last_applied is step else sched.update_decode(step, rows)
+        self._inflight = self._results = None
+        self._forget(finished)
+        for i in range(step.num_steps):  # streamed in the order they were sampled
+            filled = [
+                (k, req, req.output[outputs + i])
+                for k, ((req, _), outputs) in enumerate(
+                    zip(step.batch, before, strict=True)
+                )
+                if len(req.output) > outputs + i
+            ]
+            if filled:
+                self._deliver(filled, None if host_logits is None else host_logits[i])
+        return finished
 
     def _host_results(
         self, next_tokens: jax.Array, logits: jax.Array | None
@@ -180,6 +260,8 @@ class StepPipeline:
         if self._inflight is None or self._results is None:
             raise RuntimeError("ServingLoop: no step result to apply.")
         steps = self._inflight
+        if steps[0].num_steps > 1:
+            return self._apply_decode(steps[0])
         tokens, host_logits = self._host_results(*self._results)
         finished, delivered = [], []
         for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
@@ -220,7 +302,9 @@ class StepPipeline:
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
         """  # noqa: D205
-        if not self.overlap:
+        decoding = self._inflight is not None and self._inflight[0].num_steps > 1
+        if not self.overlap or decoding:
+            # A multi-step decode runs with nothing else in flight.
             if self._inflight is None:
                 return None
             if self._results is not None:
@@ -229,7 +313,10 @@ class StepPipeline:
             if any_deleted(self.pools):
                 self._recompute_all()
                 return "recomputed"
-            self._run_step(self._inflight)
+            if decoding:
+                self._run_decode(self._inflight[0])
+            else:
+                self._run_step(self._inflight)
             return "rerun"
         done = self._recover()
         if self._pipeline:
@@ -252,6 +339,8 @@ class StepPipeline:
         """Overlap: finishes a step whose dispatch or advance raised; steps in
         flight that ran stay in flight (a normal state).
         """  # noqa: D205
+        if self._inflight is not None and self._inflight[0].num_steps > 1:
+            return self.resume()  # a multi-step decode: nothing else in flight
         unadvanced = bool(self._pipeline) and any(
             sched.last_applied is not step
             for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)

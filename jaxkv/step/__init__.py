@@ -25,6 +25,7 @@ from jaxkv.step._buckets import (
     smallest_bucket,
 )
 from jaxkv.step._common_metadata import CommonAttentionMetadata
+from jaxkv.step._decode_steps import decode_step_inputs
 from jaxkv.step._fast_prefill import (
     FastPrefillBatchMetadata,
     FastPrefillHelper,
@@ -58,6 +59,7 @@ __all__ = [
     "StepMetadataBuilder",
     "build_attn_metadata",
     "build_attn_metadata_from_step",
+    "decode_step_inputs",
     "make_kv_sharing_fast_prefill_common_attn_metadata",
     "pack_step",
     "shape_struct",

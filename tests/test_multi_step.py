@@ -1,0 +1,202 @@
+"""Multi-step decoding: ``Scheduler.schedule_decode`` / ``update_decode`` and
+``ServingLoop(decode_steps=K)`` give the tokens, logits and streams of one
+step at a time, on the sliding-window + global model of test_serve_loop.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_serve_loop import VOCAB, _model, _params, _requests
+
+import jaxkv
+
+
+@pytest.fixture(scope="module")
+def model():
+    plan, forward, windows = _model()
+    return plan, forward, _params(len(windows))
+
+
+def _serve(model, *, decode_steps, overlap, stops=(), **loop_args):
+    plan, forward, params = model
+    num_blocks = loop_args.pop("num_blocks", None)
+    loop = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        record_logits=True,
+        overlap=overlap,
+        decode_steps=decode_steps,
+        **loop_args,
+    )
+    loop.warm_up()
+    if num_blocks is not None:  # a smaller pool: preemption
+        loop.reset(
+            num_blocks=num_blocks,
+            enable_prefix_caching=loop_args.get("enable_prefix_caching", False),
+        )
+    seen: dict[str, list[int]] = {}
+    outs = []
+    with jaxkv.count_compilations() as compiles:
+        for seed in (3, 4):  # twice: the second run hits the first's prefixes
+            reqs = _requests(shared=16, seed=seed, new=11)
+            for r in reqs:
+                r.stop_token_ids = stops
+            loop.run(
+                reqs, on_token=lambda r, t: seen.setdefault(r.req_id, []).append(t)
+            )
+            outs += [list(r.output) for r in reqs]
+            assert seen == {r.req_id: r.output for r in reqs}
+            seen.clear()
+    m = loop.scheduler.manager
+    assert m.num_free_blocks == m.num_usable_blocks
+    logits = {k: np.stack(v) for k, v in loop.logits.items()}
+    return outs, logits, loop, len(compiles)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_step_equals_one_step_at_a_time(model, overlap):
+    base, base_logits, _, _ = _serve(model, decode_steps=1, overlap=False)
+    stops = tuple({o[4] for o in base})  # stop tokens hit mid-run
+    base, base_logits, _, _ = _serve(
+        model, decode_steps=1, overlap=False, stops=stops, enable_prefix_caching=True
+    )
+    assert any(len(o) < 11 for o in base)
+    outs, logits, loop, compiles = _serve(
+        model,
+        decode_steps=4,
+        overlap=overlap,
+        stops=stops,
+        enable_prefix_caching=True,
+    )
+    assert outs == base
+    assert logits.keys() == base_logits.keys()
+    for k in logits:
+        np.testing.assert_allclose(logits[k], base_logits[k], atol=1e-5)
+    assert compiles == 0
+    assert loop.counters["decode_iterations"] > 0
+    assert loop.scheduler.stats["cached_tokens"] > 0
+
+
+def test_multi_step_under_preemption_equals_one_step_at_a_time(model):
+    base, _, _, _ = _serve(model, decode_steps=1, overlap=True, num_blocks=14)
+    outs, _, loop, _ = _serve(model, decode_steps=3, overlap=True, num_blocks=14)
+    assert outs == base
+    assert loop.scheduler.stats["preemptions"] > 0
+    assert loop.counters["decode_iterations"] > 0
+
+
+def _decoding_scheduler(**kw):
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=32)
+    s = jaxkv.Scheduler(plan, **kw)
+    for i, new in enumerate((6, 3)):
+        s.add_request(jaxkv.Request(f"r{i}", prompt=[7, 8, 9, i], max_new_tokens=new))
+    s.update(s.schedule(), [5, 5])
+    return s
+
+
+def test_schedule_decode_allocates_ahead_and_update_decode_stops():
+    s = _decoding_scheduler()
+    step = s.schedule_decode(4)
+    assert step is not None
+    assert step.steps_per_request is not None
+    assert step.step_slots is not None
+    assert step.steps_per_request.tolist() == [4, 2]  # r1 has 2 tokens left
+    assert step.positions.tolist() == [4, 4]
+    for slots in step.step_slots:  # iterations past a request's count: -1
+        assert slots.shape == (4, 2)
+    attn = [g for g, m in enumerate(s.manager.is_mamba) if not m]
+    for g in attn:
+        assert (step.step_slots[g][2:, 1] == -1).all()
+        assert (step.step_slots[g][:, 0] >= 0).all()
+        bs = s.manager.block_sizes[g]
+        table = step.block_tables[g][0]
+        want = [table[p // bs] * bs + p % bs for p in range(4, 8)]
+        assert step.step_slots[g][:, 0].tolist() == want
+    with pytest.raises(ValueError, match="update_decode"):
+        s.update(step, [1, 1])
+    with pytest.raises(ValueError, match="request 'r0' sampled 4 tokens"):
+        s.update_decode(step, [[1], [2, 3]])
+    with pytest.raises(ValueError, match="outside"):
+        s.update_decode(step, [[1, 2, 3, 4], [2, -3]])
+    s.running[0].stop_token_ids = (2,)
+    done = s.update_decode(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
+    assert [r.req_id for r in done] == ["r0", "r1"]
+    assert [r.output for r in done] == [[5, 1, 2], [5, 6, 6]]
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks
+    with pytest.raises(ValueError, match="already applied"):
+        s.update_decode(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
+
+
+def test_schedule_decode_declines_unless_steadily_decoding():
+    s = _decoding_scheduler()
+    s.add_request(jaxkv.Request("w", prompt=[1, 2], max_new_tokens=2))
+    assert s.schedule_decode(4) is None  # a request waits
+    s = _decoding_scheduler()
+    s.advance(s.schedule())  # a token still on the device
+    assert s.schedule_decode(4) is None
+    with pytest.raises(ValueError, match="num_steps"):
+        _decoding_scheduler().schedule_decode(0)
+
+
+def test_decode_steps_is_checked(model):
+    plan, forward, params = model
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="decode_steps"):
+            jaxkv.ServingLoop(plan, forward, params, decode_steps=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
+    model, overlap
+):
+    base, _, _, _ = _serve(model, decode_steps=1, overlap=False)
+    plan, forward, params = model
+    loop = jaxkv.ServingLoop(
+        plan, forward, params, vocab_size=VOCAB, overlap=overlap, decode_steps=4
+    )
+    real, calls = loop.scheduler.update_decode, [0]
+
+    def apply(step, tokens):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(step, tokens)
+
+    loop.scheduler.update_decode = apply  # type: ignore[method-assign]
+    reqs = _requests(shared=16, seed=3, new=11)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(reqs)
+    loop.scheduler.update_decode = real  # type: ignore[method-assign]
+    assert loop.resume() == "applied"  # its iterations ran: never run again
+    loop.run()
+    assert [r.output for r in reqs] == base[: len(reqs)]
+
+
+def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
+    cfg = jaxkv.pattern_config(
+        "G",
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        block_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+    )
+    s = jaxkv.Scheduler(jaxkv.make_plan(cfg, num_blocks=16), enable_prefix_caching=True)
+    r = jaxkv.Request("r", prompt=[1, 2, 3, 4, 5], max_new_tokens=20)
+    s.add_request(r)
+    s.update(s.schedule(), [6])
+    step = s.schedule_decode(8)
+    assert step is not None
+    s.update_decode(step, [[7, 8, 9, 10, 11, 12, 13, 14]])
+    assert r.num_computed == 13
+    # Tokens 0-7 fill block 0 during the decode: a hit for the next request.
+    probe = jaxkv.Request(
+        "p", prompt=r.prompt + r.output[:3] + [0, 0], max_new_tokens=1
+    )
+    assert s.manager.find_cache_hit(probe) == 8
