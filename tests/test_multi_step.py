@@ -169,7 +169,7 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
     reqs = _requests(shared=16, seed=3, new=11)
     with pytest.raises(KeyboardInterrupt):
         loop.run(reqs)
-    loop.scheduler.update_decode = real  # type: ignore[method-assign]
+    loop.scheduler.update_decode = real
     assert loop.resume() == "applied"  # its iterations ran: never run again
     loop.run()
     assert [r.output for r in reqs] == base[: len(reqs)]
