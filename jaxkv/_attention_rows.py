@@ -178,15 +178,26 @@ def online_softmax_step(
     mask: jax.Array,
     scale: float,
     logits_soft_cap: float | None,
+    contraction: str = "dot",
 ) -> tuple[jax.Array, ...]:
-    """One chunk of keys folded into ``(running max, denominator, numerator)``."""
+    """One chunk of keys folded into ``(running max, denominator, numerator)``.
+
+    `contraction` is how scores and values are contracted: ``"dot"`` as dot
+    products (matrix units), ``"reduce"`` as a broadcast multiply and a sum,
+    which XLA fuses with the page gather that produces `k` and `v` (no
+    gathered chunk is written out).
+    """
     top, denom, acc = carry
     # Scores of unseen keys are masked below (a NaN padding key drops out);
     # unseen values are zeroed, as their weight 0 times NaN is NaN.
     seen = jnp.any(mask, axis=1)[:, :, None, None]
     k = k.astype(jnp.float32)
     v = jnp.where(seen, v, 0).astype(jnp.float32)
-    scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
+    if contraction == "reduce":
+        kh = jnp.swapaxes(k, 1, 2)[:, None, :, None]  # (n, 1, h, 1, l, d)
+        scores = jnp.sum(qg[:, :, :, :, None, :] * kh, axis=-1) * scale
+    else:
+        scores = jnp.einsum("nqhgd,nlhd->nqhgl", qg, k) * scale
     if logits_soft_cap is not None:
         scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
     m5 = mask[:, :, None, None, :]
@@ -196,7 +207,12 @@ def online_softmax_step(
     weights = jnp.where(m5, jnp.exp(scores - safe[..., None]), 0.0)
     rescale = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
     denom = denom * rescale + jnp.sum(weights, axis=-1)
-    acc = acc * rescale[..., None] + jnp.einsum("nqhgl,nlhd->nqhgd", weights, v)
+    if contraction == "reduce":
+        vh = jnp.swapaxes(v, 1, 2)[:, None, :, None]  # (n, 1, h, 1, l, d)
+        values = jnp.sum(weights[..., None] * vh, axis=-2)
+    else:
+        values = jnp.einsum("nqhgl,nlhd->nqhgd", weights, v)
+    acc = acc * rescale[..., None] + values
     return new_top, denom, acc
 
 

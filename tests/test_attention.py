@@ -1,7 +1,9 @@
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +98,14 @@ def batches(draw):
     chunk = draw(st.sampled_from([1, 3, 4, 64]))
     tile = draw(st.sampled_from([1, 2, 4]))
     q_heads = draw(st.sampled_from([2, 4, 6]))
-    return reqs, mask, layout, (chunk, tile, q_heads), draw(st.integers(0, 2**31 - 1))
+    contraction = draw(st.sampled_from(["dot", "reduce"]))
+    return (
+        reqs,
+        mask,
+        layout,
+        (chunk, tile, q_heads, contraction),
+        draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 @settings(
@@ -106,7 +115,7 @@ def batches(draw):
 )
 @given(batch=batches())
 def test_paged_attention_matches_dense_reference(batch):
-    reqs, mask, layout, (chunk, tile, q_heads), seed = batch
+    reqs, mask, layout, (chunk, tile, q_heads, contraction), seed = batch
     rng = np.random.default_rng(seed)
     kernel = 4 if layout == "split" else None
     groups, kv, pools, view = _setup(
@@ -165,7 +174,9 @@ def test_paged_attention_matches_dense_reference(batch):
         mm_prefix_ranges=ranges_arr,
         mm_num_ranges=np.array([1] * len(reqs) + [0] * (4 - len(reqs))),
     )["l"]
-    kw: dict[str, Any] = dict(scale=0.5, pages_per_chunk=chunk, query_tile=tile)
+    kw: dict[str, Any] = dict(
+        scale=0.5, pages_per_chunk=chunk, query_tile=tile, contraction=contraction
+    )
     ref_kw = {}
     if "window" in mask:
         kw["sliding_window"] = ref_kw["window"] = 5
@@ -249,3 +260,18 @@ def test_the_layer_s_own_cap_and_local_chunk_reach_the_kernel():
         q, k, v, np.arange(seq_len - q_len, seq_len), seq_len, 0.5, chunk=8, cap=2.0
     )
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+
+
+def test_contraction_is_checked_and_auto_follows_the_platform_and_tile():
+    from jaxkv._attention import resolve_contraction
+
+    cpu = jax.default_backend() == "cpu"
+    assert resolve_contraction("auto", 16) == ("reduce" if cpu else "dot")
+    assert resolve_contraction("auto", 1) == "dot"
+    assert resolve_contraction("dot", 16) == "dot"
+    groups, kv, pools, view = _setup("nhd")
+    meta = jaxkv.CommonAttentionMetadata.empty(max_reqs=2, max_tokens=4, max_blocks=2)
+    with pytest.raises(ValueError, match="contraction='matmul'.*'reduce'"):
+        jaxkv.paged_attention(
+            jnp.zeros((4, 2, 4)), pools, view, meta, scale=1.0, contraction="matmul"
+        )
