@@ -76,9 +76,8 @@ class Engine(ServingLoop):
       request_buckets: Request buckets (default: the config's, or
         ``(max_num_seqs,)``).
       pages_per_chunk: Pages per step of the attention's online softmax;
-        default 4 on CPU and 64 on accelerators (measured best on each: 4.7 vs
-        5.7 ms for a 32 x 512 decode on CPU, 2.3 vs 4.0 ms for 256 x 4096 on an
-        H200).
+        default (``None``): :func:`jaxkv.paged_attention`'s, 4 on CPU and 64
+        on accelerators.
       record_logits: Keep each sampled token's logits on its request (a
         device-to-host copy per step; for tests and debugging).
       mesh: Serve over this device mesh (``None``: one device).
@@ -118,8 +117,6 @@ class Engine(ServingLoop):
             tensor_axis=tensor_axis,
         )
         local = plan if mesh is None else plan.local
-        if pages_per_chunk is None:
-            pages_per_chunk = 4 if jax.default_backend() == "cpu" else 64
         self.pages_per_chunk = pages_per_chunk
         # What the model's layers read: attention layers with their spec's
         # window, Mamba layers their state view.

@@ -261,7 +261,7 @@ def forward_paged(
     token_ids: jax.Array,
     sample_idx: jax.Array,
     fast_prefill: bool,
-    pages_per_chunk: int = 4,
+    pages_per_chunk: int | None = None,
     query_tile: int | None = None,
     tensor_axis: str | None = None,
 ) -> tuple[Pools, jax.Array]:
@@ -277,7 +277,8 @@ def forward_paged(
       sample_idx: ``(num_samples,)`` token indices whose logits are returned.
       fast_prefill: Whether the fast-prefill path is armed (the YOCO layers
         then run on the `sample_idx` tokens only, with reduced metadata).
-      pages_per_chunk: Pages per step of the attention's online softmax.
+      pages_per_chunk: Pages per step of the attention's online softmax
+        (default: :func:`jaxkv._attention.auto_pages_per_chunk`).
       query_tile: Query tokens of a request sharing one read of its pages
         (default: chosen by :func:`paged_attention` from the bucket).
       tensor_axis: Inside ``shard_map`` over a tensor-parallel axis: the model
