@@ -75,16 +75,7 @@ class StepOutcomes:
                 "update: a schedule_decode() step of several iterations; apply it "
                 "with update_decode()."
             )
-        if step is self._applied:
-            raise ValueError(
-                "update: this step was already applied (a retry?); schedule() the "
-                "next step instead."
-            )
-        if step is not self._latest:
-            raise ValueError(
-                "update: the step is not the one schedule() returned last; apply "
-                "each scheduled step once, in order."
-            )
+        self._check_latest(step, "update", "schedule()")
         # Validated before anything changes: a bad token leaves every request
         # and block as it was.
         tokens_in = self._checked_tokens("update", step, sampled_token_ids)
@@ -140,13 +131,7 @@ class StepOutcomes:
                 "update_decode: the step is not a schedule_decode() step; apply it "
                 "with update()."
             )
-        if step is self._applied:
-            raise ValueError("update_decode: this step was already applied.")
-        if step is not self._latest:
-            raise ValueError(
-                "update_decode: the step is not the one schedule_decode() returned "
-                "last; apply each scheduled step once, in order."
-            )
+        self._check_latest(step, "update_decode", "schedule_decode()")
         counts = step.steps_per_request
         if len(sampled_token_ids) != len(step.batch):
             raise ValueError(
@@ -194,6 +179,19 @@ class StepOutcomes:
         self._applied = step
         self._applying = None
         return finished
+
+    def _check_latest(self, step: ScheduledStep, op: str, made_by: str) -> None:
+        """Raises unless `step` is the latest scheduled one and not applied."""
+        if step is self._applied:
+            raise ValueError(
+                f"{op}: this step was already applied (a retry?); schedule the "
+                "next step instead."
+            )
+        if step is not self._latest:
+            raise ValueError(
+                f"{op}: the step is not the one {made_by} returned last; apply "
+                "each scheduled step once, in order."
+            )
 
     def _checked_tokens(
         self, caller: str, step: ScheduledStep, sampled_token_ids: Sequence[int]
@@ -263,13 +261,7 @@ class StepOutcomes:
                 "advance: a schedule_decode() step runs its iterations on the "
                 "device and is applied with update_decode(), not advanced."
             )
-        if step is self._applied:
-            raise ValueError("advance: this step was already applied.")
-        if step is not self._latest:
-            raise ValueError(
-                "advance: the step is not the one schedule() returned last; "
-                "advance each scheduled step once, in order."
-            )
+        self._check_latest(step, "advance", "schedule()")
         sampled = step.sampled
         rank = {id(r): k for k, r in enumerate(sampled)}
         for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
