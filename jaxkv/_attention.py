@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
+from jaxkv._attention_native import native_by_default, native_decode, native_unfit
 from jaxkv._attention_rows import (
     Mask,
     chunk_range,
@@ -30,6 +31,7 @@ from jaxkv._attention_rows import (
     varying_like,
     visible,
 )
+from jaxkv._native import unavailable_reason
 from jaxkv.cache import (
     AttentionLayer,
     KVCacheView,
@@ -98,8 +100,14 @@ def paged_attention(
         than one query token, ``"dot"`` otherwise. Measured on XLA:CPU
         (``benchmarks/bench_attention.py``): a mixed batch of 884 tokens in
         rows of 16 takes 26-39 ms reduced against 60-83 ms as dots, while a
-        decode batch (rows of 1) takes about twice as long reduced. Both give
-        the same result up to float rounding.
+        decode batch (rows of 1) takes about twice as long reduced.
+        ``"native"``: rows of one token on a typed float32 or bfloat16 pool
+        run as one C++ custom call on XLA:CPU (``jaxkv/_native``, compiled
+        on first use) that reads each key and value once in place; ``"auto"``
+        picks it for decode rows it fits in a process with one CPU device
+        (a custom call cannot be split by the SPMD partitioner, so with more
+        devices XLA's path is kept). All give the same result up to float
+        rounding.
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -165,7 +173,16 @@ def paged_attention(
         )
     if query_tile is None:
         query_tile = 16 if q.shape[0] > meta.max_reqs else 1
-    contraction = resolve_contraction(contraction, query_tile)
+    opts = Mask(
+        meta.causal,
+        sliding_window,
+        attention_chunk_size,
+        bool(cross_attention),
+        use_mm_prefix,
+    )
+    contraction = resolve_contraction(
+        contraction, query_tile, native=native_unfit(view, opts, query_tile)
+    )
     check_pools_alive(pools, "paged_attention")
     check_layer(layer, view, pools, "paged_attention")
     return _paged_attention(
@@ -186,11 +203,26 @@ def paged_attention(
     )
 
 
-def resolve_contraction(contraction: str, query_tile: int) -> str:
-    """What ``contraction="auto"`` means for rows of `query_tile` tokens here.
+def resolve_contraction(
+    contraction: str, query_tile: int, *, native: str | None = "no view given"
+) -> str:
+    """What `contraction` means for rows of `query_tile` tokens here.
+
+    Args:
+      contraction: One of :data:`CONTRACTIONS`.
+      query_tile: Query tokens per row.
+      native: Why the native kernel cannot run this call
+        (:func:`jaxkv._attention_native.native_unfit`); ``None``: it can.
+
+    Returns:
+      ``"dot"``, ``"reduce"`` or ``"native"``. ``"auto"`` is ``"native"`` for
+      rows of one token that the kernel fits, in a process with one CPU device
+      and the kernel built; else ``"reduce"`` on CPU for rows of more than one
+      token, ``"dot"`` otherwise.
 
     Raises:
-      ValueError: For a name other than ``"auto"``, ``"dot"``, ``"reduce"``.
+      ValueError: For a name not in :data:`CONTRACTIONS`, or ``"native"`` for a
+        call the kernel cannot run (the reason named).
 
     Example:
       >>> import jax
@@ -206,12 +238,21 @@ def resolve_contraction(contraction: str, query_tile: int) -> str:
             f"paged_attention: contraction={contraction!r}, expected one of "
             f"{CONTRACTIONS}."
         )
+    if contraction == "native":
+        reason = native if native is not None else unavailable_reason()
+        if reason is not None:
+            raise ValueError(
+                f"paged_attention: contraction='native' cannot run this call: {reason}."
+            )
+        return contraction
     if contraction != "auto":
         return contraction
+    if query_tile == 1 and native is None and native_by_default():
+        return "native"
     return "reduce" if query_tile > 1 and jax.default_backend() == "cpu" else "dot"
 
 
-CONTRACTIONS = ("auto", "dot", "reduce")
+CONTRACTIONS = ("auto", "dot", "reduce", "native")
 
 
 def auto_pages_per_chunk() -> int:
@@ -281,6 +322,17 @@ def _paged_attention(
         cross_attention,
         use_mm_prefix,
     )
+    if contraction == "native":
+        return native_decode(
+            q,
+            pools,
+            view,
+            meta,
+            layer,
+            opts=opts,
+            scale=scale,
+            logits_soft_cap=logits_soft_cap,
+        )
     groups = num_heads // kv_heads
     head_dim_v = value_dim(view, head_dim)
     cols = meta.block_table_tensor.shape[1]

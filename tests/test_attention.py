@@ -98,12 +98,15 @@ def batches(draw):
     chunk = draw(st.sampled_from([1, 3, 4, 64]))
     tile = draw(st.sampled_from([1, 2, 4]))
     q_heads = draw(st.sampled_from([2, 4, 6]))
-    contraction = draw(st.sampled_from(["dot", "reduce"]))
+    contraction = draw(st.sampled_from(["dot", "reduce", "auto", "native"]))
+    if contraction == "native" and (tile != 1 or "mm" in mask):
+        contraction = "auto"  # the kernel takes rows of one token, no PrefixLM
+    head = draw(st.sampled_from([4, 16]))  # 16: the kernel's vector loops
     return (
         reqs,
         mask,
         layout,
-        (chunk, tile, q_heads, contraction),
+        (chunk, tile, q_heads, contraction, head),
         draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -115,13 +118,13 @@ def batches(draw):
 )
 @given(batch=batches())
 def test_paged_attention_matches_dense_reference(batch):
-    reqs, mask, layout, (chunk, tile, q_heads, contraction), seed = batch
+    reqs, mask, layout, (chunk, tile, q_heads, contraction, head), seed = batch
     rng = np.random.default_rng(seed)
     kernel = 4 if layout == "split" else None
     groups, kv, pools, view = _setup(
-        "nhd" if layout == "split" else layout, kernel=kernel
+        "nhd" if layout == "split" else layout, kernel=kernel, head=head
     )
-    heads, head, block = 2, 4, 8
+    heads, block = 2, 8
     width = 5  # blocks per request
     # NaN everywhere first: padding pages must never leak into outputs.
     n_slots = view.num_blocks * view.block_size

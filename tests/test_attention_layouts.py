@@ -199,12 +199,21 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
     q = jnp.ones((1, 4, 8), jnp.float32)
     with jax.disable_jit():  # the loop runs in Python, one gather per chunk
         jaxkv.paged_attention(
-            q, pools, view, meta, scale=1.0, sliding_window=64, pages_per_chunk=1
+            q,
+            pools,
+            view,
+            meta,
+            scale=1.0,
+            sliding_window=64,
+            pages_per_chunk=1,
+            contraction="dot",  # XLA's chunk loop (the native kernel reads [lo, hi))
         )
     pages = sorted({int(p) for chunk in read for p in chunk.ravel()})
     # Keys 936..999 are visible: pages 58..62 hold them (ids 59..63).
     assert pages == [59, 60, 61, 62, 63], pages
     read.clear()
     with jax.disable_jit():
-        jaxkv.paged_attention(q, pools, view, meta, scale=1.0, pages_per_chunk=1)
+        jaxkv.paged_attention(
+            q, pools, view, meta, scale=1.0, pages_per_chunk=1, contraction="dot"
+        )
     assert len({int(p) for chunk in read for p in chunk.ravel()}) == 63

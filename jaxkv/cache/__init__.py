@@ -31,6 +31,7 @@ from jaxkv.cache._checks import (
     any_deleted,
     check_layer,
     check_pools_alive,
+    layer_index,
     validate_block_ids,
     validate_slot_mapping,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "init_kv_cache",
     "kernel_cache",
     "kv_cache_budget",
+    "layer_index",
     "layout_of_view",
     "layout_strides",
     "local_attention",

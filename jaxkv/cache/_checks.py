@@ -154,8 +154,23 @@ def _num_slots(pool: jax.Array, view: KVCacheView) -> int:
     return int(np.prod(pool.shape)) // math.prod(view.shape)
 
 
-def _layer_index(layer: object, view: KVCacheView) -> jax.Array:
-    """The slot to access: `layer` (traced or not) or the view's own."""
+def layer_index(layer: object, view: KVCacheView) -> jax.Array:
+    """The int32 layer slot a typed pool's access reads: `layer` or the view's own.
+
+    `layer` may be traced (``lax.scan`` over a layer stack). A 64-bit or
+    unsigned id past int32 becomes -1 (out of range: the access drops or
+    fills) rather than wrapping onto another layer.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> cfg = jaxkv.llama_like_config(num_layers=2)
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
+      >>> view = plan.views["layers.1.self_attn"]
+      >>> int(jaxkv.cache.layer_index(None, view)), view.layer
+      (1, 1)
+      >>> int(jaxkv.cache.layer_index(jnp.uint32(2**32 - 1), view))
+      -1
+    """
     if layer is None:
         return jnp.int32(view.layer)
     ids = jnp.asarray(layer)

@@ -18,9 +18,9 @@ from jaxkv.cache import _typed as typed
 from jaxkv.cache._checks import (
     Pools,
     _check_fits,
-    _layer_index,
     _num_slots,
     check_layer,
+    layer_index,
 )
 from jaxkv.cache._ops import _replace
 from jaxkv.cache._views import KVCacheView
@@ -79,7 +79,7 @@ def kernel_cache(
     else:
         slots = pool.reshape((-1, *phys))
         slot = lax.dynamic_index_in_dim(
-            slots, _layer_index(layer, view), 0, keepdims=False
+            slots, layer_index(layer, view), 0, keepdims=False
         )
     if shape is None:
         return slot
@@ -136,6 +136,6 @@ def put_kernel_cache(
         return _replace(pools, view.pool, cache.reshape(pool.shape))
     slots = pool.reshape((-1, *phys))
     new = lax.dynamic_update_index_in_dim(
-        slots, cache.reshape(phys), _layer_index(layer, view), 0
+        slots, cache.reshape(phys), layer_index(layer, view), 0
     )
     return _replace(pools, view.pool, new.reshape(pool.shape))

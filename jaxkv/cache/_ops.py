@@ -24,7 +24,7 @@ from jaxkv.cache._checks import (
     _check_view,
     _checks_host_ids,
     _device_ids,
-    _layer_index,
+    layer_index,
 )
 from jaxkv.cache._strided import (
     access_plan,
@@ -206,7 +206,7 @@ def _write_typed(
 ) -> jax.Array:
     """`write_kv` on a typed pool: one scatter indexed by (layer, block, token)."""
     bd, td = view.block_dim, view.dim("token")
-    slot = _layer_index(layer, view)
+    slot = layer_index(layer, view)
     if "kv" in view.axes:
         if value is None:  # unreachable: checked by write_kv
             raise ValueError("value is missing.")
@@ -328,7 +328,7 @@ def _gather_typed(
 ) -> tuple[jax.Array, jax.Array | None]:
     """`gather_kv_pages` on a typed pool: gathers indexed by (layer, block)."""
     bd = view.block_dim
-    slot = _layer_index(layer, view)
+    slot = layer_index(layer, view)
 
     def pages_of(x: jax.Array) -> jax.Array:
         return x.reshape(*rows_cols, *x.shape[1:])

@@ -21,7 +21,7 @@ from jaxkv.cache._checks import (
     _check_view,
     _checks_host_ids,
     _device_ids,
-    _layer_index,
+    layer_index,
 )
 from jaxkv.cache._ops import _plan, _replace
 from jaxkv.cache._strided import (
@@ -206,7 +206,7 @@ def read_view(
       (4, 2, 32, 2, 32)
     """
     if view.typed:
-        return typed.read_slot(pools[view.pool], view, layer=_layer_index(layer, view))
+        return typed.read_slot(pools[view.pool], view, layer=layer_index(layer, view))
     if layer is not None:
         raise TypeError(
             "read_view: layer= picks a layer slot of a typed pool; this view reads a "

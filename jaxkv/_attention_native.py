@@ -1,0 +1,138 @@
+"""Decode rows of :func:`paged_attention` on the native XLA:CPU kernel.
+
+Rows of one query token whose keys are a contiguous range (causal, sliding
+window, local chunk, cross-attention; not PrefixLM) over float32 or bfloat16
+K/V are handed to ``jaxkv/_native/paged_decode.cc`` as one FFI custom call:
+the key range of each row is computed here from the step's metadata, exactly
+as :func:`jaxkv._attention_rows.visible` masks it, and the kernel reads the
+pages in place through the view's byte offset and element strides, whatever
+the pool array's type (typed elements, their bits, or carrier words: the
+bytes are the same, so nothing is converted or copied).
+
+XLA's SPMD partitioner cannot split a custom call, so a sharded pool would be
+gathered whole: ``contraction="auto"`` takes this path only in a process
+with one device, on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv._attention_rows import Mask, query_rows_of, value_dim
+from jaxkv._native import available, target
+from jaxkv.cache import KVCacheView, Pools, layer_index
+from jaxkv.step import CommonAttentionMetadata
+
+_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
+def native_unfit(view: KVCacheView, opts: Mask, query_tile: int) -> str | None:
+    """Why the native kernel cannot run this call (``None``: it can).
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv._attention_rows import Mask
+      >>> from jaxkv._attention_native import native_unfit
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> view = plan.views["layers.0.self_attn"]
+      >>> opts = Mask(True, None, None, False, False)
+      >>> native_unfit(view, opts, 16)
+      'rows of 16 query tokens (the kernel takes rows of 1)'
+    """
+    if query_tile != 1:
+        return f"rows of {query_tile} query tokens (the kernel takes rows of 1)"
+    if opts.use_mm_prefix:
+        return "use_mm_prefix=True (PrefixLM ranges)"
+    if view.owned is not None or view.kv_packing:
+        return "a kernel view of a packed pool or a head-packing backend"
+    if not {"block", "token", "head", "dim"} <= set(view.axes):
+        return f"view axes {view.axes} (needs block, token, head and dim)"
+    if view.strides[view.dim("dim")] != 1:
+        return "a head dim that is not contiguous"
+    if view.dtype not in _DTYPES:
+        return f"dtype {view.dtype} (the kernel reads float32 and bfloat16)"
+    return None
+
+
+def native_by_default() -> bool:
+    """Whether ``contraction="auto"`` may use the native kernel in this process:
+    XLA:CPU, one device (no partitioner to split a custom call), the kernel built.
+    """  # noqa: D205
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+
+
+def key_bounds(
+    meta: CommonAttentionMetadata, num_tokens: int, opts: Mask, width: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(table (T, width), bounds (T, 2))``: each token's pages, keys ``[lo, hi)``."""
+    rows = query_rows_of(meta, num_tokens, 1, opts, width)
+    valid = rows.valid[:, 0]
+    pos = rows.pos[:, 0]
+    hi = rows.kv_len
+    lo = jnp.zeros_like(hi)
+    if not opts.cross_attention:
+        if opts.causal:
+            own = jnp.minimum(hi, pos + 1)
+            hi = jnp.where(meta.request_causal[rows.req], own, hi)
+        if opts.sliding_window is not None:
+            lo = jnp.maximum(lo, pos - opts.sliding_window + 1)
+        if opts.attention_chunk_size is not None:
+            size = opts.attention_chunk_size
+            lo = jnp.maximum(lo, pos // size * size)
+            hi = jnp.minimum(hi, (pos // size + 1) * size)
+    hi = jnp.where(valid, hi, 0)
+    lo = jnp.where(valid, jnp.maximum(lo, 0), 0)
+    bounds = jnp.stack([lo, hi], axis=1).astype(jnp.int32)
+    return rows.table.astype(jnp.int32), bounds
+
+
+def native_decode(
+    q: jax.Array,
+    pools: Pools,
+    view: KVCacheView,
+    meta: CommonAttentionMetadata,
+    layer: object,
+    *,
+    opts: Mask,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> jax.Array:
+    """``(T, H, Dv)`` attention of rows of one token, on the native kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = view.shape[view.dim("head")]
+    table, bounds = key_bounds(meta, num_tokens, opts, meta.block_table_tensor.shape[1])
+    head_dim_v = value_dim(view, head_dim)
+    itemsize = view.dtype.itemsize
+    v_offset = view.strides[view.dim("kv")] if "kv" in view.axes else view.head_size
+    call = jax.ffi.ffi_call(
+        target(),
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim_v), jnp.float32),
+        vmap_method="sequential",
+    )
+    out = call(
+        q.astype(jnp.float32),
+        pools[view.pool],
+        table,
+        bounds,
+        layer_index(layer, view) if view.typed else jnp.int32(0),
+        block_stride=np.int64(view.strides[view.block_dim]),
+        token_stride=np.int64(view.strides[view.dim("token")]),
+        head_stride=np.int64(view.strides[view.dim("head")]),
+        v_offset=np.int64(v_offset),
+        # A typed pool's slot s starts at s slot sizes; a word pool's view
+        # at its byte offset.
+        byte_offset=np.int64(0 if view.typed else view.offset),
+        slot_bytes=np.int64(math.prod(view.shape) * itemsize if view.typed else 0),
+        element_bytes=np.int64(itemsize),
+        num_blocks=np.int64(view.num_blocks),
+        block_size=np.int64(view.block_size),
+        kv_heads=np.int64(kv_heads),
+        head_dim_v=np.int64(head_dim_v),
+        scale=np.float32(scale),
+        soft_cap=np.float32(logits_soft_cap or 0.0),
+    )
+    return out.astype(q.dtype)

@@ -1,0 +1,430 @@
+// Paged decode attention for XLA:CPU, an XLA FFI custom call.
+//
+// One query token per row (decode). Row t reads the keys [lo_t, hi_t) of its
+// page table through a typed pool's element strides, one KV head at a time:
+// the G query heads of that KV head share each key and value as it is read,
+// and scores, softmax and the weighted sum of values are folded page by page
+// (online softmax), so nothing but the output is written. Work items (row,
+// KV head) are claimed from an atomic counter by the calling thread and by
+// tasks on XLA's intra-op thread pool; the calling thread waits only for
+// items that were claimed, so a task that starts late finds no work and
+// touches no buffer.
+//
+// Semantics equal jaxkv's XLA path (jaxkv/_attention.py): scores are
+// q.k * scale, then cap * tanh(s / cap) when a soft cap is set; a row with no
+// visible key is zero; a visible key on a page id outside [0, num_blocks), or
+// a layer slot outside the pool, makes that KV head's outputs NaN (the XLA
+// gather fills such pages with NaN).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Params {
+  const float* q;          // (T, H, D)
+  const char* base;        // element 0 of the view's layer slot
+  const int32_t* table;    // (T, cols)
+  const int32_t* bounds;   // (T, 2): [lo, hi)
+  float* out;              // (T, H, Dv)
+  int64_t num_rows, num_heads, head_dim, head_dim_v, cols;
+  int64_t block_stride, token_stride, head_stride, v_offset;
+  int64_t num_blocks, block_size, kv_heads;
+  float scale, soft_cap;
+  bool bf16, bad_slot;
+};
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Eight lanes; GCC lowers these to whatever vectors the target has.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline v8 load8(const uint16_t* p) {
+  v8 x;
+  for (int i = 0; i < 8; ++i) x[i] = load(p, i);
+  return x;
+}
+inline float sum8(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// exp on eight lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in
+// r, times 2^n); relative error under 2e-7 on [-87, 88]. Below -87.3 it is 0
+// (the weight of a key far under the running max), NaN stays NaN.
+inline v8 exp8(v8 x) {
+  typedef int32_t i8 __attribute__((vector_size(32)));
+  const v8 hi = v8{} + 88.3762626647949f, lo = v8{} - 87.3365447504f;
+  const i8 nan = x != x;
+  const i8 under = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  v8 n = x * 1.44269504088896341f + 0.5f;
+  // floor(n): truncate, minus one where that rounded up.
+  v8 t = __builtin_convertvector(__builtin_convertvector(n, i8), v8);
+  n = t > n ? t - 1.0f : t;
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const v8 z = x * x;
+  v8 y = v8{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  y = y * scale;
+  y = under ? v8{} : y;
+  return nan ? x : y;
+}
+
+// s[g * stride] = q_g . k for the G query heads of one KV head: one read of
+// the key serves all G, each with two independent accumulators (the sums
+// are latency-bound otherwise).
+template <int G, typename E>
+inline void ScoresFixed(const float* q, const E* k, int64_t D, float* s,
+                        int64_t stride) {
+  v8 a[G], b[G];
+  for (int g = 0; g < G; ++g) a[g] = b[g] = v8{};
+  for (int64_t d = 0; d < D; d += 16) {
+    const v8 k0 = load8(k + d), k1 = load8(k + d + 8);
+    for (int g = 0; g < G; ++g) {
+      a[g] += load8(q + g * D + d) * k0;
+      b[g] += load8(q + g * D + d + 8) * k1;
+    }
+  }
+  for (int g = 0; g < G; ++g) s[g * stride] = sum8(a[g] + b[g]);
+}
+
+// s[g * stride] = q_g . k for the G query heads of one KV head: one read of
+// the key serves all G, each with two independent accumulators held in
+// registers (G a compile-time constant for the common group sizes).
+template <typename E>
+inline void Scores(const float* q, const E* k, int64_t G, int64_t D, float* s,
+                   int64_t stride) {
+  if (D % 16 == 0) {
+    switch (G) {
+      case 1: return ScoresFixed<1>(q, k, D, s, stride);
+      case 2: return ScoresFixed<2>(q, k, D, s, stride);
+      case 4: return ScoresFixed<4>(q, k, D, s, stride);
+      case 8: return ScoresFixed<8>(q, k, D, s, stride);
+      default: break;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * load(k, d);
+    s[g * stride] = dot;
+  }
+}
+
+// acc[g] += sum_j w[g * stride + j] * v_j for the n values of one page (v_j
+// at v + j * token_stride): blocks of 16 lanes of the G numerators stay in
+// registers while the page's values stream past.
+template <int G, typename E>
+inline void AccumulateFixed(const E* v, int64_t token_stride, const float* w,
+                            int64_t stride, int64_t n, int64_t Dv, float* acc) {
+  for (int64_t d = 0; d < Dv; d += 16) {
+    v8 a[G], b[G];
+    for (int g = 0; g < G; ++g) {
+      a[g] = load8(acc + g * Dv + d);
+      b[g] = load8(acc + g * Dv + d + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const E* vj = v + j * token_stride + d;
+      const v8 v0 = load8(vj), v1 = load8(vj + 8);
+      for (int g = 0; g < G; ++g) {
+        const float wg = w[g * stride + j];
+        a[g] += wg * v0;
+        b[g] += wg * v1;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(acc + g * Dv + d, &a[g], sizeof a[g]);
+      std::memcpy(acc + g * Dv + d + 8, &b[g], sizeof b[g]);
+    }
+  }
+}
+
+// acc[g] += sum_j w[g * stride + j] * v_j for the n values of one page (v_j
+// at v + j * token_stride): blocks of 16 lanes of the G numerators stay in
+// registers while the page's values stream past.
+template <typename E>
+inline void AccumulateValues(const E* v, int64_t token_stride, const float* w,
+                             int64_t stride, int64_t n, int64_t G, int64_t Dv,
+                             float* acc) {
+  if (Dv % 16 == 0) {
+    switch (G) {
+      case 1: return AccumulateFixed<1>(v, token_stride, w, stride, n, Dv, acc);
+      case 2: return AccumulateFixed<2>(v, token_stride, w, stride, n, Dv, acc);
+      case 4: return AccumulateFixed<4>(v, token_stride, w, stride, n, Dv, acc);
+      case 8: return AccumulateFixed<8>(v, token_stride, w, stride, n, Dv, acc);
+      default: break;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < Dv; ++d) {
+        acc[g * Dv + d] += w[g * stride + j] * load(v + j * token_stride, d);
+      }
+    }
+  }
+}
+
+#ifdef JAXKV_NO_PREFETCH
+constexpr bool kPrefetch = false;
+#else
+constexpr bool kPrefetch = true;
+#endif
+
+// Asks for token j's K and V lines (every head) of a page ahead of use; with
+// one token's worth per key of the current page, the whole next page is on
+// its way by the time it is read, without flooding the miss queue at once.
+template <typename E>
+inline void PrefetchToken(const E* page, int64_t j, const Params& P) {
+  const int64_t line = 64 / sizeof(E);
+  const int64_t extent = P.kv_heads * P.head_stride;  // one token's heads
+  const E* k = page + j * P.token_stride;
+  for (int64_t i = 0; i < extent; i += line) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(k + P.v_offset + i);
+  }
+}
+
+// Row t, KV heads [h0, h1): each page is read once for all those heads (on
+// a block-outermost layout their keys share cache lines), folded into the
+// running max, denominator and numerator of each query head.
+template <typename E>
+void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
+            std::vector<float>& scratch) {
+  const int64_t G = P.num_heads / P.kv_heads;
+  const int64_t QH = (h1 - h0) * G;  // query heads of this item
+  const int64_t D = P.head_dim, Dv = P.head_dim_v, bs = P.block_size;
+  float* out = P.out + (t * P.num_heads + h0 * G) * Dv;
+  const int32_t lo = P.bounds[2 * t], hi = P.bounds[2 * t + 1];
+  std::fill(out, out + QH * Dv, 0.0f);
+  if (hi <= lo) return;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (P.bad_slot) {
+    std::fill(out, out + QH * Dv, nan);
+    return;
+  }
+  scratch.resize(static_cast<size_t>(QH * (Dv + bs + 2)));
+  float* acc = scratch.data();       // (QH, Dv)
+  float* s = acc + QH * Dv;          // (QH, bs) scores of one page
+  float* top = s + QH * bs;          // (QH,)
+  float* denom = top + QH;           // (QH,)
+  const float* q = P.q + (t * P.num_heads + h0 * G) * D;  // (QH, D)
+  std::fill(acc, acc + QH * Dv, 0.0f);
+  std::fill(top, top + QH, -std::numeric_limits<float>::infinity());
+  std::fill(denom, denom + QH, 0.0f);
+  const E* base = reinterpret_cast<const E*>(P.base);
+  const int32_t* row_table = P.table + t * P.cols;
+  for (int64_t c = lo / bs; c * bs < hi; ++c) {
+    const int64_t id = c < P.cols ? row_table[c] : -1;
+    if (id < 0 || id >= P.num_blocks) {
+      std::fill(out, out + QH * Dv, nan);
+      return;
+    }
+    const int64_t j0 = std::max<int64_t>(lo, c * bs);
+    const int64_t j1 = std::min<int64_t>(hi, (c + 1) * bs);
+    const int64_t n = j1 - j0;
+    const E* page = base + id * P.block_stride + (j0 - c * bs) * P.token_stride;
+    // Pages are scattered over the pool: ask for the next one's lines now,
+    // so they arrive while this one is computed on.
+    const E* ahead = nullptr;
+    if (kPrefetch && (c + 1) * bs < hi && c + 1 < P.cols) {
+      const int64_t next = row_table[c + 1];
+      if (next >= 0 && next < P.num_blocks) ahead = base + next * P.block_stride;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (ahead != nullptr) PrefetchToken(ahead, j, P);
+      const E* key = page + j * P.token_stride;
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t g0 = (h - h0) * G;
+        Scores(q + g0 * D, key + h * P.head_stride, G, D, s + g0 * bs + j, bs);
+      }
+    }
+    for (int64_t g = 0; g < QH; ++g) {
+      float* sg = s + g * bs;
+      float m = top[g];
+      for (int64_t j = 0; j < n; ++j) {
+        float sc = sg[j] * P.scale;
+        if (P.soft_cap > 0.0f) sc = P.soft_cap * std::tanh(sc / P.soft_cap);
+        sg[j] = sc;
+        m = std::isnan(sc) || std::isnan(m) ? sc + m : std::max(m, sc);
+      }
+      const float safe = std::isfinite(m) ? m : 0.0f;
+      const float rescale =
+          std::isfinite(top[g]) ? std::exp(top[g] - safe) : 0.0f;
+      float sum = 0.0f;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const v8 w = exp8(load8(sg + j) - safe);
+        std::memcpy(sg + j, &w, sizeof w);
+        sum += sum8(w);
+      }
+      for (; j < n; ++j) {
+        sg[j] = std::exp(sg[j] - safe);
+        sum += sg[j];
+      }
+      denom[g] = denom[g] * rescale + sum;
+      top[g] = m;
+      if (rescale != 1.0f) {
+        float* ag = acc + g * Dv;
+        for (int64_t d = 0; d < Dv; ++d) ag[d] *= rescale;
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const E* value = page + P.v_offset + h * P.head_stride;
+      const int64_t g0 = (h - h0) * G;
+      AccumulateValues(value, P.token_stride, s + g0 * bs, bs, n, G, Dv,
+                       acc + g0 * Dv);
+    }
+  }
+  for (int64_t g = 0; g < QH; ++g) {
+    const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 1.0f;
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+  }
+}
+
+struct Work {
+  Params params;
+  int64_t total = 0;
+  int64_t split = 1;  // items per row: KV heads are split this many ways
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    std::vector<float> scratch;
+    for (;;) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= total) return;
+      const int64_t t = i / split, part = i % split;
+      const int64_t h0 = part * params.kv_heads / split;
+      const int64_t h1 = (part + 1) * params.kv_heads / split;
+      if (params.bf16) {
+        Attend<uint16_t>(params, t, h0, h1, scratch);
+      } else {
+        Attend<float>(params, t, h0, h1, scratch);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
+                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> bounds,
+                       ffi::Buffer<ffi::S32> slot,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t block_stride,
+                       int64_t token_stride, int64_t head_stride,
+                       int64_t v_offset, int64_t byte_offset,
+                       int64_t slot_bytes, int64_t element_bytes,
+                       int64_t num_blocks, int64_t block_size,
+                       int64_t kv_heads, int64_t head_dim_v, float scale,
+                       float soft_cap, ffi::ThreadPool threads) {
+  auto qd = q.dimensions();
+  auto td = table.dimensions();
+  if (qd.size() != 3 || td.size() != 2 || td[0] != qd[0] ||
+      bounds.element_count() != 2 * qd[0] || kv_heads <= 0 ||
+      qd[1] % kv_heads != 0 || block_size <= 0) {
+    return ffi::Error::InvalidArgument(
+        "jaxkv_paged_decode: inconsistent operand shapes");
+  }
+  if (element_bytes != 4 && element_bytes != 2) {
+    return ffi::Error::InvalidArgument(
+        "jaxkv_paged_decode: element_bytes must be 4 (float32) or 2 (bfloat16)");
+  }
+  auto work = std::make_shared<Work>();
+  Params& P = work->params;
+  P.q = q.typed_data();
+  P.table = table.typed_data();
+  P.bounds = bounds.typed_data();
+  P.out = out->typed_data();
+  P.num_rows = qd[0];
+  P.num_heads = qd[1];
+  P.head_dim = qd[2];
+  P.head_dim_v = head_dim_v;
+  P.cols = td[1];
+  P.block_stride = block_stride;
+  P.token_stride = token_stride;
+  P.head_stride = head_stride;
+  P.v_offset = v_offset;
+  P.num_blocks = num_blocks;
+  P.block_size = block_size;
+  P.kv_heads = kv_heads;
+  P.scale = scale;
+  P.soft_cap = soft_cap;
+  P.bf16 = element_bytes == 2;
+  // The pool's bytes are read in place, whatever its array type (typed
+  // elements, their bits, or carrier words): element 0 of the view is at
+  // byte_offset plus the layer slot's bytes (slot_bytes 0: a word pool).
+  const int64_t s = *slot.typed_data();
+  const int64_t pool_bytes = static_cast<int64_t>(pool.size_bytes());
+  P.bad_slot = slot_bytes > 0 &&
+               (s < 0 || byte_offset + (s + 1) * slot_bytes > pool_bytes);
+  P.base = static_cast<const char*>(pool.untyped_data()) + byte_offset +
+           (P.bad_slot ? 0 : s * slot_bytes);
+  // Whole rows (every KV head of a page read at once) unless there are too
+  // few rows to keep the threads busy.
+  const int64_t num_threads = std::max<int64_t>(1, threads.num_threads());
+  work->split = P.num_rows >= 4 * num_threads ? 1 : kv_heads;
+  work->total = P.num_rows * work->split;
+  const int64_t helpers = std::min<int64_t>(num_threads - 1, work->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    threads.Schedule([work] { work->Run(); });
+  }
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->total) {
+    std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedDecode, PagedDecode,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block_stride")
+                                  .Attr<int64_t>("token_stride")
+                                  .Attr<int64_t>("head_stride")
+                                  .Attr<int64_t>("v_offset")
+                                  .Attr<int64_t>("byte_offset")
+                                  .Attr<int64_t>("slot_bytes")
+                                  .Attr<int64_t>("element_bytes")
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<int64_t>("head_dim_v")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());

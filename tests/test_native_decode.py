@@ -1,0 +1,355 @@
+"""The native XLA:CPU decode kernel (``contraction="native"``) against XLA's path."""
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv._attention import resolve_contraction
+from jaxkv._native import available, unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(
+    not available(), reason=f"native kernel unavailable: {unavailable_reason()}"
+)
+
+
+def _decode(
+    *,
+    storage="typed",
+    dtype="float32",
+    heads=2,
+    q_heads=8,
+    head=32,
+    block=8,
+    seq_lens=(1, 9, 30, 17),
+    width=5,
+    layout=None,
+    seed=0,
+):
+    """A decode step (one token per request, two padded tokens) over random K/V."""
+    rng = np.random.default_rng(seed)
+    backend = jaxkv.AttentionBackend(
+        name=f"N_{layout}",
+        layout=layout or jaxkv.KVCacheLayout.BLOCKS_FIRST,
+        supported_kernel_block_sizes=(jaxkv.vllm.MultipleOf(1),),
+    )
+    spec = jaxkv.FullAttentionSpec(
+        block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name="l", spec=spec, backend=backend)]
+    )
+    num_reqs = len(seq_lens)
+    num_blocks = num_reqs * width + 1
+    plan = jaxkv.make_plan(cfg, num_blocks=num_blocks, storage=storage)
+    view = plan.views["l"]
+    pools = plan.allocate()
+    tables = np.zeros((num_reqs, width), np.int32)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    for r, seq_len in enumerate(seq_lens):
+        tables[r] = [free.pop() for _ in range(width)]
+        k = rng.standard_normal((seq_len, heads, head)).astype(np.float32)
+        v = rng.standard_normal((seq_len, heads, head)).astype(np.float32)
+        pos = np.arange(seq_len)
+        slots = tables[r][pos // block] * block + pos % block
+        pools = jaxkv.write_kv(
+            pools, view, jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots
+        )
+    # Two padded tokens, and request rows for them (a decode bucket holds no
+    # more tokens than request rows: rows of one token).
+    t_pad = num_reqs + 2
+    qsl = np.pad(np.arange(num_reqs + 1, dtype=np.int32), (0, 2), mode="edge")
+    meta = jaxkv.vllm.build_attn_metadata(
+        plan.attn_groups,
+        num_reqs,
+        num_reqs,
+        qsl,
+        None,
+        1,
+        np.pad(np.asarray(seq_lens, np.int32), (0, 2)),
+        max(seq_lens),
+        [np.pad(tables, ((0, 2), (0, 0)))],
+        [np.full(t_pad, -1, np.int32)],
+        plan.kv_cache_config,
+    )["l"]
+    q = jnp.asarray(rng.standard_normal((t_pad, q_heads, head)), dtype)
+    return pools, view, meta, q, tables
+
+
+def _both(pools, view, meta, q, **kw):
+    attend = functools.partial(jaxkv.paged_attention, scale=0.3, **kw)
+    native = np.asarray(attend(q, pools, view, meta, contraction="native"), np.float32)
+    xla = np.asarray(attend(q, pools, view, meta, contraction="dot"), np.float32)
+    return native, xla
+
+
+@pytest.mark.parametrize(
+    ("storage", "dtype", "heads", "q_heads", "head", "layout"),
+    [
+        ("typed", "float32", 2, 8, 32, None),  # groups of 4, vector paths
+        ("words", "float32", 2, 8, 32, None),  # a carrier-word pool, in place
+        ("typed", "bfloat16", 2, 4, 64, None),  # bf16 as uint16 bits on CPU
+        ("words", "bfloat16", 1, 8, 16, None),  # bf16 words, one KV head
+        ("typed", "float32", 2, 6, 32, None),  # groups of 3: the scalar loops
+        ("typed", "float32", 4, 4, 8, None),  # head 8: not a multiple of 16
+        ("words", "float32", 2, 16, 32, jaxkv.KVCacheLayout.KV_FIRST),
+        ("words", "float32", 2, 2, 32, jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED),
+        ("stacked", "float32", 2, 8, 32, None),
+    ],
+)
+def test_native_decode_equals_xla_across_layouts_dtypes_and_groups(
+    storage, dtype, heads, q_heads, head, layout
+):
+    pools, view, meta, q, _ = _decode(
+        storage=storage,
+        dtype=dtype,
+        heads=heads,
+        q_heads=q_heads,
+        head=head,
+        layout=layout,
+    )
+    native, xla = _both(pools, view, meta, q)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(native, xla, rtol=tol, atol=tol)
+    assert np.isfinite(native).all()
+    assert not native[-2:].any()  # padded tokens: zeros
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        {"sliding_window": 5},
+        {"sliding_window": 1},
+        {"attention_chunk_size": 8},
+        {"logits_soft_cap": 2.0},
+        {"sliding_window": 12, "logits_soft_cap": 1.5},
+        {"cross_attention": True},
+    ],
+)
+def test_native_decode_masks_equal_xla(mask):
+    pools, view, meta, q, _ = _decode(seq_lens=(1, 9, 30, 17, 40), width=5)
+    if mask.get("cross_attention"):
+        meta = dataclasses.replace(
+            meta, encoder_seq_lens=jnp.asarray([3, 8, 1, 0, 33], jnp.int32)
+        )
+    native, xla = _both(pools, view, meta, q, **mask)
+    np.testing.assert_allclose(native, xla, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask", [{}, {"attention_chunk_size": 8}, {"sliding_window": 5}]
+)
+def test_a_non_causal_request_sees_its_whole_context_or_chunk(mask):
+    pools, view, meta, q, _ = _decode(seq_lens=(12, 20, 30, 5, 6))
+    # Request 0 has 5 query tokens (positions 7..11) in rows of one token: a
+    # non-causal one sees past itself, up to its local chunk's end (8).
+    meta = dataclasses.replace(
+        meta,
+        request_causal=jnp.asarray([False, True, False, True, True, True, True]),
+        query_start_loc=jnp.asarray([0, 5, 6, 7, 7, 7, 7, 7], jnp.int32),
+        num_actual_tokens=jnp.int32(7),
+    )
+    native, xla = _both(pools, view, meta, q, **mask)
+    np.testing.assert_allclose(native, xla, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bad_page_id_that_a_row_reads_is_nan_one_it_skips_is_not():
+    pools, view, meta, q, tables = _decode(seq_lens=(20, 20, 4))
+    bad = np.array(tables)
+    bad[0, 1] = view.num_blocks + 7  # read by row 0 (keys 8..15)
+    bad[1, 1] = -3
+    bad[2, 3] = 10**6  # past row 2's keys: never read
+    meta = dataclasses.replace(meta, block_table_tensor=jnp.asarray(bad))
+    native, xla = _both(pools, view, meta, q, sliding_window=6)
+    # Rows 0 and 1 see keys 14..19: pages 1 and 2; row 2 sees page 0 only.
+    assert np.isnan(native[:2]).all()
+    np.testing.assert_array_equal(np.isnan(native), np.isnan(xla))
+    np.testing.assert_allclose(native[2], xla[2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_traced_layer_inside_a_scan_reads_its_own_slot_and_bad_slots_are_nan():
+    cfg = jaxkv.llama_like_config(num_layers=3, max_model_len=64)
+    plan = jaxkv.make_plan(cfg, num_blocks=8, storage="stacked")
+    names = [f"layers.{i}.self_attn" for i in range(3)]
+    stack = plan.layer_stack(names)
+    view = stack.layer.view
+    rng = np.random.default_rng(1)
+    pools = plan.allocate()
+    shape = (20, view.shape[view.dim("head")], view.head_size)
+    for i, name in enumerate(names):
+        k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        pools = jaxkv.write_kv(
+            pools, plan.views[name], k, k * 2 + i, jnp.arange(20) + 16
+        )
+    meta = jaxkv.vllm.build_attn_metadata(
+        plan.attn_groups,
+        2,
+        2,
+        np.array([0, 1, 2], np.int32),
+        None,
+        1,
+        np.array([20, 7], np.int32),
+        20,
+        [np.array([[1, 2, 3, 0], [1, 0, 0, 0]], np.int32)],
+        [np.full(2, -1, np.int32)],
+        plan.kv_cache_config,
+    )[names[0]]
+    q = jnp.asarray(rng.standard_normal((2, 4, view.head_size)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnames="contraction")
+    def scanned(pools, slots, contraction):
+        def body(_, slot):
+            out = jaxkv.paged_attention(
+                q,
+                pools,
+                stack.layer,
+                meta,
+                scale=0.2,
+                layer=slot,
+                contraction=contraction,
+            )
+            return None, out
+
+        return jax.lax.scan(body, None, slots)[1]
+
+    slots = jnp.asarray([*stack.slots, 3, -1], jnp.int32)
+    native = np.asarray(scanned(pools, slots, "native"))
+    xla = np.asarray(scanned(pools, slots, "dot"))
+    np.testing.assert_allclose(native[:3], xla[:3], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(native[0], native[1])  # each slot its own cache
+    assert np.isnan(native[3:]).all()
+    assert np.isnan(xla[3:]).all()
+
+
+def test_auto_picks_native_for_decode_on_one_cpu_device_and_xla_otherwise():
+    pools, view, meta, q, _ = _decode()
+    assert resolve_contraction("auto", 1, native=None) == "native"
+    assert resolve_contraction("auto", 16, native=None) == "reduce"
+
+    def hlo(contraction, query_tile=None):
+        fn = jax.jit(
+            lambda pools, q, meta: jaxkv.paged_attention(
+                q,
+                pools,
+                view,
+                meta,
+                scale=1.0,
+                contraction=contraction,
+                query_tile=query_tile,
+            )
+        )
+        return fn.lower(pools, q, meta).as_text()
+
+    assert "jaxkv_paged_decode" in hlo("auto")
+    assert "jaxkv_paged_decode" not in hlo("dot")
+    assert "jaxkv_paged_decode" not in hlo("auto", query_tile=2)
+    # PrefixLM ranges are not a key range: XLA's path.
+    fn = jax.jit(
+        lambda pools, q, meta: jaxkv.paged_attention(
+            q, pools, view, meta, scale=1.0, use_mm_prefix=True
+        )
+    )
+    assert "jaxkv_paged_decode" not in fn.lower(pools, q, meta).as_text()
+
+
+def test_native_refuses_what_it_cannot_run_naming_why():
+    pools, view, meta, q, _ = _decode()
+    with pytest.raises(ValueError, match="rows of 4 query tokens"):
+        jaxkv.paged_attention(
+            q, pools, view, meta, scale=1.0, contraction="native", query_tile=4
+        )
+    with pytest.raises(ValueError, match="use_mm_prefix"):
+        jaxkv.paged_attention(
+            q, pools, view, meta, scale=1.0, contraction="native", use_mm_prefix=True
+        )
+    pools8, view8, meta8, q8, _ = _decode(dtype="float16")
+    with pytest.raises(ValueError, match="dtype float16"):
+        jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0, contraction="native")
+    # auto keeps XLA's path for what the kernel does not fit.
+    out = jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0)
+    assert out.shape == q8.shape
+
+
+def _run(code: str, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT)} | env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+_PROBE = """
+    import jax, jax.numpy as jnp, numpy as np
+    from tests.test_native_decode import _decode
+    import jaxkv
+    pools, view, meta, q, _ = _decode()
+    fn = jax.jit(lambda p, q, m: jaxkv.paged_attention(q, p, view, m, scale=1.0))
+    print("native" if "jaxkv_paged_decode" in fn.lower(pools, q, meta).as_text()
+          else "xla")
+    try:
+        jaxkv.paged_attention(q, pools, view, meta, scale=1.0, contraction="native")
+        print("explicit ok")
+    except ValueError as err:
+        print("explicit refused:", err)
+    if jax.device_count() > 1:  # by name inside shard_map, check_vma on
+        from jax.sharding import PartitionSpec as P
+        mesh = jax.make_mesh((jax.device_count(),), ("x",))
+        outs = [
+            jax.jit(jax.shard_map(
+                lambda p, q, m, c=c: jaxkv.paged_attention(
+                    q, p, view, m, scale=1.0, contraction=c),
+                mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                check_vma=True))(pools, q, meta)
+            for c in ("native", "dot")
+        ]
+        print("shard_map equal:", bool(np.allclose(*outs, atol=1e-5)))
+"""
+
+
+def test_with_several_devices_or_turned_off_auto_stays_on_xla():
+    # A custom call cannot be split by the SPMD partitioner: with 8 devices
+    # (any of them may hold a shard) auto keeps XLA's path.
+    out = _run(
+        _PROBE,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
+    assert out.splitlines()[0] == "xla", out
+    assert "explicit ok" in out
+    assert "shard_map equal: True" in out
+    off = _run(_PROBE, JAXKV_NATIVE="0", JAX_PLATFORMS="cpu")
+    assert off.splitlines()[0] == "xla", off
+    assert "explicit refused" in off
+    assert "JAXKV_NATIVE=0" in off
+
+
+def test_the_library_is_built_once_and_cached(tmp_path):
+    code = """
+        import time
+        from jaxkv import _native
+        t = time.perf_counter()
+        path = _native.build()
+        print(path, time.perf_counter() - t)
+    """
+    first = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
+    second = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
+    assert first[0] == second[0]
+    assert first[0].startswith(str(tmp_path))
+    assert float(second[1]) < 0.5  # found, not compiled again
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(first[0])]
