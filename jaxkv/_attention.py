@@ -37,6 +37,7 @@ from jaxkv.cache import (
     KVCacheView,
     LayerView,
     Pools,
+    check_fits,
     check_layer,
     check_pools_alive,
     gather_kv_pages,
@@ -101,9 +102,10 @@ def paged_attention(
         (``benchmarks/bench_attention.py``): a mixed batch of 884 tokens in
         rows of 16 takes 26-39 ms reduced against 60-83 ms as dots, while a
         decode batch (rows of 1) takes about twice as long reduced.
-        ``"native"``: rows of one token on a typed float32 or bfloat16 pool
-        run as one C++ custom call on XLA:CPU (``jaxkv/_native``, compiled
-        on first use) that reads each key and value once in place; ``"auto"``
+        ``"native"``: rows of one token over float32 or bfloat16 K/V (word,
+        typed or bits pools) run as one C++ custom call on XLA:CPU
+        (``jaxkv/_native``, compiled on first use) that reads each key and
+        value once in place; ``"auto"``
         picks it for decode rows it fits in a process with one CPU device
         (a custom call cannot be split by the SPMD partitioner, so with more
         devices XLA's path is kept). All give the same result up to float
@@ -184,6 +186,7 @@ def paged_attention(
         contraction, query_tile, native=native_unfit(view, opts, query_tile)
     )
     check_pools_alive(pools, "paged_attention")
+    check_fits(pools, view)  # the native kernel reads these bytes directly
     check_layer(layer, view, pools, "paged_attention")
     return _paged_attention(
         q,

@@ -107,6 +107,10 @@ def native_decode(
     table, bounds = key_bounds(meta, num_tokens, opts, meta.block_table_tensor.shape[1])
     head_dim_v = value_dim(view, head_dim)
     itemsize = view.dtype.itemsize
+    # Elements from the view's first to its last, inclusive.
+    extent = 1 + sum(
+        (n - 1) * st for n, st in zip(view.shape, view.strides, strict=True)
+    )
     v_offset = view.strides[view.dim("kv")] if "kv" in view.axes else view.head_size
     call = jax.ffi.ffi_call(
         target(),
@@ -128,6 +132,7 @@ def native_decode(
         byte_offset=np.int64(0 if view.typed else view.offset),
         slot_bytes=np.int64(math.prod(view.shape) * itemsize if view.typed else 0),
         element_bytes=np.int64(itemsize),
+        extent_bytes=np.int64(extent * itemsize),
         num_blocks=np.int64(view.num_blocks),
         block_size=np.int64(view.block_size),
         kv_heads=np.int64(kv_heads),

@@ -177,6 +177,16 @@ def test_a_bad_page_id_that_a_row_reads_is_nan_one_it_skips_is_not():
     np.testing.assert_allclose(native[2], xla[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("storage", ["words", "typed"])
+def test_a_view_of_another_plan_is_refused_before_the_kernel_reads_a_byte(storage):
+    pools, _, _, q, _ = _decode(storage=storage, seq_lens=(4, 4))
+    _, big_view, big_meta, _, _ = _decode(storage=storage, seq_lens=(4, 4), width=40)
+    with pytest.raises(ValueError, match="another plan"):
+        jaxkv.paged_attention(
+            q, pools, big_view, big_meta, scale=1.0, contraction="native"
+        )
+
+
 def test_a_traced_layer_inside_a_scan_reads_its_own_slot_and_bad_slots_are_nan():
     cfg = jaxkv.llama_like_config(num_layers=3, max_model_len=64)
     plan = jaxkv.make_plan(cfg, num_blocks=8, storage="stacked")

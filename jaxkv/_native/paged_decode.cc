@@ -343,6 +343,7 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
                        int64_t token_stride, int64_t head_stride,
                        int64_t v_offset, int64_t byte_offset,
                        int64_t slot_bytes, int64_t element_bytes,
+                       int64_t extent_bytes,
                        int64_t num_blocks, int64_t block_size,
                        int64_t kv_heads, int64_t head_dim_v, float scale,
                        float soft_cap, ffi::ThreadPool threads) {
@@ -384,6 +385,13 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
   // byte_offset plus the layer slot's bytes (slot_bytes 0: a word pool).
   const int64_t s = *slot.typed_data();
   const int64_t pool_bytes = static_cast<int64_t>(pool.size_bytes());
+  // Every element the view addresses must lie in the pool (jaxkv checks the
+  // view against the pools before tracing; this guards the raw reads).
+  if (byte_offset < 0 || extent_bytes < 0 ||
+      byte_offset + std::max<int64_t>(slot_bytes, extent_bytes) > pool_bytes) {
+    return ffi::Error::InvalidArgument(
+        "jaxkv_paged_decode: the view addresses bytes past the pool");
+  }
   P.bad_slot = slot_bytes > 0 &&
                (s < 0 || byte_offset + (s + 1) * slot_bytes > pool_bytes);
   P.base = static_cast<const char*>(pool.untyped_data()) + byte_offset +
@@ -421,6 +429,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedDecode, PagedDecode,
                                   .Attr<int64_t>("byte_offset")
                                   .Attr<int64_t>("slot_bytes")
                                   .Attr<int64_t>("element_bytes")
+                                  .Attr<int64_t>("extent_bytes")
                                   .Attr<int64_t>("num_blocks")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("kv_heads")

@@ -29,6 +29,7 @@ from jaxkv.cache._blocks import BlockAllocator, get_num_skipped_tokens
 from jaxkv.cache._checks import (
     Pools,
     any_deleted,
+    check_fits,
     check_layer,
     check_pools_alive,
     layer_index,
@@ -103,6 +104,7 @@ __all__ = [
     "bind_kv_caches",
     "build_kv_cache_views",
     "build_slot_mappings_by_layer",
+    "check_fits",
     "check_layer",
     "check_pools_alive",
     "gather_kv_pages",

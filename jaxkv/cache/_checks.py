@@ -78,7 +78,7 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
                 check_pools_alive(bound.arguments["pools"], fn.__name__)
             if view is not None:
                 _check_view(bound.arguments["view"], view, fn.__name__)
-                _check_fits(bound.arguments["pools"], bound.arguments["view"])
+                check_fits(bound.arguments["pools"], bound.arguments["view"])
             if "layer" in sig.parameters:
                 check_layer(
                     bound.arguments.get("layer"),
@@ -179,8 +179,18 @@ def layer_index(layer: object, view: KVCacheView) -> jax.Array:
     return ids.astype(jnp.int32)
 
 
-def _check_fits(pools: Pools, view: LayerView) -> None:
-    """The view must address bytes inside these pools (not another plan's)."""
+def check_fits(pools: Pools, view: LayerView) -> None:
+    """Raises unless `view` addresses bytes inside these `pools` (not another plan's).
+
+    Example:
+      >>> import jaxkv, pytest
+      >>> small = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> big = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+      >>> name = "layers.0.self_attn"
+      >>> jaxkv.cache.check_fits(big.allocate(), small.views[name])
+      >>> with pytest.raises(ValueError, match="another plan"):
+      ...     jaxkv.cache.check_fits(small.allocate(), big.views[name])
+    """
     parts = view.states if isinstance(view, MambaView) else (view,)
     for v in parts:
         if v.pool >= len(pools):

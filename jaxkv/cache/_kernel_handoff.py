@@ -17,8 +17,8 @@ from jaxtyping import Int
 from jaxkv.cache import _typed as typed
 from jaxkv.cache._checks import (
     Pools,
-    _check_fits,
     _num_slots,
+    check_fits,
     check_layer,
     layer_index,
 )
@@ -68,7 +68,7 @@ def kernel_cache(
       (4, 16, 2, 64)
     """
     view = _typed_view(view, "kernel_cache")
-    _check_fits(pools, view)
+    check_fits(pools, view)
     check_layer(layer, view, pools, "kernel_cache")
     pool = pools[view.pool]
     phys = typed.slot_shape(view)
@@ -121,7 +121,7 @@ def put_kernel_cache(
       (64.0, 64.0)
     """
     view = _typed_view(view, "put_kernel_cache")
-    _check_fits(pools, view)
+    check_fits(pools, view)
     check_layer(layer, view, pools, "put_kernel_cache")
     pool = pools[view.pool]
     phys = typed.slot_shape(view)
