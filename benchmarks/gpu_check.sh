@@ -7,6 +7,11 @@
 # when a .whl folder was carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The whole check fits GPU_CHECK_BUDGET_S seconds (default 420): the
+# benchmarks run first, each under its own timeout, and the tests get what is
+# left (at least 60 s).
+start=$SECONDS
+budget=${GPU_CHECK_BUDGET_S:-420}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
@@ -26,9 +31,6 @@ echo "== environment"
 $PY -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 
-echo "== tests (JAXKV_QUICK=1)"
-JAXKV_QUICK=1 timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests jaxkv 2>&1 | tail -n 15 | tee "$OUT/tests.log"
-
 echo "== copy bandwidth"
 $PY - <<'PY' | tee "$OUT/copy_bandwidth.txt"
 import statistics, time, jax, jax.numpy as jnp
@@ -47,21 +49,24 @@ print(f"copy_GBps {2 * nbytes / t / 1e9:.1f}  ({nbytes / 2**20:.0f} MiB read + w
 PY
 
 echo "== 1. paged decode attention ($reqs x $ctx, $dtype)"
-timeout 150 $PY benchmarks/bench_attention.py --num-reqs "$reqs" --context "$ctx" --dtype "$dtype" \
+timeout 80 $PY benchmarks/bench_attention.py --num-reqs "$reqs" --context "$ctx" --dtype "$dtype" \
   --iters 20 --json "$OUT/attention.json"
 echo "== 2. KV write, 256 tokens"
-timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
+timeout 40 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
   --json "$OUT/kv_write_256.json"
 echo "== 2. KV write, $big_tokens tokens"
-timeout 150 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 30 --layers 4 \
+timeout 40 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens "$big_tokens" --iters 30 --layers 4 \
   --json "$OUT/kv_write_big.json"
 echo "== 2b. layer scan over a stacked typed pool (compile time)"
-timeout 150 $PY benchmarks/bench_layer_scan.py --json "$OUT/layer_scan.json"
+timeout 70 $PY benchmarks/bench_layer_scan.py --json "$OUT/layer_scan.json"
 echo "== 3. step loop"
-timeout 150 $PY benchmarks/bench_step_loop.py --json "$OUT/step_loop.json"
+timeout 50 $PY benchmarks/bench_step_loop.py --json "$OUT/step_loop.json"
 echo "== 4. host overhead per step ($meta_reqs requests)"
-timeout 120 $PY benchmarks/bench_step_metadata.py --num-reqs "$meta_reqs" --iters 50 \
+timeout 40 $PY benchmarks/bench_step_metadata.py --num-reqs "$meta_reqs" --iters 50 \
   --json "$OUT/step_metadata.json"
+
+echo "== 5. serving loop vs a dense fori_loop"
+timeout 60 $PY benchmarks/bench_serve.py --json "$OUT/serve.json"
 
 echo "== bandwidth as a fraction of the copy bandwidth"
 $PY - "$OUT" <<'PY'
@@ -84,3 +89,9 @@ for name in ("kv_write_256", "kv_write_big"):
             print(f"{name}, {pool} pool: {gbps:.1f} GB/s moved = "
                   f"{gbps / copy:.1%} of copy bandwidth")
 PY
+
+left=$((budget - (SECONDS - start)))
+[ "$left" -lt 60 ] && left=60
+echo "== tests (JAXKV_QUICK=1, ${left} s left)"
+JAXKV_QUICK=1 timeout "$left" $PY -m pytest -q -p no:cacheprovider tests jaxkv 2>&1 \
+  | tail -n 40 | tee "$OUT/tests.log"

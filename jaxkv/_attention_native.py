@@ -55,6 +55,8 @@ def native_unfit(view: KVCacheView, opts: Mask, query_tile: int) -> str | None:
         return "a head dim that is not contiguous"
     if view.dtype not in _DTYPES:
         return f"dtype {view.dtype} (the kernel reads float32 and bfloat16)"
+    if jax.default_backend() != "cpu":
+        return f"the {jax.default_backend()} backend (the kernel runs on XLA:CPU only)"
     return None
 
 

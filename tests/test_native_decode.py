@@ -18,9 +18,14 @@ from jaxkv._attention import resolve_contraction
 from jaxkv._native import available, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(
-    not available(), reason=f"native kernel unavailable: {unavailable_reason()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not available(), reason=f"native kernel unavailable: {unavailable_reason()}"
+    ),
+    pytest.mark.skipif(
+        jax.default_backend() != "cpu", reason="the native kernel runs on XLA:CPU"
+    ),
+]
 
 
 def _decode(

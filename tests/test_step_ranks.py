@@ -175,6 +175,7 @@ print("ok", inputs.packed.sharding.spec)
     env = {
         **__import__("os").environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",  # two CPU devices, also where a GPU is the default
     }
     out = subprocess.run(
         [sys.executable, "-c", code],
