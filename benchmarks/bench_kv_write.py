@@ -96,16 +96,21 @@ def _step_writes(args, dtype: str, rng, storage: str = "words") -> dict:
         dtype, b, h, d, args.pool_mib, count, storage
     )
     slots = rng.choice(num_blocks * b, n, replace=False).astype(np.int32)
-    keys = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
-    values = jnp.asarray(rng.standard_normal((count, n, h, d)), dt)
+    # Each layer's K/V its own array, as a model's projections make them (a
+    # slice of one stacked input would be one more copy kernel per layer for
+    # a custom call, which cannot fuse it).
+    keys = tuple(jnp.asarray(rng.standard_normal((n, h, d)), dt) for _ in range(count))
+    values = tuple(
+        jnp.asarray(rng.standard_normal((n, h, d)), dt) for _ in range(count)
+    )
     _, t_jax, pools = measure_donated(
         _write_step, pools, views, keys, values, jnp.asarray(slots), iters=args.iters
     )
     del pools
-    word = np.uint16 if keys.dtype.itemsize == 2 else np.uint8
+    word = np.uint16 if keys[0].dtype.itemsize == 2 else np.uint8
     npools = [np.zeros((num_blocks, 2, b, h * d), word) for _ in range(count)]
-    kn = np.asarray(keys).view(word).reshape(count, n, -1)
-    vn = np.asarray(values).view(word).reshape(count, n, -1)
+    kn = np.stack([np.asarray(k) for k in keys]).view(word).reshape(count, n, -1)
+    vn = np.stack([np.asarray(v) for v in values]).view(word).reshape(count, n, -1)
 
     def numpy_step():
         blk, tok = slots // b, slots % b

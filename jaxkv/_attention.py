@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
-from jaxkv._attention_native import native_by_default, native_decode, native_unfit
+from jaxkv._attention_native import native_decode, native_unfit
 from jaxkv._attention_rows import (
     Mask,
     chunk_range,
@@ -31,6 +31,7 @@ from jaxkv._attention_rows import (
     varying_like,
     visible,
 )
+from jaxkv._native import by_default as native_by_default
 from jaxkv._native import unavailable_reason
 from jaxkv.cache import (
     AttentionLayer,

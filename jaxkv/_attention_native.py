@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._attention_rows import Mask, query_rows_of, value_dim
-from jaxkv._native import available, target
+from jaxkv._native import target
 from jaxkv.cache import KVCacheView, Pools, layer_index
 from jaxkv.step import CommonAttentionMetadata
 
@@ -58,13 +58,6 @@ def native_unfit(view: KVCacheView, opts: Mask, query_tile: int) -> str | None:
     if jax.default_backend() != "cpu":
         return f"the {jax.default_backend()} backend (the kernel runs on XLA:CPU only)"
     return None
-
-
-def native_by_default() -> bool:
-    """Whether ``contraction="auto"`` may use the native kernel in this process:
-    XLA:CPU, one device (no partitioner to split a custom call), the kernel built.
-    """  # noqa: D205
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
 
 
 def key_bounds(

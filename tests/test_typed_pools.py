@@ -312,6 +312,51 @@ def test_layer_stack_refuses_layers_that_cannot_scan_together():
         words.layer_stack([L0])
 
 
+def _write_hlo(pools, view, *, xla):
+    """The lowered text of a one-token ``write_kv``: on XLA's scatter (`xla`)
+    or on the path ``write_kv`` takes here (the native kernel on one CPU
+    device, which addresses bytes in int64).
+    """  # noqa: D205
+    from jaxkv.cache import _native_write
+
+    k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+    own = _native_write.by_default
+    if xla:
+        _native_write.by_default = lambda: False
+    try:
+        jax.clear_caches()
+        return (
+            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
+            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
+            .as_text()
+        )
+    finally:
+        _native_write.by_default = own
+        jax.clear_caches()
+
+
+def _check_native_write_hlo(pools, view):
+    """Where the native write is taken: one custom call, its byte extent past
+    2**31 as an int64 attribute (no int32 offset anywhere).
+    """  # noqa: D205
+    hlo = _write_hlo(pools, view, xla=False)
+    if "jaxkv_kv_write" not in hlo:
+        return
+    assert hlo.count('"stablehlo.scatter"(') == 0
+    attr = {
+        name: int(re.findall(rf"{name} = (\d+) : i64", hlo)[0])
+        for name in ("byte_offset", "extent_bytes", "slot_bytes")
+    }
+    pool = pools[view.pool]
+    pool_bytes = int(np.prod(pool.shape)) * np.dtype(pool.dtype).itemsize
+    if attr["slot_bytes"]:  # a stacked pool: the last layer slot's bytes
+        last = (pool_bytes // attr["slot_bytes"] - 1) * attr["slot_bytes"]
+    else:  # a word pool: the view's own bytes
+        last = attr["byte_offset"]
+    assert last + attr["extent_bytes"] > 2**31
+    assert last + attr["extent_bytes"] <= pool_bytes
+
+
 def test_plans_of_32_and_120_gib_are_addressed_by_block():
     cfg = jaxkv.llama_like_config(
         num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16
@@ -325,12 +370,8 @@ def test_plans_of_32_and_120_gib_are_addressed_by_block():
         pools = jax.eval_shape(plan.allocate)
         view = plan.views["layers.31.self_attn"]
         last = (plan.num_blocks - 1) * 16 + 15
-        k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-        hlo = (
-            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
-            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
-            .as_text()
-        )
+        _check_native_write_hlo(pools, view)
+        hlo = _write_hlo(pools, view, xla=True)
         # One scatter into (32, N, 16, 8, 256) indexed by (layer, block, token)
         # in int32: no flat element index to overflow.
         # bf16 bits in uint16 on XLA:CPU, bf16 itself elsewhere.
@@ -377,12 +418,8 @@ def test_word_pools_past_two_to_the_31_words_are_stored_in_rows(packed):
         if not plan.pools[view.pool].rows:
             continue
         pools = jax.eval_shape(plan.allocate)
-        k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-        hlo = (
-            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
-            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
-            .as_text()
-        )
+        _check_native_write_hlo(pools, view)
+        hlo = _write_hlo(pools, view, xla=True)
         rows, width = plan.pools[view.pool].shape
         assert f"tensor<{rows}x{width}xui32>" in hlo
         # (row, word) pairs, one per window: the token's K and its V.

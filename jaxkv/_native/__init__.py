@@ -1,8 +1,9 @@
 """Native XLA:CPU kernels: C++ sources compiled on first use, called through XLA FFI.
 
-The one kernel is ``paged_decode.cc``: paged attention for rows of one query
-token over a typed pool, read through the view's element strides (see the
-source's header). It is built with the machine's C++ compiler the first time
+Two kernels, one library: ``paged_decode.cc``, paged attention for rows of
+one query token read in place through the view's element strides, and
+``kv_write.cc``, the KV write of a step's tokens into the pool in place (see
+each source's header). It is built with the machine's C++ compiler the first time
 it is asked for (about 4 s), against the headers jaxlib ships
 (:func:`jax.ffi.include_dir`), with ``-march=native``, and cached under
 ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``) by a hash of the source,
@@ -29,8 +30,11 @@ import jax
 
 _log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.cc")
+_SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("paged_decode.cc", "kv_write.cc")
+)
 _TARGET = "jaxkv_paged_decode"
+_WRITE_TARGET = "jaxkv_kv_write"
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -89,11 +93,10 @@ def build() -> Path:
             "jaxkv's native CPU kernel needs a C++ compiler (g++, c++ or "
             "clang++ on PATH, or $CXX); none was found."
         )
-    source = _SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
             [
-                source,
+                *(src.read_bytes() for src in _SOURCES),
                 " ".join(_FLAGS).encode(),
                 jax.__version_info__.__repr__().encode(),
                 importlib.metadata.version("jaxlib").encode(),
@@ -104,7 +107,7 @@ def build() -> Path:
         )
     ).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib = out_dir / f"paged_decode-{key}.so"
+    lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +115,7 @@ def build() -> Path:
     # (a test run's subprocesses) never load a half-written library.
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -137,6 +140,9 @@ def _register() -> str | None:
         jax.ffi.register_ffi_target(
             _TARGET, jax.ffi.pycapsule(lib.JaxkvPagedDecode), platform="cpu"
         )
+        jax.ffi.register_ffi_target(
+            _WRITE_TARGET, jax.ffi.pycapsule(lib.JaxkvKvWrite), platform="cpu"
+        )
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         _log.info("jaxkv: native CPU kernel not available: %s", err)
         return str(err)
@@ -154,14 +160,29 @@ def available() -> bool:
     return _register() is None
 
 
+def by_default() -> bool:
+    """Whether jaxkv takes the native kernels unasked in this process: XLA:CPU,
+    one device (XLA's SPMD partitioner cannot split a custom call, so a
+    sharded operand would be gathered whole), the library built.
+
+    Example:
+      >>> from jaxkv import _native
+      >>> isinstance(_native.by_default(), bool)
+      True
+    """  # noqa: D205
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (``None`` when it is True)."""
     return _register()
 
 
-def target() -> str:
-    """The FFI target name of the paged decode kernel (registered on first use)."""
+def target(name: str = "paged_decode") -> str:
+    """The FFI target of a kernel, ``"paged_decode"`` or ``"kv_write"``
+    (registered on first use).
+    """  # noqa: D205
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"jaxkv's native CPU kernel is not available: {reason}")
-    return _TARGET
+    return {"paged_decode": _TARGET, "kv_write": _WRITE_TARGET}[name]

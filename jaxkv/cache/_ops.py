@@ -26,6 +26,7 @@ from jaxkv.cache._checks import (
     _device_ids,
     layer_index,
 )
+from jaxkv.cache._native_write import native_write, native_write_unfit
 from jaxkv.cache._strided import (
     access_plan,
     from_bits,
@@ -155,6 +156,9 @@ def write_kv(
         )
     if slots.shape[0] == 0:
         return pools
+    if native_write_unfit(view, key, value) is None and value is not None:
+        new = native_write(pools[view.pool], view, key, value, slots, layer)
+        return _replace(pools, view.pool, new)
     k = view.block_size
     if view.owned is not None:
         slots = jnp.where(view.owns(slots // k), slots, -1)
