@@ -119,6 +119,7 @@ def _serve(r):
     assert r["compiles"] == 0
     # The step program alone cannot take longer than a synchronous loop step.
     assert 0 < r["device_ms"] <= r["wall_no_overlap_ms"]
+    assert r["multi_device_ms"] > 0
 
 
 def _sched(r):
