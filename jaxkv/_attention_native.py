@@ -16,15 +16,13 @@ with one device, on CPU.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._attention_rows import Mask, query_rows_of, value_dim
 from jaxkv._native import target
-from jaxkv.cache import KVCacheView, Pools, layer_index
+from jaxkv.cache import KVCacheView, Pools, layer_index, raw_address
 from jaxkv.step import CommonAttentionMetadata
 
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -101,12 +99,6 @@ def native_decode(
     kv_heads = view.shape[view.dim("head")]
     table, bounds = key_bounds(meta, num_tokens, opts, meta.block_table_tensor.shape[1])
     head_dim_v = value_dim(view, head_dim)
-    itemsize = view.dtype.itemsize
-    # Elements from the view's first to its last, inclusive.
-    extent = 1 + sum(
-        (n - 1) * st for n, st in zip(view.shape, view.strides, strict=True)
-    )
-    v_offset = view.strides[view.dim("kv")] if "kv" in view.axes else view.head_size
     call = jax.ffi.ffi_call(
         target(),
         jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim_v), jnp.float32),
@@ -118,18 +110,7 @@ def native_decode(
         table,
         bounds,
         layer_index(layer, view) if view.typed else jnp.int32(0),
-        block_stride=np.int64(view.strides[view.block_dim]),
-        token_stride=np.int64(view.strides[view.dim("token")]),
-        head_stride=np.int64(view.strides[view.dim("head")]),
-        v_offset=np.int64(v_offset),
-        # A typed pool's slot s starts at s slot sizes; a word pool's view
-        # at its byte offset.
-        byte_offset=np.int64(0 if view.typed else view.offset),
-        slot_bytes=np.int64(math.prod(view.shape) * itemsize if view.typed else 0),
-        element_bytes=np.int64(itemsize),
-        extent_bytes=np.int64(extent * itemsize),
-        num_blocks=np.int64(view.num_blocks),
-        block_size=np.int64(view.block_size),
+        **raw_address(view),
         kv_heads=np.int64(kv_heads),
         head_dim_v=np.int64(head_dim_v),
         scale=np.float32(scale),

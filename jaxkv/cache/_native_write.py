@@ -16,14 +16,12 @@ off) and the view fits (:func:`native_write_unfit`).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv._native import by_default, target
 from jaxkv.cache._checks import layer_index
+from jaxkv.cache._raw_address import raw_address
 from jaxkv.cache._views import KVCacheView
 
 
@@ -63,11 +61,6 @@ def native_write(
     layer: object,
 ) -> jax.Array:
     """The pool with the tokens' K/V written (one custom call, in place)."""
-    itemsize = view.dtype.itemsize
-    extent = 1 + sum(
-        (n - 1) * st for n, st in zip(view.shape, view.strides, strict=True)
-    )
-    v_offset = view.strides[view.dim("kv")] if "kv" in view.axes else view.head_size
     call = jax.ffi.ffi_call(
         target("kv_write"),
         jax.ShapeDtypeStruct(pool.shape, pool.dtype),
@@ -79,14 +72,5 @@ def native_write(
         value.astype(view.dtype),
         slots.astype(jnp.int32),
         layer_index(layer, view) if view.typed else jnp.int32(0),
-        block_stride=np.int64(view.strides[view.block_dim]),
-        token_stride=np.int64(view.strides[view.dim("token")]),
-        head_stride=np.int64(view.strides[view.dim("head")]),
-        v_offset=np.int64(v_offset),
-        byte_offset=np.int64(0 if view.typed else view.offset),
-        slot_bytes=np.int64(math.prod(view.shape) * itemsize if view.typed else 0),
-        element_bytes=np.int64(itemsize),
-        extent_bytes=np.int64(extent * itemsize),
-        num_blocks=np.int64(view.shape[view.block_dim]),
-        block_size=np.int64(view.block_size),
+        **raw_address(view),
     )
