@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxkv._attention_rows import Mask, query_rows_of, value_dim
 from jaxkv._native import target
-from jaxkv.cache import KVCacheView, Pools, layer_index, raw_address
+from jaxkv.cache import KVCacheView, Pools, layer_index, raw_address, raw_unfit
 from jaxkv.step import CommonAttentionMetadata
 
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -45,12 +45,9 @@ def native_unfit(view: KVCacheView, opts: Mask, query_tile: int) -> str | None:
         return f"rows of {query_tile} query tokens (the kernel takes rows of 1)"
     if opts.use_mm_prefix:
         return "use_mm_prefix=True (PrefixLM ranges)"
-    if view.owned is not None or view.kv_packing:
-        return "a kernel view of a packed pool or a head-packing backend"
-    if not {"block", "token", "head", "dim"} <= set(view.axes):
-        return f"view axes {view.axes} (needs block, token, head and dim)"
-    if view.strides[view.dim("dim")] != 1:
-        return "a head dim that is not contiguous"
+    reason = raw_unfit(view)
+    if reason is not None:
+        return reason
     if view.dtype not in _DTYPES:
         return f"dtype {view.dtype} (the kernel reads float32 and bfloat16)"
     if jax.default_backend() != "cpu":

@@ -193,6 +193,8 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
     assert owned.owned is not None
     assert owned.offset > 0
     assert "packed" in str(_native_write.native_write_unfit(owned, k, k))
+    with pytest.raises(ValueError, match="raw_address: cannot address.*packed pool"):
+        jaxkv.cache.raw_address(owned)
     hlo = _text(_hlo(packed.allocate(), owned, k, k, slots))
     assert "jaxkv_kv_write" not in hlo
     assert "scatter" in hlo

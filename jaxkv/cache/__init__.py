@@ -52,7 +52,7 @@ from jaxkv.cache._mixed_layouts import (
 from jaxkv.cache._ops import gather_kv_pages, write_kv
 from jaxkv.cache._plan import KVCachePlan, LayerStack
 from jaxkv.cache._pools import PoolLayout, PoolSpec, resolve_storage
-from jaxkv.cache._raw_address import raw_address
+from jaxkv.cache._raw_address import raw_address, raw_unfit
 from jaxkv.cache._shard import (
     ShardedPlan,
     local_kv_heads,
@@ -126,6 +126,7 @@ __all__ = [
     "pool_layout",
     "put_kernel_cache",
     "raw_address",
+    "raw_unfit",
     "read_mamba_state",
     "read_view",
     "resolve_layout",

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxkv._native import by_default, target
 from jaxkv.cache._checks import layer_index
-from jaxkv.cache._raw_address import raw_address
+from jaxkv.cache._raw_address import raw_address, raw_unfit
 from jaxkv.cache._views import KVCacheView
 
 
@@ -41,12 +41,9 @@ def native_write_unfit(
     """
     if value is None or key.ndim != 3 or value.ndim != 3:
         return "no value (MLA latents)"
-    if view.owned is not None or view.kv_packing:
-        return "a kernel view of a packed pool or a head-packing backend"
-    if not {"block", "token", "head", "dim"} <= set(view.axes):
-        return f"view axes {view.axes} (needs block, token, head and dim)"
-    if view.strides[view.dim("dim")] != 1:
-        return "a head dim that is not contiguous"
+    reason = raw_unfit(view)
+    if reason is not None:
+        return reason
     if not by_default():
         return "not on one XLA:CPU device with the native library built"
     return None

@@ -9,6 +9,27 @@ import numpy as np
 from jaxkv.cache._views import KVCacheView
 
 
+def raw_unfit(view: KVCacheView) -> str | None:
+    """Why a raw-byte kernel cannot take `view` (``None``: it can): it needs
+    block, token, head and dim axes with the dim contiguous, and a view that
+    owns every page it addresses (a kernel view of a packed pool addresses
+    other layers' pages too; a head-packing backend interleaves heads).
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> jaxkv.cache.raw_unfit(plan.views["layers.0.self_attn"]) is None
+      True
+    """  # noqa: D205
+    if view.owned is not None or view.kv_packing:
+        return "a kernel view of a packed pool or a head-packing backend"
+    if not {"block", "token", "head", "dim"} <= set(view.axes):
+        return f"view axes {view.axes} (needs block, token, head and dim)"
+    if view.strides[view.dim("dim")] != 1:
+        return "a head dim that is not contiguous"
+    return None
+
+
 def raw_address(view: KVCacheView) -> dict[str, np.int64]:
     """The byte offset and element strides of a K/V view in its pool array.
 
@@ -23,8 +44,7 @@ def raw_address(view: KVCacheView) -> dict[str, np.int64]:
     the attributes jaxkv's own XLA:CPU kernels take (``jaxkv/_native``).
 
     Args:
-      view: A K/V view with block, token, head and dim axes, the dim
-        contiguous.
+      view: A K/V view a raw kernel can take (:func:`raw_unfit`).
 
     Returns:
       ``{block_stride, token_stride, head_stride, v_offset, byte_offset,
@@ -32,7 +52,7 @@ def raw_address(view: KVCacheView) -> dict[str, np.int64]:
       each an ``np.int64`` (FFI attributes).
 
     Raises:
-      ValueError: For a view without those axes or with a strided dim.
+      ValueError: For a view :func:`raw_unfit` names a reason for.
 
     Example:
       >>> import jaxkv
@@ -41,12 +61,9 @@ def raw_address(view: KVCacheView) -> dict[str, np.int64]:
       >>> int(a["token_stride"]), int(a["head_stride"]), int(a["v_offset"])
       (64, 32, 2048)
     """
-    if not {"block", "token", "head", "dim"} <= set(view.axes):
-        raise ValueError(
-            f"raw_address: view axes {view.axes}, expected block, token, head and dim."
-        )
-    if view.strides[view.dim("dim")] != 1:
-        raise ValueError("raw_address: the view's head dim is not contiguous.")
+    reason = raw_unfit(view)
+    if reason is not None:
+        raise ValueError(f"raw_address: cannot address this view: {reason}.")
     itemsize = view.dtype.itemsize
     extent = 1 + sum(
         (n - 1) * st for n, st in zip(view.shape, view.strides, strict=True)
