@@ -237,7 +237,7 @@ def test_a_traced_layer_inside_a_scan_reads_its_own_slot_and_bad_slots_are_nan()
 
         return jax.lax.scan(body, None, slots)[1]
 
-    slots = jnp.asarray([*stack.slots, 3, -1], jnp.int32)
+    slots = jnp.asarray([*stack.slots, 3, -1, 2**31 - 1], jnp.int32)
     native = np.asarray(scanned(pools, slots, "native"))
     xla = np.asarray(scanned(pools, slots, "dot"))
     np.testing.assert_allclose(native[:3], xla[:3], rtol=1e-5, atol=1e-5)

@@ -136,7 +136,10 @@ def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing(
     view = stack.layer.view
     k = jnp.arange(3 * 2 * 16, dtype=jnp.float32).reshape(3, 2, 16)
     slots = jnp.array([1, 12, 40], jnp.int32)
-    layer_ids = jnp.asarray([stack.slots[2], 3, -1, stack.slots[0]], jnp.int32)
+    # 2**31 - 1: a slot at int32's end (the kernel compares it as a count).
+    layer_ids = jnp.asarray(
+        [stack.slots[2], 3, -1, 2**31 - 1, stack.slots[0]], jnp.int32
+    )
 
     @jax.jit
     def scanned(pools):
@@ -144,7 +147,7 @@ def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing(
             i, layer = x
             return jaxkv.write_kv(pools, view, k + i, -k - i, slots, layer=layer), None
 
-        xs = (jnp.arange(4, dtype=jnp.float32), layer_ids)
+        xs = (jnp.arange(5, dtype=jnp.float32), layer_ids)
         return jax.lax.scan(body, pools, xs)[0]
 
     def run():
@@ -160,8 +163,8 @@ def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing(
         for name in ("l0", "l1", "l2")
     }
     assert got["l2"][0, 0, 1, 0, 0] == 0.0  # k + 0 at slot 1
-    assert got["l0"][0, 0, 1, 0, 0] == 3.0  # k + 3 at slot 1
-    assert not got["l1"].any()  # slots 3 and -1 wrote nothing
+    assert got["l0"][0, 0, 1, 0, 0] == 4.0  # k + 4 at slot 1
+    assert not got["l1"].any()  # slots 3, -1 and 2**31 - 1 wrote nothing
 
 
 def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused():

@@ -60,7 +60,9 @@ ffi::Error KvWrite(ffi::AnyBuffer pool, ffi::AnyBuffer key, ffi::AnyBuffer value
     std::memcpy(dst, pool.untyped_data(), pool_bytes);
   }
   const int64_t s = *slot.typed_data();
-  if (slot_bytes > 0 && (s < 0 || byte_offset + (s + 1) * slot_bytes > pool_bytes)) {
+  // Slots as a count, not s * slot_bytes: a slot near 2^31 times a slot of
+  // gigabytes would pass int64.
+  if (slot_bytes > 0 && (s < 0 || s >= (pool_bytes - byte_offset) / slot_bytes)) {
     return ffi::Error::Success();  // a layer slot outside the pool: no write
   }
   char* base = dst + byte_offset + (slot_bytes > 0 ? s * slot_bytes : 0);

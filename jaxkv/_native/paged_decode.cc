@@ -392,8 +392,10 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
     return ffi::Error::InvalidArgument(
         "jaxkv_paged_decode: the view addresses bytes past the pool");
   }
+  // Slots as a count, not s * slot_bytes: a slot near 2^31 times a slot of
+  // gigabytes would pass int64.
   P.bad_slot = slot_bytes > 0 &&
-               (s < 0 || byte_offset + (s + 1) * slot_bytes > pool_bytes);
+               (s < 0 || s >= (pool_bytes - byte_offset) / slot_bytes);
   P.base = static_cast<const char*>(pool.untyped_data()) + byte_offset +
            (P.bad_slot ? 0 : s * slot_bytes);
   // Whole rows (every KV head of a page read at once) unless there are too
