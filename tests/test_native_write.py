@@ -204,3 +204,21 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
     big = _plan("words", "float32", jaxkv.KVCacheLayout.BLOCKS_FIRST, blocks=60)
     with pytest.raises(ValueError, match="another plan"):
         jaxkv.write_kv(plan.allocate(), big.views["l0"], k, k, slots)
+
+
+def test_a_vmapped_write_equals_xla(monkeypatch):
+    plan = _plan("typed", "bfloat16", jaxkv.KVCacheLayout.BLOCKS_FIRST)
+    view = _kv(plan, "l0")
+    (pool,) = plan.allocate()
+    k = jnp.arange(2 * 3 * 2 * 16, dtype=jnp.float32).reshape(2, 3, 2, 16)
+    slots = jnp.array([[1, 9, -1], [40, 2, 3]], jnp.int32)
+
+    def one(pool, k, slots):
+        return jaxkv.write_kv((pool,), view, k, -k, slots)[0]
+
+    def run():
+        return np.asarray(jax.vmap(one)(jnp.stack([pool, pool]), k, slots))
+
+    native, xla = _both(monkeypatch, run)
+    np.testing.assert_array_equal(native, xla)
+    assert native.any()

@@ -62,6 +62,7 @@ def native_write(
         target("kv_write"),
         jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={0: 0},
+        vmap_method="sequential",  # a vmapped write: one call per batch entry
     )
     return call(
         pool,
