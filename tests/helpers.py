@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +24,48 @@ def load_benchmark(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_asan_check(source: Path, out_dir: Path) -> None:
+    """Builds a C++ check of a native kernel (``tests/native_*_check.cc``,
+    which includes the kernel's source) with AddressSanitizer and runs it: it
+    must print OK, and any byte touched outside its buffers aborts it.
+    Skips the calling test where there is no compiler or no ASan runtime.
+    """  # noqa: D205
+    import jax
+    import pytest
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    exe = out_dir / source.stem
+    build = subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-g",
+            "-O1",
+            "-fsanitize=address",
+            "-fno-omit-frame-pointer",
+            "-w",
+            "-Wno-psabi",
+            f"-I{jax.ffi.include_dir()}",
+            f"-I{root / 'jaxkv' / '_native'}",
+            str(source),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if build.returncode != 0 and "asan" in build.stderr.lower():
+        pytest.skip(f"AddressSanitizer unavailable: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert run.stdout.strip() == "OK"
 
 
 def examples(n: int) -> int:

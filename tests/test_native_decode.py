@@ -16,6 +16,7 @@ import pytest
 import jaxkv
 from jaxkv._attention import resolve_contraction
 from jaxkv._native import available, unavailable_reason
+from tests.helpers import run_asan_check
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
@@ -368,3 +369,10 @@ def test_the_library_is_built_once_and_cached(tmp_path):
     assert first[0].startswith(str(tmp_path))
     assert float(second[1]) < 0.5  # found, not compiled again
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(first[0])]
+
+
+def test_the_kernel_reads_no_byte_outside_the_pool_or_table_under_asan(tmp_path):
+    # tests/native_decode_bounds_check.cc runs rows with page ids outside the
+    # pool, key ranges past the table and from before 0 on buffers of exactly
+    # their bytes; AddressSanitizer aborts on any read outside them.
+    run_asan_check(Path(__file__).with_name("native_decode_bounds_check.cc"), tmp_path)

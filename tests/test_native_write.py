@@ -1,7 +1,5 @@
 """``write_kv`` on the native XLA:CPU kernel against XLA's scatter, byte for byte."""
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import jax
@@ -12,6 +10,7 @@ import pytest
 import jaxkv
 from jaxkv._native import available, unavailable_reason
 from jaxkv.cache import _native_write
+from tests.helpers import run_asan_check
 
 pytestmark = [
     pytest.mark.skipif(
@@ -229,36 +228,7 @@ def test_a_vmapped_write_equals_xla(monkeypatch):
 
 
 def test_the_write_kernel_touches_no_byte_outside_the_pool_under_asan(tmp_path):
-    # tests/native_bounds_check.cc calls the kernel on a heap block of exactly
+    # tests/native_write_bounds_check.cc calls the kernel on a heap block of exactly
     # the pool's bytes with bad layer and token slots; AddressSanitizer aborts
     # on any write outside it (which no comparison with XLA can observe).
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    root = Path(__file__).resolve().parents[1]
-    exe = tmp_path / "bounds"
-    build = subprocess.run(
-        [
-            cxx,
-            "-std=c++17",
-            "-g",
-            "-O1",
-            "-fsanitize=address",
-            "-fno-omit-frame-pointer",
-            "-w",
-            f"-I{jax.ffi.include_dir()}",
-            f"-I{root / 'jaxkv' / '_native'}",
-            str(root / "tests" / "native_bounds_check.cc"),
-            "-o",
-            str(exe),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode != 0 and "asan" in build.stderr.lower():
-        pytest.skip(f"AddressSanitizer unavailable: {build.stderr[-300:]}")
-    assert build.returncode == 0, build.stderr[-2000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert run.stdout.strip() == "OK"
+    run_asan_check(Path(__file__).with_name("native_write_bounds_check.cc"), tmp_path)

@@ -224,7 +224,9 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
   const int64_t QH = (h1 - h0) * G;  // query heads of this item
   const int64_t D = P.head_dim, Dv = P.head_dim_v, bs = P.block_size;
   float* out = P.out + (t * P.num_heads + h0 * G) * Dv;
-  const int32_t lo = P.bounds[2 * t], hi = P.bounds[2 * t + 1];
+  // Keys before 0 do not exist (jaxkv never sends them; never read before
+  // the table's row).
+  const int32_t lo = std::max<int32_t>(0, P.bounds[2 * t]), hi = P.bounds[2 * t + 1];
   std::fill(out, out + QH * Dv, 0.0f);
   if (hi <= lo) return;
   const float nan = std::numeric_limits<float>::quiet_NaN();
