@@ -4,11 +4,13 @@ One small GQA decoder (``--layers`` attention layers, random weights), two
 ways, same batch, same tokens, compilation excluded on both sides:
 
 * **jaxkv**: ``ServingLoop`` (paged pools, Scheduler, one compiled program per
-  bucket), with ``overlap=True`` (step N+1 scheduled, packed and dispatched
-  while step N runs, decode tokens kept on the device) and ``overlap=False``
-  (each step's tokens read before the next is scheduled); beside them the
-  device time (the step's compiled program alone, back to back on the same
-  inputs): wall minus device is the time the device waits on the host.
+  bucket), multi-step (``decode_steps``, as vLLM's ``num_scheduler_steps``)
+  and one step at a time, each with ``overlap=True`` (the next step or block
+  of iterations scheduled, packed and dispatched while the one before runs,
+  its tokens kept on the device) and ``overlap=False`` (each read before the
+  next is scheduled). Beside them the device time: every program call the
+  loop made, replayed back to back on the same inputs; wall minus it is the
+  time the device waited on the host.
 * **dense**: the same model with a dense ``(batch, max_len)`` KV cache per
   layer, every decode step inside one jitted ``lax.fori_loop`` (no host work
   at all): the floor.
@@ -26,7 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +45,65 @@ from _harness import (  # noqa: E402
 )
 
 import jaxkv  # noqa: E402
-from jaxkv.step import decode_step_inputs  # noqa: E402
 
 VOCAB = GQA_VOCAB
+
+
+class Measured(NamedTuple):
+    """One loop's run: wall and device seconds per decode step (or
+    iteration), its outputs, compilations, and its recorded dispatches that
+    found the device idle, of all of them.
+    """  # noqa: D205
+
+    wall: float
+    device: float
+    outputs: list[list[int]]
+    compiles: int
+    found_idle: int
+    dispatches: int
+
+
+class Recorder:
+    """A loop's ``Programs``, recording each call made while ``on``, to be
+    replayed back to back (:meth:`replay`).
+    """  # noqa: D205
+
+    def __init__(self, programs: Any) -> None:
+        self.programs = programs
+        self.calls: list[tuple[Any, ...]] = []
+        self.on = False
+        # Recorded calls that found the device idle: the previous call's
+        # tokens already computed when this one was dispatched (the device
+        # then waited on the host). With the host hidden, none do.
+        self.found_idle = 0
+        self._last: Any = None
+
+    def __call__(self, key: Any, pools: Any, params: Any, *rest: Any) -> Any:
+        if self.on:
+            self.calls.append((key, *rest))
+            self.found_idle += self._last is not None and self._last.is_ready()
+        out = self.programs(key, pools, params, *rest)
+        self._last = out[1]
+        return out
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.found_idle = 0
+        self._last = None
+
+    def replay(self, pools: Any, params: Any) -> tuple[Any, list[float]]:
+        """Runs every recorded call again, each waited for; returns the pools
+        and each call's seconds (its program on the device, the transfer of
+        its inputs included, as in the loop).
+        """  # noqa: D205
+        times = []
+        for key, *rest in self.calls:
+            t0 = time.perf_counter()
+            pools, tokens, *_ = self.programs(key, pools, params, *rest)
+            jax.block_until_ready(tokens)
+            times.append(time.perf_counter() - t0)
+        self.calls.clear()
+        return pools, times
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -72,12 +130,15 @@ def run(args: Any) -> dict[str, Any]:
 
     loop = jaxkv.ServingLoop(plan, forward, params)
     warm_s = loop.warm_up()
-    # overlap=False: the prefill step is read back by its own step() call,
-    # not by the first multi-step decode (which would count its wait).
-    multi = jaxkv.ServingLoop(
-        plan, forward, params, decode_steps=args.decode_steps, overlap=False
-    )
+    num_programs = len(loop.programs)
+    multi = jaxkv.ServingLoop(plan, forward, params, decode_steps=args.decode_steps)
     multi.warm_up()
+    # Every program call the loops make while they are timed is recorded, then
+    # replayed back to back (the same programs on the same inputs, each
+    # waited for): the device's own time for that work. Wall minus it is the
+    # time the device waited on the host.
+    loop.programs = Recorder(loop.programs)  # type: ignore[assignment]
+    multi.decode_programs = Recorder(multi.decode_programs)  # type: ignore[assignment]
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, VOCAB, (args.batch, args.prompt))
 
@@ -87,14 +148,18 @@ def run(args: Any) -> dict[str, Any]:
             for i, p in enumerate(prompts)
         ]
 
-    def decode_steps(overlap: bool) -> tuple[float, list[list[int]], int]:
-        """Median wall time of a steady decode step, the outputs, compiles."""
+    def decode_steps(overlap: bool) -> Measured:
+        """Median wall time of a steady decode step and median device time of
+        the steps they dispatched.
+        """  # noqa: D205
         loop.overlap = overlap
         loop.reset()
         reqs = requests()
         for r in reqs:
             loop.submit(r)
         walls = []
+        recorder = cast(Recorder, loop.programs)
+        recorder.reset()
         with jaxkv.count_compilations() as compiles:
             while loop.has_unfinished:
                 running = loop.scheduler.running
@@ -102,94 +167,67 @@ def run(args: Any) -> dict[str, Any]:
                 decode = decode and all(
                     r.num_computed >= len(r.prompt) for r in running
                 )
+                recorder.on = decode
                 t0 = time.perf_counter()
                 loop.step()
                 if decode:
                     walls.append(time.perf_counter() - t0)
-        return statistics.median(walls), [r.output for r in reqs], len(compiles)
+        recorder.on = False
+        idle, dispatches = recorder.found_idle, len(recorder.calls)
+        loop.pools, times = recorder.replay(loop.pools, params)
+        return Measured(
+            wall=statistics.median(walls),
+            device=statistics.median(times),
+            outputs=[r.output for r in reqs],
+            compiles=len(compiles),
+            found_idle=idle,
+            dispatches=dispatches,
+        )
 
-    def multi_steps() -> tuple[float, list[list[int]], int]:
-        """Wall time per decode iteration of the multi-step loop: all its
-        steady decode steps' wall time over the iterations they ran (a mean:
-        every step counts).
+    def multi_steps(overlap: bool) -> Measured:
+        """Wall time per decode iteration of the multi-step loop: from the
+        prefill's tokens read (``resume()``) to the last token, over the
+        iterations run (every call counts, the last blocks' reads included);
+        the device's time for the same blocks, per iteration. With overlap,
+        each block is dispatched before the one in flight is read.
         """  # noqa: D205
+        multi.overlap = overlap
         multi.reset()
         reqs = requests()
         for r in reqs:
             multi.submit(r)
-        total, iterations = 0.0, 0
+        recorder = cast(Recorder, multi.decode_programs)
+        recorder.reset()
         with jaxkv.count_compilations() as compiles:
+            multi.step()  # the prefill
+            multi.resume()  # its tokens read (with overlap it is in flight)
+            before = multi.counters["decode_iterations"]
+            recorder.on = True
+            t0 = time.perf_counter()
             while multi.has_unfinished:
-                before = multi.counters["decode_iterations"]
-                t0 = time.perf_counter()
                 multi.step()
-                ran = multi.counters["decode_iterations"] - before
-                if ran:
-                    total += time.perf_counter() - t0
-                    iterations += ran
-        return total / max(iterations, 1), [r.output for r in reqs], len(compiles)
-
-    # jaxkv, both ways; then the device time: one decode step's program alone,
-    # back to back.
-    wall_multi, outputs_multi, compiles_multi = multi_steps()
-    wall_sync, outputs_sync, compiles_sync = decode_steps(False)
-    wall, outputs, compiles = decode_steps(True)
-    loop.reset()
-    for r in requests():
-        loop.submit(r)
-    loop.overlap = False
-    loop.step()  # the prefill
-    scheduled = loop.scheduler.schedule()
-    inputs = loop.builder.prepare(scheduled)
-    seeds = np.zeros(inputs.layout.num_samples, np.int32)
-    prev = jnp.zeros(loop.builder.max_num_samples, jnp.int32)
-    pools = loop.pools
-    pools, tok, _ = loop.programs(inputs.program, pools, params, inputs, seeds, prev)
-    jax.block_until_ready(tok)  # warm-up, outside the samples
-    samples = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        pools, tok, _ = loop.programs(
-            inputs.program, pools, params, inputs, seeds, prev
+            total = time.perf_counter() - t0
+            recorder.on = False
+        iterations = multi.counters["decode_iterations"] - before
+        if iterations < args.new // 2:
+            raise RuntimeError(
+                f"bench_serve: only {iterations} of {args.new} decode iterations "
+                "ran as multi-step blocks"
+            )
+        idle, dispatches = recorder.found_idle, len(recorder.calls)
+        multi.pools, times = recorder.replay(multi.pools, params)
+        return Measured(
+            wall=total / iterations,
+            device=sum(times) / iterations,
+            outputs=[r.output for r in reqs],
+            compiles=len(compiles),
+            found_idle=idle,
+            dispatches=dispatches,
         )
-        jax.block_until_ready(tok)
-        samples.append(time.perf_counter() - t0)
-    loop.pools = pools
-    device = statistics.median(samples)
 
-    # The multi-step program alone, per iteration: one steady decode block of
-    # `decode_steps` iterations, back to back on the same inputs.
-    multi.reset()
-    for r in requests():
-        multi.submit(r)
-    multi.step()  # the prefill
-    block = multi.scheduler.schedule_decode(args.decode_steps)
-    if block is None:
-        raise RuntimeError("bench_serve: the batch is not in steady decoding")
-    first = multi.builder.prepare(block)
-    block_inputs = decode_step_inputs(
-        first, num_reqs=block.num_reqs, step_slots=block.step_slots or []
-    )
-    seeds = np.zeros(first.layout.num_samples, np.int32)
-    prev = jnp.zeros(multi.builder.max_num_samples, jnp.int32)
-    key = ("decode", first.program)
-    pools = multi.pools
-
-    def block_call(pools: Any) -> Any:
-        pools, tok, _ = multi.decode_programs(
-            key, pools, params, block_inputs, seeds, prev
-        )
-        jax.block_until_ready(tok)
-        return pools
-
-    pools = block_call(pools)  # warm-up, outside the samples
-    samples = []
-    for _ in range(max(3, args.iters // args.decode_steps)):
-        t0 = time.perf_counter()
-        pools = block_call(pools)
-        samples.append(time.perf_counter() - t0)
-    multi.pools = pools
-    multi_device = statistics.median(samples) / args.decode_steps
+    # jaxkv, each way (the loops' walls, then their device time).
+    multi_on, multi_off = multi_steps(True), multi_steps(False)
+    one_off, one_on = decode_steps(False), decode_steps(True)
 
     # dense: the whole decode in one fori_loop.
     def layer_step(x, w, kc, vc, pos):
@@ -247,84 +285,83 @@ def run(args: Any) -> dict[str, Any]:
         jax.block_until_ready(compiled(params, first, caches))
         times.append(time.perf_counter() - t0)
     dense = statistics.median(times) / (args.new - 1)
+    outputs = one_on.outputs
     same = [o[1:] for o in outputs] == dense_out.tolist() and [
         o[0] for o in outputs
     ] == np.asarray(first).tolist()
+    runs = (multi_on, multi_off, one_on, one_off)
+    same = same and all(m.outputs == outputs for m in runs)
+    compiles = sum(m.compiles for m in runs)
 
-    same = same and outputs == outputs_sync == outputs_multi
-    compiles += compiles_multi
+    def row(path: str, m: Measured) -> dict[str, Any]:
+        return {
+            "path": path,
+            "ms/step": m.wall * 1e3,
+            "device ms": m.device * 1e3,
+            "wall - device ms": (m.wall - m.device) * 1e3,
+            "found device idle": f"{m.found_idle}/{m.dispatches}",
+            "tokens/s": args.batch / m.wall,
+        }
+
+    k = args.decode_steps
     rows = [
-        {
-            "path": f"jaxkv ServingLoop, decode_steps={args.decode_steps} "
-            "(multi-step), per iteration",
-            "ms/step": wall_multi * 1e3,
-            "device idle ms": max(0.0, wall_multi - multi_device) * 1e3,
-            "tokens/s": args.batch / wall_multi,
-        },
-        {
-            "path": "  the multi-step program alone (device), per iteration",
-            "ms/step": multi_device * 1e3,
-            "device idle ms": 0.0,
-            "tokens/s": args.batch / multi_device,
-        },
-        {
-            "path": "jaxkv ServingLoop, overlap (host hidden), decode step",
-            "ms/step": wall * 1e3,
-            "device idle ms": max(0.0, wall - device) * 1e3,
-            "tokens/s": args.batch / wall,
-        },
-        {
-            "path": "jaxkv ServingLoop, no overlap, decode step",
-            "ms/step": wall_sync * 1e3,
-            "device idle ms": max(0.0, wall_sync - device) * 1e3,
-            "tokens/s": args.batch / wall_sync,
-        },
-        {
-            "path": "  the step program alone (device)",
-            "ms/step": device * 1e3,
-            "device idle ms": 0.0,
-            "tokens/s": args.batch / device,
-        },
+        row(f"jaxkv ServingLoop, decode_steps={k}, overlap, per iteration", multi_on),
+        row(
+            f"jaxkv ServingLoop, decode_steps={k}, no overlap, per iteration", multi_off
+        ),
+        row("jaxkv ServingLoop, one step at a time, overlap", one_on),
+        row("jaxkv ServingLoop, one step at a time, no overlap", one_off),
         {
             "path": "dense cache, lax.fori_loop",
             "ms/step": dense * 1e3,
-            "device idle ms": 0.0,
+            "device ms": dense * 1e3,
+            "wall - device ms": 0.0,
+            "found device idle": "-",
             "tokens/s": args.batch / dense,
         },
     ]
     print_table(
         f"Decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
         f"{args.layers} layers {heads}/{kv_heads} heads x {head}; "
-        f"{len(loop.programs)} programs warmed up in {warm_s:.1f} s",
+        f"{num_programs} programs warmed up in {warm_s:.1f} s. device: the same "
+        "program calls replayed back to back; found device idle: dispatches "
+        "made after the previous one had finished",
         rows,
     )
     print(
-        f"\njaxkv multi-step (decode_steps={args.decode_steps}) / dense: "
-        f"{wall_multi / dense:.2f}x per decode step (target <= 1.5x), device idle "
-        f"{max(0.0, wall_multi - multi_device) * 1e3:.3f} ms an iteration; "
-        f"overlap / dense: {wall / dense:.2f}x; no overlap / dense: "
-        f"{wall_sync / dense:.2f}x; device idle per "
-        f"step {max(0.0, wall - device) * 1e3:.3f} ms with overlap vs "
-        f"{max(0.0, wall_sync - device) * 1e3:.3f} ms without; device program / "
-        f"dense: {device / dense:.2f}x; same tokens (dense, both loops): {same}; "
-        f"compiles while serving: {compiles + compiles_sync}"
+        f"\njaxkv multi-step (decode_steps={k}) with overlap / dense: "
+        f"{multi_on.wall / dense:.2f}x per decode step (target <= 1.5x, host "
+        f"hidden: {multi_on.found_idle} of {multi_on.dispatches} blocks "
+        f"dispatched onto an idle device; without overlap "
+        f"{multi_off.wall / dense:.2f}x, {multi_off.found_idle} of "
+        f"{multi_off.dispatches}); one step at a time: overlap / dense "
+        f"{one_on.wall / dense:.2f}x ({one_on.found_idle} of {one_on.dispatches} "
+        f"idle), no overlap / dense {one_off.wall / dense:.2f}x "
+        f"({one_off.found_idle} of {one_off.dispatches}); device program / "
+        f"dense: {one_on.device / dense:.2f}x; same tokens (dense, all loops): "
+        f"{same}; compiles while serving: {compiles}"
     )
     return {
-        "multi_ms": wall_multi * 1e3,
-        "multi_over_dense": wall_multi / dense,
-        "multi_device_ms": multi_device * 1e3,
-        "multi_idle_ms": max(0.0, wall_multi - multi_device) * 1e3,
-        "wall_ms": wall * 1e3,
-        "wall_no_overlap_ms": wall_sync * 1e3,
-        "device_ms": device * 1e3,
-        "idle_ms": max(0.0, wall - device) * 1e3,
-        "idle_no_overlap_ms": max(0.0, wall_sync - device) * 1e3,
+        "multi_ms": multi_on.wall * 1e3,
+        "multi_over_dense": multi_on.wall / dense,
+        "multi_device_ms": multi_on.device * 1e3,
+        "multi_found_idle": multi_on.found_idle,
+        "multi_dispatches": multi_on.dispatches,
+        "multi_no_overlap_ms": multi_off.wall * 1e3,
+        "multi_no_overlap_over_dense": multi_off.wall / dense,
+        "multi_no_overlap_found_idle": multi_off.found_idle,
+        "wall_ms": one_on.wall * 1e3,
+        "wall_no_overlap_ms": one_off.wall * 1e3,
+        "device_ms": one_on.device * 1e3,
+        "found_idle": one_on.found_idle,
+        "found_idle_no_overlap": one_off.found_idle,
+        "dispatches": one_on.dispatches,
         "dense_ms": dense * 1e3,
-        "jaxkv_over_dense": wall / dense,
-        "no_overlap_over_dense": wall_sync / dense,
-        "device_over_dense": device / dense,
+        "jaxkv_over_dense": one_on.wall / dense,
+        "no_overlap_over_dense": one_off.wall / dense,
+        "device_over_dense": one_on.device / dense,
         "same_tokens": same,
-        "compiles": compiles + compiles_sync,
+        "compiles": compiles,
     }
 
 

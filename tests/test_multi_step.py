@@ -5,6 +5,7 @@ step at a time, on the sliding-window + global model of test_serve_loop.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from test_serve_loop import VOCAB, _model, _params, _requests
@@ -157,7 +158,10 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
     loop = jaxkv.ServingLoop(
         plan, forward, params, vocab_size=VOCAB, overlap=overlap, decode_steps=4
     )
-    real, calls = loop.scheduler.update_decode, [0]
+    # Without overlap update_decode() applies a block; with it the block is
+    # advanced when dispatched and resolve_decode() fills its tokens.
+    method = "resolve_decode" if overlap else "update_decode"
+    real, calls = getattr(loop.scheduler, method), [0]
 
     def apply(step, tokens):
         calls[0] += 1
@@ -165,14 +169,89 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
             raise KeyboardInterrupt
         return real(step, tokens)
 
-    loop.scheduler.update_decode = apply  # type: ignore[method-assign]
+    setattr(loop.scheduler, method, apply)
     reqs = _requests(shared=16, seed=3, new=11)
     with pytest.raises(KeyboardInterrupt):
         loop.run(reqs)
-    loop.scheduler.update_decode = real
+    setattr(loop.scheduler, method, real)
     assert loop.resume() == "applied"  # its iterations ran: never run again
     loop.run()
     assert [r.output for r in reqs] == base[: len(reqs)]
+
+
+@pytest.mark.parametrize("where", ["trace", "pools", "advance"])
+def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model, where):
+    """With overlap, a block of iterations whose dispatch raised is rerun
+    (pools untouched), recomputed with every request in flight (its donated
+    pools consumed), or only advanced (it ran; advance_decode raised): the
+    tokens are those of one step at a time, every block comes back.
+    """  # noqa: D205
+    base, _, _, _ = _serve(model, decode_steps=1, overlap=False)
+    plan, forward, params = model
+    loop = jaxkv.ServingLoop(plan, forward, params, vocab_size=VOCAB, decode_steps=3)
+    patched = "advance_decode" if where == "advance" else "_dispatch_decode"
+    owner = loop.scheduler if where == "advance" else loop
+    real, calls = getattr(owner, patched), [0]
+
+    def faulty(*args):
+        calls[0] += 1
+        if calls[0] == 3:  # a block dispatched while another is in flight
+            assert loop._pipeline, "no block in flight"
+            if where == "pools":
+                jax.tree.map(lambda a: a.delete(), loop.pools)
+            raise RuntimeError("injected")
+        return real(*args)
+
+    setattr(owner, patched, faulty)
+    reqs = _requests(shared=16, seed=3, new=11)
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.run(reqs)
+    setattr(owner, patched, real)
+    want = {"trace": "rerun", "pools": "recomputed", "advance": "applied"}[where]
+    assert loop.resume() == want
+    loop.run()
+    assert [r.output for r in reqs] == base[: len(reqs)]
+    m = loop.scheduler.manager
+    assert m.num_free_blocks == m.num_usable_blocks
+
+
+def test_advance_decode_and_resolve_decode_pipeline_blocks():
+    """A block is scheduled while the one before it is in flight: its input
+    token is a placeholder of the block before; stop tokens found when
+    resolving end the request and drop what the later block computed.
+    """  # noqa: D205
+    s = _decoding_scheduler()
+    r0, r1 = s.running
+    first = s.schedule_decode(2)
+    assert first is not None
+    with pytest.raises(ValueError, match="resolve_decode"):
+        s.resolve(first, [1, 1])
+    s.advance_decode(first)
+    assert [r.output for r in (r0, r1)] == [[5, -1, -1], [5, -2, -2]]
+    assert (r0.num_pending, r1.num_pending) == (2, 2)
+    # r1 (3 new tokens) has had its last 2: finished now, blocks back.
+    assert s.running == [r0]
+    assert r1.status is jaxkv.RequestStatus.FINISHED
+    second = s.schedule_decode(2)
+    assert second is not None
+    assert second.token_ids.tolist() == [-1]  # tokens[1][0] of the first block
+    with pytest.raises(ValueError, match="oldest"):
+        s.resolve_decode(second, [[1, 1]])
+    with pytest.raises(ValueError, match="outside"):
+        s.resolve_decode(first, [[1, 2], [3, -1]])
+    s.advance_decode(second)
+    r0.stop_token_ids = (9,)
+    done = s.resolve_decode(first, [[1, 9], [3, 4]])
+    assert [r.req_id for r in done] == ["r0", "r1"]
+    assert (r0.output, r1.output) == ([5, 1, 9], [5, 3, 4])
+    assert [[(k, t) for k, _, t in it] for it in first.filled_by_iteration] == [
+        [(0, 1), (1, 3)],
+        [(0, 9), (1, 4)],
+    ]
+    assert s.resolve_decode(second, [[7, 7]]) == []  # r0 ended: dropped
+    assert r0.output == [5, 1, 9]
+    assert not second.filled_by_iteration[0]
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
 
 def test_blocks_a_multi_step_decode_fills_are_cached_at_once():

@@ -343,16 +343,20 @@ class KVCacheManager(PrefixHits):
             if j >= len(table) or not table[j]
         ]
 
-    def register_computed(self, req: Request) -> None:
+    def register_computed(self, req: Request, *, num_tokens: int | None = None) -> None:
         """With prefix caching, caches every block `req`'s computed tokens
         fill (after a step of several tokens per request, e.g.
         :meth:`Scheduler.schedule_decode`, whose blocks the per-token decode
         path would only register at the next boundary); a no-op otherwise.
+        `num_tokens` caps the tokens counted (default: ``req.num_computed``;
+        never more than the tokens whose values are known).
         """  # noqa: D205
         if not self.enable_prefix_caching:
             return
         tables = self._tables_of(req, "register_computed")
         n = min(req.num_computed, req.num_known_tokens)
+        if num_tokens is not None:
+            n = min(n, num_tokens)
         registered = self._registered.setdefault(req.req_id, [0] * len(tables))
         self._register(req, tables, registered, n)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -16,6 +17,19 @@ from jaxkv._util import host_int_array
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus
 from jaxkv.sched._scheduled import ScheduledStep
+
+
+def _until_stop(req: Request, row: list[int]) -> list[int]:
+    """`row`'s tokens up to and with the first of `req`'s stop tokens."""
+    for i, t in enumerate(row):
+        if t in req.stop_token_ids:
+            return row[: i + 1]
+    return row
+
+
+def _record(step: ScheduledStep, k: int, req: Request, taken: list[int]) -> None:
+    for i, token in enumerate(taken):
+        step.filled_by_iteration[i].append((k, req, token))
 
 
 class StepOutcomes:
@@ -119,58 +133,40 @@ class StepOutcomes:
 
         Checked before anything changes (as :meth:`update`); applying again
         after a fault midway finishes the step, applying no entry twice.
+        ``step.filled_by_iteration`` lists the tokens taken.
 
         Raises:
           ValueError: If the step is not the latest scheduled one, was
             applied, is not a multi-step decode, or the tokens are not one
             row per request, each with its count of valid ids.
           TypeError: If the tokens are not integers.
+          RuntimeError: If steps :meth:`advance_decode` applied are not
+            resolved.
         """  # noqa: D205
-        if step.steps_per_request is None:
-            raise ValueError(
-                "update_decode: the step is not a schedule_decode() step; apply it "
-                "with update()."
+        if self._unresolved:
+            raise RuntimeError(
+                f"update_decode: {len(self._unresolved)} advanced steps are not "
+                "resolved; with advance_decode() every step is finished by "
+                "resolve_decode()."
             )
+        self._check_decode_step(step, "update_decode")
         self._check_latest(step, "update_decode", "schedule_decode()")
-        counts = step.steps_per_request
-        if len(sampled_token_ids) != len(step.batch):
-            raise ValueError(
-                f"update_decode: {len(step.batch)} requests decode this step, got "
-                f"{len(sampled_token_ids)} rows of tokens."
-            )
-        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        rows = []
-        for (req, _), k, row in zip(step.batch, counts, sampled_token_ids, strict=True):
-            arr = host_int_array(
-                row, f"update_decode: tokens of request {req.req_id!r}"
-            ).reshape(-1)
-            if arr.size < k:
-                raise ValueError(
-                    f"update_decode: request {req.req_id!r} sampled {int(k)} "
-                    f"tokens this step, got {arr.size}."
-                )
-            arr = arr[: int(k)]
-            bad = np.flatnonzero((arr < 0) | (arr >= top))
-            if bad.size:
-                raise ValueError(
-                    f"update_decode: request {req.req_id!r} sampled token "
-                    f"{arr[bad[0]]}, outside [0, {top})."
-                )
-            rows.append(arr.tolist())
+        rows = self._checked_rows("update_decode", step, sampled_token_ids)
         self._applying = step
         live = []
-        for (req, _), (computed, outputs), row in zip(
-            step.batch, step._before, rows, strict=True
+        step.filled_by_iteration = [[] for _ in range(step.num_steps)]
+        for k, ((req, _), (computed, outputs), row) in enumerate(
+            zip(step.batch, step._before, rows, strict=True)
         ):
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
                 continue
             live.append(req)
-            stops = [i for i, t in enumerate(row) if t in req.stop_token_ids]
-            taken = row[: stops[0] + 1] if stops else row
+            taken = _until_stop(req, row)
             # Set from the recorded counts: a retry appends nothing twice.
             del req.output[outputs:]
             req.output += taken
             req.num_computed = computed + len(taken)
+            _record(step, k, req, taken)
             self.manager.register_computed(req)
             self.manager.commit(req)
         finished = [req for req in live if req.finished]
@@ -179,6 +175,170 @@ class StepOutcomes:
         self._applied = step
         self._applying = None
         return finished
+
+    def advance_decode(self, step: ScheduledStep) -> None:
+        """Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
+        are known (async multi-step decoding): the next block of iterations
+        can be scheduled while this one runs on the device.
+
+        Request ``k`` of ``step.batch`` gets ``steps_per_request[k]``
+        placeholder tokens ``-(k + 1)`` (its last one is the next step's input:
+        ``tokens[num_steps - 1][k]`` of this step, read on the device) counted
+        by ``num_pending``; its tokens count as computed and its blocks are
+        committed; a request that reaches ``max_new_tokens`` finishes now
+        (its blocks go back). :meth:`resolve_decode` fills the tokens, in the
+        order steps were advanced; a stop token found then ends its request,
+        and what later advanced steps computed for it is dropped.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+          >>> s = jaxkv.Scheduler(plan)
+          >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=7))
+          >>> s.update(s.schedule(), [5])
+          []
+          >>> first = s.schedule_decode(3); s.advance_decode(first)
+          >>> second = s.schedule_decode(3); second.token_ids.tolist()  # tokens[2][0]
+          [-1]
+          >>> s.advance_decode(second); s.running, s.unresolved == (first, second)
+          ([], True)
+          >>> s.resolve_decode(first, [[1, 2, 3]]), first.filled_by_iteration[2]
+          ([], [(0, Request(req_id='a', ...), 3)])
+          >>> [r.output for r in s.resolve_decode(second, [[4, 5, 6]])]
+          [[5, 1, 2, 3, 4, 5, 6]]
+
+        Raises:
+          RuntimeError: If :meth:`update` of the latest step raised midway.
+          ValueError: If `step` is not a multi-step decode, not the latest
+            scheduled step, or was already applied.
+        """  # noqa: D205
+        if self._applying is not None:
+            raise RuntimeError(
+                "advance_decode: update() of the latest step raised midway; call "
+                "update(step, tokens) again with the same step first."
+            )
+        self._check_decode_step(step, "advance_decode")
+        self._check_latest(step, "advance_decode", "schedule_decode()")
+        counts = cast(np.ndarray, step.steps_per_request)  # checked above
+        for k, ((req, _), (computed, outputs), n) in enumerate(
+            zip(step.batch, step._before, counts.tolist(), strict=True)
+        ):
+            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed = computed + n
+            if len(req.output) == outputs:  # each once, after a fault too
+                req.output += [-(k + 1)] * n
+                req.num_pending += n
+            self.manager.commit(req)
+            if len(req.output) >= req.max_new_tokens:
+                step._early.append(req)
+                self._finish(req, keep_pending=True)
+        self._applied = step
+        self._unresolved.append(step)
+
+    def resolve_decode(
+        self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
+    ) -> list[Request]:
+        """Fills the tokens of the oldest step :meth:`advance_decode` applied;
+        returns the requests that are now complete (finished, no token
+        pending).
+
+        Args:
+          step: The oldest unresolved step.
+          sampled_token_ids: As for :meth:`update_decode`.
+
+        A stop token ends its request there (the output stops at it; what
+        later advanced steps computed for it is dropped). Checked before
+        anything changes, as :meth:`update_decode`; ``step.filled_by_iteration``
+        lists the tokens taken.
+
+        Raises:
+          ValueError: If `step` is not the oldest unresolved one, is not a
+            multi-step decode, or the tokens are not one row per request with
+            its count of valid ids.
+          TypeError: If the tokens are not integers.
+        """  # noqa: D205
+        self._check_decode_step(step, "resolve_decode")
+        if not self._unresolved or step is not self._unresolved[0]:
+            raise ValueError(
+                "resolve_decode: the step is not the oldest advanced and unresolved "
+                "one; resolve steps once each, in the order they were advanced."
+            )
+        rows = self._checked_rows("resolve_decode", step, sampled_token_ids)
+        step.filled_by_iteration = [[] for _ in range(step.num_steps)]
+        done = []
+        for k, ((req, _), (_, outputs), row) in enumerate(
+            zip(step.batch, step._before, rows, strict=True)
+        ):
+            n = len(row)
+            if not (
+                req.num_pending >= n
+                and len(req.output) >= outputs + n
+                and req.output[outputs] == -(k + 1)
+            ):
+                continue  # aborted, recomputed, or ended by an earlier stop token
+            taken = _until_stop(req, row)
+            req.output[outputs : outputs + len(taken)] = taken
+            req.num_pending -= n
+            _record(step, k, req, taken)
+            stopped = bool(taken) and taken[-1] in req.stop_token_ids
+            if stopped:
+                del req.output[outputs + len(taken) :]
+                req.num_pending = 0
+            if req.req_id in self._ids:
+                # Its tokens are known up to here: the blocks they fill are
+                # cached (their K/V computed by this step or one dispatched
+                # after it), as update_decode() caches them.
+                self.manager.register_computed(
+                    req, num_tokens=len(req.prompt) + outputs + len(taken) - 1
+                )
+                self.manager.commit(req)
+            if stopped and req.status is not RequestStatus.FINISHED:
+                self._finish(req, keep_pending=False)
+            if req.status is RequestStatus.FINISHED and not req.num_pending:
+                done.append(req)
+        self._unresolved.popleft()
+        return done
+
+    @staticmethod
+    def _check_decode_step(step: ScheduledStep, op: str) -> None:
+        if step.steps_per_request is None:
+            raise ValueError(
+                f"{op}: the step is not a schedule_decode() step; it is applied "
+                "with update(), or advance() and resolve()."
+            )
+
+    def _checked_rows(
+        self, op: str, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """Per request of a multi-step step, its ``steps_per_request`` tokens,
+        checked (the errors of :meth:`update_decode`).
+        """  # noqa: D205
+        counts = cast(np.ndarray, step.steps_per_request)  # a decode step
+        if len(sampled_token_ids) != len(step.batch):
+            raise ValueError(
+                f"{op}: {len(step.batch)} requests decode this step, got "
+                f"{len(sampled_token_ids)} rows of tokens."
+            )
+        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        rows = []
+        for (req, _), k, row in zip(step.batch, counts, sampled_token_ids, strict=True):
+            arr = host_int_array(row, f"{op}: tokens of request {req.req_id!r}")
+            arr = arr.reshape(-1)
+            if arr.size < k:
+                raise ValueError(
+                    f"{op}: request {req.req_id!r} sampled {int(k)} tokens this "
+                    f"step, got {arr.size}."
+                )
+            arr = arr[: int(k)]
+            bad = np.flatnonzero((arr < 0) | (arr >= top))
+            if bad.size:
+                raise ValueError(
+                    f"{op}: request {req.req_id!r} sampled token {arr[bad[0]]}, "
+                    f"outside [0, {top})."
+                )
+            rows.append(arr.tolist())
+        return rows
 
     def _check_latest(self, step: ScheduledStep, op: str, made_by: str) -> None:
         """Raises unless `step` is the latest scheduled one and not applied."""
@@ -293,6 +453,11 @@ class StepOutcomes:
           ValueError: If `step` is not the oldest unresolved one, or the
             tokens are not one valid id per request of ``step.sampled``.
         """  # noqa: D205
+        if step.num_steps > 1:
+            raise ValueError(
+                "resolve: a schedule_decode() step of several iterations; resolve "
+                "it with resolve_decode()."
+            )
         if not self._unresolved or step is not self._unresolved[0]:
             raise ValueError(
                 "resolve: the step is not the oldest advanced and unresolved one; "

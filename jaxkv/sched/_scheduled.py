@@ -48,6 +48,13 @@ class ScheduledStep(StepArrays):
     filled: list[tuple[int, Request, int]] = dataclasses.field(
         default_factory=list, repr=False
     )
+    #: With ``num_steps > 1``: per iteration, ``(k, request, token)`` for each
+    #: token :meth:`Scheduler.update_decode` or :meth:`Scheduler.resolve_decode`
+    #: took (``k``: the request's place in :attr:`batch`), in the order they
+    #: were sampled.
+    filled_by_iteration: list[list[tuple[int, Request, int]]] = dataclasses.field(
+        default_factory=list, repr=False
+    )
     # Requests advance() finished (their last token still on the device).
     _early: list[Request] = dataclasses.field(default_factory=list, repr=False)
     #: Decode iterations the step runs on the device (``1``: an ordinary step;

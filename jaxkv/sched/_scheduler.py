@@ -403,7 +403,8 @@ class Scheduler(StepOutcomes):
         batch is not in steady decoding.
 
         Steady decoding: nothing waiting, every running request one token from
-        its end (its last token known, none pending on the device), the batch
+        its end (its last token known, or pending from a multi-step step
+        :meth:`advance_decode` applied, never from an ordinary one), the batch
         within ``max_num_seqs`` and the token budget, and no Mamba prefix
         caching (whose states are kept at block boundaries). Each request gets
         its blocks for ``k = min(num_steps, max_new_tokens - len(output))``
@@ -451,13 +452,19 @@ class Scheduler(StepOutcomes):
                 "update(step, tokens) again with the same step to finish it."
             )
         running = self.running
+        # After advance_decode() the tokens of steps in flight are placeholders
+        # (pending); after advance() of an ordinary step, not steady.
+        pipelined = bool(self._unresolved)
         if (
             self._align
             or self.waiting
-            or self._unresolved
+            or any(s.num_steps == 1 for s in self._unresolved)
             or not running
             or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
-            or any(r.num_pending or r.num_computed != r.num_tokens - 1 for r in running)
+            or any(
+                (r.num_pending and not pipelined) or r.num_computed != r.num_tokens - 1
+                for r in running
+            )
         ):
             return None
         counts = [min(num_steps, r.max_new_tokens - len(r.output)) for r in running]

@@ -110,7 +110,7 @@ class DeviceStep:
         inputs: StepInputs,
         seeds: jax.Array,
         prev_tokens: jax.Array,
-    ) -> tuple[Pools, jax.Array, jax.Array]:
+    ) -> tuple[Pools, jax.Array, jax.Array, jax.Array]:
         """Several decode iterations in one program (multi-step decoding):
         `inputs` packs one row per iteration (:func:`decode_step_inputs`);
         each iteration is :meth:`rank_step`, its input tokens the previous
@@ -118,7 +118,8 @@ class DeviceStep:
 
         Returns:
           ``(pools, tokens (num_steps, width), logits (num_steps, samples,
-          vocab))``.
+          vocab), last (width,))``: `last` is the last iteration's tokens,
+          which the next step's placeholders index.
         """  # noqa: D205
 
         def body(
@@ -129,10 +130,10 @@ class DeviceStep:
             pools, tokens, logits = self.rank_step(pools, params, step, seeds, prev)
             return (pools, tokens), (tokens, logits)
 
-        (pools, _), (tokens, logits) = jax.lax.scan(
+        (pools, last), (tokens, logits) = jax.lax.scan(
             body, (pools, prev_tokens), inputs.packed
         )
-        return pools, tokens, logits
+        return pools, tokens, logits, last
 
     def __call__(
         self,

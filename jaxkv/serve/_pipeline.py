@@ -122,21 +122,40 @@ class StepPipeline:
 
     def _decode_ahead(self) -> tuple[bool, list[Request]]:
         """Multi-step decoding (``decode_steps > 1``, one device): when the
-        batch is in steady decoding, resolves the steps in flight and runs
-        ``decode_steps`` iterations in one program. Returns whether it ran
-        and the requests finished.
+        batch is in steady decoding, runs ``decode_steps`` iterations in one
+        program. With overlap the block is dispatched before the one in flight
+        is read (:meth:`Scheduler.advance_decode`), so the host schedules,
+        packs and reads back while the device computes. Returns whether it
+        ran and the requests finished.
         """  # noqa: D205
         sched = self.schedulers[0]
+        blocks = bool(self._pipeline) and self._pipeline[-1][0][0].num_steps > 1
         if sched.waiting or not sched.running:
-            return False, []
-        done = self._resolve_all()
+            # An ordinary step starts from known tokens: read the blocks first.
+            return False, (self._resolve_all() if blocks else [])
+        done = [] if blocks else self._resolve_all()
         step = sched.schedule_decode(self.decode_steps)
+        if step is None and self._pipeline:
+            # Not steady, or its blocks do not fit yet: with every token known
+            # (stop tokens free blocks), once more; else an ordinary step.
+            done += self._resolve_all()
+            step = sched.schedule_decode(self.decode_steps)
         if step is None:
             return False, done
-        return True, done + self._run_decode(step)
+        if not self.overlap:
+            return True, done + self._run_decode(step)
+        self._dispatch_ahead([step])
+        while len(self._pipeline) > 1:
+            done += self._resolve_oldest()
+        return True, done
 
-    def _run_decode(self, step: ScheduledStep) -> list[Request]:
-        self._inflight, self._results = [step], None
+    def _dispatch_decode(
+        self, step: ScheduledStep, prev_tokens: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Dispatches a multi-step decode: ``(tokens (num_steps, width),
+        logits, its last iteration's tokens)``; `prev_tokens` fills its first
+        iteration's placeholders.
+        """  # noqa: D205
         first = self.builder.prepare(step)
         inputs = decode_step_inputs(
             first, num_reqs=step.num_reqs, step_slots=step.step_slots or []
@@ -144,16 +163,16 @@ class StepPipeline:
         seeds = self._seeds([step], first.layout.num_samples)
         seeds = jax.tree.map(lambda x: x[0], seeds)
         self._flush_host_tiers()
-        self.pools, tokens, logits = self.decode_programs(
-            self._decode_key(first),
-            self.pools,
-            self.params,
-            inputs,
-            seeds,
-            self._no_tokens(),
+        self.pools, tokens, logits, last = self.decode_programs(
+            self._decode_key(first), self.pools, self.params, inputs, seeds, prev_tokens
         )
         self.counters["steps"] += 1
         self.counters["decode_iterations"] += step.num_steps
+        return tokens, logits, last
+
+    def _run_decode(self, step: ScheduledStep) -> list[Request]:
+        self._inflight, self._results = [step], None
+        tokens, logits, _ = self._dispatch_decode(step, self._no_tokens())
         # It ran: on resume() it is applied, never run again.
         self._results = tokens, logits
         return self._apply()
@@ -163,27 +182,41 @@ class StepPipeline:
         if self._results is None:
             raise RuntimeError("ServingLoop: no step result to apply.")
         tokens = _to_host(self._results[0])  # (num_steps, width)
-        logits = self._results[1]
-        host_logits = (
-            _to_host(logits) if logits is not None and self.record_logits else None
-        )
+        host_logits = self._host_decode_logits(self._results[1])
         sched = self.schedulers[0]
-        before = [len(r.output) for r, _ in step.batch]
         rows = tokens[:, : step.num_reqs].T.tolist()
         finished = [] if sched.last_applied is step else sched.update_decode(step, rows)
         self._inflight = self._results = None
         self._forget(finished)
-        for i in range(step.num_steps):  # streamed in the order they were sampled
-            filled = [
-                (k, req, req.output[outputs + i])
-                for k, ((req, _), outputs) in enumerate(
-                    zip(step.batch, before, strict=True)
-                )
-                if len(req.output) > outputs + i
-            ]
+        self._deliver_iterations(step, host_logits)
+        return finished
+
+    def _resolve_decode(
+        self, step: ScheduledStep, tokens: jax.Array, logits: jax.Array | None
+    ) -> list[Request]:
+        """Reads and resolves the oldest block in flight (overlap)."""
+        host_tokens = _to_host(tokens)  # waits for it
+        host_logits = self._host_decode_logits(logits)
+        sched = self.schedulers[0]
+        finished = []
+        if step in sched.unresolved:  # once, after a fault too
+            rows = host_tokens[:, : step.num_reqs].T.tolist()
+            finished = sched.resolve_decode(step, rows)
+        self._pipeline.popleft()
+        self._forget(finished)
+        self._deliver_iterations(step, host_logits)
+        return finished
+
+    def _host_decode_logits(self, logits: jax.Array | None) -> np.ndarray | None:
+        return _to_host(logits) if logits is not None and self.record_logits else None
+
+    def _deliver_iterations(
+        self, step: ScheduledStep, host_logits: np.ndarray | None
+    ) -> None:
+        """Streams a multi-step decode's tokens in the order they were sampled."""
+        for i, filled in enumerate(step.filled_by_iteration):
             if filled:
                 self._deliver(filled, None if host_logits is None else host_logits[i])
-        return finished
 
     def _host_results(
         self, next_tokens: jax.Array, logits: jax.Array | None
@@ -206,20 +239,33 @@ class StepPipeline:
     def _dispatch_ahead(self, steps: list[ScheduledStep]) -> None:
         """Dispatches `steps` (overlap) and advances the schedulers past them."""
         self._inflight = steps
-        next_tokens, logits = self._dispatch(steps, self._prev_tokens)
+        if steps[0].num_steps > 1:  # a multi-step decode (one device)
+            # The next step's placeholders are its last iteration's tokens.
+            next_tokens, logits, prev = self._dispatch_decode(
+                steps[0], self._prev_tokens
+            )
+        else:
+            next_tokens, logits = self._dispatch(steps, self._prev_tokens)
+            prev = next_tokens
         # It ran: from here resume() advances and resolves it, never reruns it.
         self._pipeline.append((steps, next_tokens, logits))
-        self._prev_tokens = next_tokens
+        self._prev_tokens = prev
         self._inflight = None
         self._advance(steps)
 
     def _advance(self, steps: list[ScheduledStep]) -> None:
         for sched, step in zip(self.schedulers, steps, strict=True):
-            if sched.last_applied is not step:  # each once, after a fault too
+            if sched.last_applied is step:  # each once, after a fault too
+                continue
+            if step.num_steps > 1:
+                sched.advance_decode(step)
+            else:
                 sched.advance(step)
 
     def _resolve_oldest(self) -> list[Request]:
         steps, next_tokens, logits = self._pipeline[0]
+        if steps[0].num_steps > 1:
+            return self._resolve_decode(steps[0], next_tokens, logits)
         tokens, host_logits = self._host_results(next_tokens, logits)  # waits
         finished = []
         for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
@@ -302,9 +348,8 @@ class StepPipeline:
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
         """  # noqa: D205
-        decoding = self._inflight is not None and self._inflight[0].num_steps > 1
-        if not self.overlap or decoding:
-            # A multi-step decode runs with nothing else in flight.
+        if not self.overlap:
+            decoding = self._inflight is not None and self._inflight[0].num_steps > 1
             if self._inflight is None:
                 return None
             if self._results is not None:
@@ -339,8 +384,6 @@ class StepPipeline:
         """Overlap: finishes a step whose dispatch or advance raised; steps in
         flight that ran stay in flight (a normal state).
         """  # noqa: D205
-        if self._inflight is not None and self._inflight[0].num_steps > 1:
-            return self.resume()  # a multi-step decode: nothing else in flight
         unadvanced = bool(self._pipeline) and any(
             sched.last_applied is not step
             for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)
