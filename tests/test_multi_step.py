@@ -279,3 +279,42 @@ def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
         "p", prompt=r.prompt + r.output[:3] + [0, 0], max_new_tokens=1
     )
     assert s.manager.find_cache_hit(probe) == 8
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
+    """A request that ends in a block (its ``max_new_tokens``): the blocks
+    that block filled are cached, applied at once (update_decode) or
+    pipelined (advance_decode holds them until resolve_decode caches them);
+    the last token, never an input, is not counted.
+    """  # noqa: D205
+    cfg = jaxkv.pattern_config(
+        "G",
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        block_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+    )
+    s = jaxkv.Scheduler(jaxkv.make_plan(cfg, num_blocks=16), enable_prefix_caching=True)
+    r = jaxkv.Request("r", prompt=[1, 2, 3, 4, 5], max_new_tokens=5)
+    s.add_request(r)
+    s.update(s.schedule(), [20])
+    step = s.schedule_decode(4)
+    assert step is not None
+    assert step.steps_per_request.tolist() == [4]
+    tokens = [[21, 22, 23, 24]]
+    if pipelined:
+        s.advance_decode(step)
+        assert r.status is jaxkv.RequestStatus.FINISHED
+        assert s.resolve_decode(step, tokens) == [r]
+    else:
+        assert s.update_decode(step, tokens) == [r]
+    # 10 tokens, positions 0-8 computed: block 0 (0-7) is full.
+    assert r.tokens == [1, 2, 3, 4, 5, 20, 21, 22, 23, 24]
+    probe = jaxkv.Request("p", prompt=[*r.tokens, 0], max_new_tokens=1)
+    assert s.manager.find_cache_hit(probe) == 8
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks

@@ -169,6 +169,10 @@ class KVCacheManager(PrefixHits):
         """All blocks but the null block."""
         return self.allocator.num_blocks - 1
 
+    def holds_blocks(self, req: Request) -> bool:
+        """Whether `req` holds blocks (allocated and not freed)."""
+        return req.req_id in self._tables
+
     def blocks_of(self, req: Request) -> list[list[int]]:
         """`req`'s block ids per group (a copy; 0 where nothing is kept)."""
         return [list(t) for t in self._tables.get(req.req_id, [])]

@@ -186,7 +186,8 @@ class StepOutcomes:
         ``tokens[num_steps - 1][k]`` of this step, read on the device) counted
         by ``num_pending``; its tokens count as computed and its blocks are
         committed; a request that reaches ``max_new_tokens`` finishes now
-        (its blocks go back). :meth:`resolve_decode` fills the tokens, in the
+        (its blocks go back once its tokens are resolved, the blocks they fill
+        cached first). :meth:`resolve_decode` fills the tokens, in the
         order steps were advanced; a stop token found then ends its request,
         and what later advanced steps computed for it is dropped.
 
@@ -231,8 +232,11 @@ class StepOutcomes:
                 req.num_pending += n
             self.manager.commit(req)
             if len(req.output) >= req.max_new_tokens:
+                # Its blocks stay until its tokens are known: resolve_decode()
+                # caches the blocks they fill (as update_decode() would), then
+                # gives them back.
                 step._early.append(req)
-                self._finish(req, keep_pending=True)
+                self._finish(req, keep_pending=True, keep_blocks=True)
         self._applied = step
         self._unresolved.append(step)
 
@@ -285,14 +289,17 @@ class StepOutcomes:
             if stopped:
                 del req.output[outputs + len(taken) :]
                 req.num_pending = 0
-            if req.req_id in self._ids:
-                # Its tokens are known up to here: the blocks they fill are
-                # cached (their K/V computed by this step or one dispatched
-                # after it), as update_decode() caches them.
+            if self.manager.holds_blocks(req):
+                # Its tokens are known up to here: the blocks whose K/V this
+                # step computed are cached, as update_decode() caches them.
                 self.manager.register_computed(
                     req, num_tokens=len(req.prompt) + outputs + len(taken) - 1
                 )
                 self.manager.commit(req)
+                if req.status is RequestStatus.FINISHED and (
+                    stopped or not req.num_pending
+                ):
+                    self.manager.free(req)  # finished by advance_decode()
             if stopped and req.status is not RequestStatus.FINISHED:
                 self._finish(req, keep_pending=False)
             if req.status is RequestStatus.FINISHED and not req.num_pending:
@@ -547,11 +554,14 @@ class StepOutcomes:
         """  # noqa: D205
         self._finish(req, keep_pending=False)
 
-    def _finish(self, req: Request, *, keep_pending: bool) -> None:
+    def _finish(
+        self, req: Request, *, keep_pending: bool, keep_blocks: bool = False
+    ) -> None:
         if req.num_pending and not keep_pending:
             del req.output[len(req.output) - req.num_pending :]
             req.num_pending = 0
-        self.manager.free(req)
+        if not keep_blocks:
+            self.manager.free(req)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:

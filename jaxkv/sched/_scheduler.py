@@ -417,7 +417,9 @@ class Scheduler(StepOutcomes):
 
         The step is the ordinary decode step of its first iteration
         (``builder.prepare`` takes it) with ``num_steps``, ``step_slots``
-        and ``steps_per_request`` set.
+        and ``steps_per_request`` set. To schedule the next block while this
+        one runs, apply it with :meth:`advance_decode` instead and fill its
+        tokens later with :meth:`resolve_decode`.
 
         Example:
           >>> import jaxkv
@@ -452,19 +454,16 @@ class Scheduler(StepOutcomes):
                 "update(step, tokens) again with the same step to finish it."
             )
         running = self.running
-        # After advance_decode() the tokens of steps in flight are placeholders
-        # (pending); after advance() of an ordinary step, not steady.
-        pipelined = bool(self._unresolved)
+        # After advance_decode() the tokens of blocks in flight are placeholders
+        # (pending), their last one read on the device; after advance() of an
+        # ordinary step, not steady.
         if (
             self._align
             or self.waiting
             or any(s.num_steps == 1 for s in self._unresolved)
             or not running
             or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
-            or any(
-                (r.num_pending and not pipelined) or r.num_computed != r.num_tokens - 1
-                for r in running
-            )
+            or any(r.num_computed != r.num_tokens - 1 for r in running)
         ):
             return None
         counts = [min(num_steps, r.max_new_tokens - len(r.output)) for r in running]

@@ -106,11 +106,16 @@ class ServingLoop(RequestMoves):
         nothing waits and every running request is decoding, one program runs
         this many iterations on the device, each feeding its sampled tokens to
         the next, and the host schedules, packs and reads back once for all
-        (:meth:`Scheduler.schedule_decode`). Tokens are the same as one step
-        at a time; a request admitted meanwhile waits up to this many
-        iterations, and a request that stops early has the rest of its
-        iterations computed and dropped. One device only; ``1`` (the
-        default) runs every step on its own.
+        (:meth:`Scheduler.schedule_decode`). With `overlap` the blocks are
+        pipelined: block k+1 is scheduled and dispatched before block k's
+        tokens are read (:meth:`Scheduler.advance_decode`, its first input
+        tokens block k's last, on the device), so the host's work hides
+        behind the device's (``benchmarks/bench_serve.py``). Tokens are the
+        same as one step at a time; a request admitted meanwhile waits up to
+        two blocks, and a request that stops early has the rest of its
+        iterations (with overlap, of the next block too) computed and
+        dropped. One device only; ``1`` (the default) runs every step on its
+        own.
 
     Example:
       >>> import jax.numpy as jnp
