@@ -318,3 +318,61 @@ def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
     probe = jaxkv.Request("p", prompt=[*r.tokens, 0], max_new_tokens=1)
     assert s.manager.find_cache_hit(probe) == 8
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_stops_and_preemption_pipelined_equal_one_step_at_a_time(
+    model, seed
+):
+    """Requests of random prompts (some sharing a prefix), lengths and stop
+    tokens arrive between steps at random while pipelined blocks are in
+    flight, in a pool small enough to preempt, with prefix caching: every
+    output equals the one-step-at-a-time loop's (all submitted at once), every
+    block comes back.
+    """  # noqa: D205
+    plan, forward, params = model
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, VOCAB, 16).tolist()
+
+    def requests() -> list[jaxkv.Request]:
+        g = np.random.default_rng(seed)
+        out = []
+        for i in range(8):
+            own = g.integers(0, VOCAB, int(g.integers(2, 20))).tolist()
+            out.append(
+                jaxkv.Request(
+                    f"r{i}",
+                    prompt=(prefix if g.random() < 0.5 else []) + own,
+                    max_new_tokens=int(g.integers(1, 24)),
+                    stop_token_ids=tuple(g.integers(0, VOCAB, 2).tolist()),
+                )
+            )
+        return out
+
+    def serve(decode_steps: int, overlap: bool, staggered: bool) -> list[list[int]]:
+        loop = jaxkv.ServingLoop(
+            plan,
+            forward,
+            params,
+            vocab_size=VOCAB,
+            overlap=overlap,
+            decode_steps=decode_steps,
+        )
+        loop.reset(num_blocks=18, enable_prefix_caching=True)
+        reqs = requests()
+        if not staggered:
+            loop.run(reqs)
+        else:
+            pending = list(reqs)
+            while pending or loop.has_unfinished:
+                for _ in range(min(int(rng.integers(0, 3)), len(pending))):
+                    loop.submit(pending.pop(0))
+                if loop.has_unfinished:
+                    loop.step()
+        m = loop.scheduler.manager
+        assert m.num_free_blocks == m.num_usable_blocks
+        assert loop.counters["decode_iterations"] > 0 or decode_steps == 1
+        return [r.output for r in reqs]
+
+    base = serve(1, False, staggered=False)
+    assert serve(3, True, staggered=True) == base
