@@ -234,7 +234,7 @@ def test_advance_decode_and_resolve_decode_pipeline_blocks():
     assert r1.status is jaxkv.RequestStatus.FINISHED
     second = s.schedule_decode(2)
     assert second is not None
-    assert second.token_ids.tolist() == [-1]  # tokens[1][0] of the first block
+    assert np.asarray(second.token_ids).tolist() == [-1]  # tokens[1][0], block 1
     with pytest.raises(ValueError, match="oldest"):
         s.resolve_decode(second, [[1, 1]])
     with pytest.raises(ValueError, match="outside"):
@@ -305,7 +305,7 @@ def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
     s.update(s.schedule(), [20])
     step = s.schedule_decode(4)
     assert step is not None
-    assert step.steps_per_request.tolist() == [4]
+    assert np.asarray(step.steps_per_request).tolist() == [4]
     tokens = [[21, 22, 23, 24]]
     if pipelined:
         s.advance_decode(step)

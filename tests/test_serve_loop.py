@@ -384,6 +384,33 @@ def test_bad_arguments_are_named():
             jaxkv.SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_logits_wider_than_the_vocabulary_are_named_when_traced(decode_steps):
+    """Logits of more columns than ``vocab_size`` could sample an id the
+    scheduler refuses: named when the step is compiled (here by warm_up),
+    before any request runs, in the one-step and the multi-step programs.
+    """  # noqa: D205
+    plan, _, _ = _model()
+
+    def wide(params, pools, meta, tokens, sample):
+        return pools, jnp.zeros((sample.shape[0], VOCAB + 2))
+
+    loop = jaxkv.ServingLoop(
+        plan, wide, {}, vocab_size=VOCAB, decode_steps=decode_steps
+    )
+    with pytest.raises(
+        ValueError, match=f"logits of {VOCAB + 2} columns, but vocab_size is {VOCAB}"
+    ):
+        loop.warm_up()
+
+    def exact(params, pools, meta, tokens, sample):
+        return pools, jnp.zeros((sample.shape[0], VOCAB))
+
+    loop = jaxkv.ServingLoop(plan, exact, {}, vocab_size=VOCAB)
+    r = jaxkv.Request("a", prompt=[1, 2], max_new_tokens=2)
+    assert loop.run([r])[0].output == [0, 0]
+
+
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
     # probabilities ~ [0.6, 0.25, 0.1, 0.05]: top_p=0.5 keeps token 0 only,
     # top_p=0.8 tokens 0-1, top_k=3 tokens 0-2; 400 draws each.

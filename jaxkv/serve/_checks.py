@@ -15,9 +15,13 @@ from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
 from jaxkv.serve._sampling import SamplingParams
 
 
-def check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[Any, Any]:
+def check_forward_result(
+    out: Any, pools: Pools, sample: jax.Array, *, vocab_size: int | None = None
+) -> tuple[Any, Any]:
     """Trace-time check of what `forward` returned: ``(pools, logits)`` with
-    the pools' shapes and dtypes and one logits row per sampled token.
+    the pools' shapes and dtypes, one logits row per sampled token, and no
+    more columns than `vocab_size` (a wider row could sample an id the
+    scheduler refuses, found only when a step's tokens are read).
     """  # noqa: D205
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(
@@ -41,6 +45,13 @@ def check_forward_result(out: Any, pools: Pools, sample: jax.Array) -> tuple[Any
             "ServingLoop: forward must return logits of shape (num_samples, "
             f"vocab) = ({sample.shape[0]}, vocab), one row per index of "
             f"sample_idx; got {shape}."
+        )
+    if vocab_size is not None and shape[1] > vocab_size:
+        raise ValueError(
+            f"ServingLoop: forward returned logits of {shape[1]} columns, but "
+            f"vocab_size is {vocab_size}: ids in [{vocab_size}, {shape[1]}) could "
+            "be sampled and would be refused. Return logits[:, :vocab_size] (a "
+            "padded vocabulary) or pass the logits' width as vocab_size."
         )
     return new_pools, logits
 

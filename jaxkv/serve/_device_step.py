@@ -64,6 +64,7 @@ class DeviceStep:
         index them).
       sampling: Sampling parameters of requests without their own.
       per_request_sampling: Whether each row samples with its own parameters.
+      vocab_size: The loop's vocabulary: `forward`'s logits may not be wider.
     """  # noqa: D205
 
     builder: StepMetadataBuilder
@@ -73,6 +74,7 @@ class DeviceStep:
     width: int
     sampling: SamplingParams
     per_request_sampling: bool
+    vocab_size: int | None = None
 
     def rank_step(
         self,
@@ -90,7 +92,9 @@ class DeviceStep:
         src = jnp.clip(-tokens - 1, 0, self.width - 1)
         tokens = jnp.where(tokens < 0, prev_tokens[src], tokens)
         out = self.forward(params, pools, meta, tokens, sample)
-        pools, logits = check_forward_result(out, pools, sample)
+        pools, logits = check_forward_result(
+            out, pools, sample, vocab_size=self.vocab_size
+        )
         positions = next(iter(meta.values())).positions[sample]
         next_tokens = sample_rows(
             logits,

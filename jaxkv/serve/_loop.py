@@ -198,6 +198,7 @@ class ServingLoop(RequestMoves):
             width=self._width,
             sampling=self.sampling,
             per_request_sampling=self.per_request_sampling,
+            vocab_size=self.schedulers[0].vocab_size,
         )
         self.programs = Programs(self.device_step, donate_argnums=0)
         #: Multi-step decode programs (``decode_steps > 1``), one per decode
