@@ -254,7 +254,8 @@ def test_advance_decode_and_resolve_decode_pipeline_blocks():
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
 
-def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
+def _caching_scheduler() -> jaxkv.Scheduler:
+    """A one-layer model's scheduler with prefix caching, blocks of 8."""
     cfg = jaxkv.pattern_config(
         "G",
         num_layers=1,
@@ -266,7 +267,13 @@ def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
         max_num_seqs=2,
         max_num_batched_tokens=16,
     )
-    s = jaxkv.Scheduler(jaxkv.make_plan(cfg, num_blocks=16), enable_prefix_caching=True)
+    return jaxkv.Scheduler(
+        jaxkv.make_plan(cfg, num_blocks=16), enable_prefix_caching=True
+    )
+
+
+def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
+    s = _caching_scheduler()
     r = jaxkv.Request("r", prompt=[1, 2, 3, 4, 5], max_new_tokens=20)
     s.add_request(r)
     s.update(s.schedule(), [6])
@@ -288,18 +295,7 @@ def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
     pipelined (advance_decode holds them until resolve_decode caches them);
     the last token, never an input, is not counted.
     """  # noqa: D205
-    cfg = jaxkv.pattern_config(
-        "G",
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_size=8,
-        block_size=8,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-    )
-    s = jaxkv.Scheduler(jaxkv.make_plan(cfg, num_blocks=16), enable_prefix_caching=True)
+    s = _caching_scheduler()
     r = jaxkv.Request("r", prompt=[1, 2, 3, 4, 5], max_new_tokens=5)
     s.add_request(r)
     s.update(s.schedule(), [20])
