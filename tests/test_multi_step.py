@@ -289,14 +289,16 @@ def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
+@pytest.mark.parametrize("prompt_len", [5, 11])
+def test_the_last_block_of_a_request_caches_what_it_computed(pipelined, prompt_len):
     """A request that ends in a block (its ``max_new_tokens``): the blocks
     that block filled are cached, applied at once (update_decode) or
     pipelined (advance_decode holds them until resolve_decode caches them);
     the last token, never an input, is not counted.
     """  # noqa: D205
     s = _caching_scheduler()
-    r = jaxkv.Request("r", prompt=[1, 2, 3, 4, 5], max_new_tokens=5)
+    prompt = list(range(1, prompt_len + 1))
+    r = jaxkv.Request("r", prompt=prompt, max_new_tokens=5)
     s.add_request(r)
     s.update(s.schedule(), [20])
     step = s.schedule_decode(4)
@@ -309,9 +311,11 @@ def test_the_last_block_of_a_request_caches_what_it_computed(pipelined):
         assert s.resolve_decode(step, tokens) == [r]
     else:
         assert s.update_decode(step, tokens) == [r]
-    # 10 tokens, positions 0-8 computed: block 0 (0-7) is full.
-    assert r.tokens == [1, 2, 3, 4, 5, 20, 21, 22, 23, 24]
+    assert r.tokens == [*prompt, 20, 21, 22, 23, 24]
     probe = jaxkv.Request("p", prompt=[*r.tokens, 0], max_new_tokens=1)
+    # Prompt 5: 10 tokens, positions 0-8 computed, block 0 (0-7) full and
+    # filled by the decode block. Prompt 11: 16 tokens, positions 0-14
+    # computed: block 1 (8-15) holds token 15, whose K/V was never computed.
     assert s.manager.find_cache_hit(probe) == 8
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
