@@ -183,6 +183,29 @@ def test_a_bad_page_id_that_a_row_reads_is_nan_one_it_skips_is_not():
     np.testing.assert_allclose(native[2], xla[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [8, 16, 12])
+def test_nan_in_a_query_or_a_key_spreads_as_on_xla(block):
+    """A NaN query makes its own head NaN; a NaN key makes every query head
+    of its KV head NaN on the rows that see it: the NaN pattern and every
+    finite value equal XLA's, on full pages (scaled 8 scores at a time) and
+    partial ones.
+    """  # noqa: D205
+    pools, view, meta, q, tables = _decode(block=block, seq_lens=(20, 33, 5, 16))
+    q = q.at[0, 1].set(jnp.nan)  # row 0, query head 1 (KV head 0)
+    # Row 1's key 21 on KV head 1: its page and offset from the table.
+    slot = int(tables[1][21 // block]) * block + 21 % block
+    k = jnp.zeros((1, 2, 32), jnp.float32).at[0, 1, 3].set(jnp.nan)
+    pools = jaxkv.write_kv(pools, view, k, jnp.zeros_like(k), np.array([slot]))
+    native, xla = _both(pools, view, meta, q)
+    np.testing.assert_array_equal(np.isnan(native), np.isnan(xla))
+    assert np.isnan(native[0, 1]).all()
+    assert not np.isnan(native[0, [0, 2, 3, 4]]).any()
+    assert np.isnan(native[1, 4:]).all()  # KV head 1's query heads 4-7
+    assert not np.isnan(native[1, :4]).any()
+    finite = ~np.isnan(xla)
+    np.testing.assert_allclose(native[finite], xla[finite], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("storage", ["words", "typed"])
 def test_a_view_of_another_plan_is_refused_before_the_kernel_reads_a_byte(storage):
     pools, _, _, q, _ = _decode(storage=storage, seq_lens=(4, 4))

@@ -101,6 +101,21 @@ inline v8 exp8(v8 x) {
   return nan ? x : y;
 }
 
+// s[j] *= scale for j < n (a multiple of 8); returns the max of those that
+// are not NaN (-inf for none). A NaN score needs no max to reach the output:
+// its weight exp(NaN - max) is NaN, and so are the sums it enters.
+inline float ScaleAndMax8(float* s, int64_t n, float scale) {
+  v8 top = v8{} - std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; j += 8) {
+    const v8 x = load8(s + j) * scale;
+    std::memcpy(s + j, &x, sizeof x);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, top[i]);
+  return m;
+}
+
 // s[g * stride] = q_g . k for the G query heads of one KV head: one read of
 // the key serves all G, each with two independent accumulators (the sums
 // are latency-bound otherwise).
@@ -273,7 +288,13 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
     for (int64_t g = 0; g < QH; ++g) {
       float* sg = s + g * bs;
       float m = top[g];
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j0 = 0;
+      if (P.soft_cap <= 0.0f) {
+        // Eight scores at a time: scaled, stored, and folded into the max.
+        j0 = n - n % 8;
+        m = std::max(m, ScaleAndMax8(sg, j0, P.scale));
+      }
+      for (int64_t j = j0; j < n; ++j) {
         float sc = sg[j] * P.scale;
         if (P.soft_cap > 0.0f) sc = P.soft_cap * std::tanh(sc / P.soft_cap);
         sg[j] = sc;
