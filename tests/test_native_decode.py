@@ -40,9 +40,15 @@ def _decode(
     seq_lens=(1, 9, 30, 17),
     width=5,
     layout=None,
+    tensor_layout=None,
     seed=0,
 ):
-    """A decode step (one token per request, two padded tokens) over random K/V."""
+    """A decode step (one token per request, two padded tokens) over random K/V.
+
+    With `tensor_layout` (a vLLM 0.33 ``TensorLayout``), K/V live in layer 1 of
+    a two-layer tensor of that layout over a flat word pool instead of the
+    plan's pool.
+    """
     rng = np.random.default_rng(seed)
     backend = jaxkv.AttentionBackend(
         name=f"N_{layout}",
@@ -60,6 +66,23 @@ def _decode(
     plan = jaxkv.make_plan(cfg, num_blocks=num_blocks, storage=storage)
     view = plan.views["l"]
     pools = plan.allocate()
+    if tensor_layout is not None:
+        shape, strides = jaxkv.vllm.layout_strides(
+            spec, num_blocks=num_blocks, num_layers=2, layout=tensor_layout
+        )
+        size = int(np.prod(shape))  # bytes: the content axis is in bytes
+        tensor = jaxkv.vllm.LayerTensor(
+            size=size,
+            layers=("other", "l"),
+            layer_stride=strides[0],
+            block_stride=strides[1],
+        )
+        view = jaxkv.vllm.tensor_views(
+            tensor, spec, num_blocks=num_blocks, layout=tensor_layout
+        )["l"]
+        pools = jaxkv.cache.allocate_pools(
+            [jaxkv.cache.PoolSpec(size_bytes=size, word=4)]
+        )
     tables = np.zeros((num_reqs, width), np.int32)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     for r, seq_len in enumerate(seq_lens):
@@ -129,6 +152,31 @@ def test_native_decode_equals_xla_across_layouts_dtypes_and_groups(
     np.testing.assert_allclose(native, xla, rtol=tol, atol=tol)
     assert np.isfinite(native).all()
     assert not native[-2:].any()  # padded tokens: zeros
+
+
+@pytest.mark.parametrize(
+    "tensor_layout",
+    [
+        jaxkv.vllm.TensorLayout.LBNHC,  # K and V side by side per token and head
+        jaxkv.vllm.TensorLayout.LBHNC,  # per head, its tokens together
+        jaxkv.vllm.TensorLayout.LHBNC,  # heads outermost: a head's pages far apart
+        jaxkv.vllm.TensorLayout.BHLNC,  # blocks outermost, then heads, then layers
+    ],
+)
+@pytest.mark.parametrize(("heads", "q_heads"), [(2, 8), (3, 3)])
+def test_native_decode_reads_vllm_0_33_tensor_views_as_xla_does(
+    tensor_layout, heads, q_heads
+):
+    # The kernel reads a page's keys and values through the view's strides
+    # and asks for the next page's lines per head: on LHBNC and BHLNC a head's
+    # keys of one page are far from the next head's.
+    pools, view, meta, q, _ = _decode(
+        heads=heads, q_heads=q_heads, tensor_layout=tensor_layout
+    )
+    native, xla = _both(pools, view, meta, q)
+    np.testing.assert_allclose(native, xla, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(native).all()
+    assert (np.abs(native[:-2]).max(axis=(1, 2)) > 0).all()
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,42 @@ inline v8 load8(const uint16_t* p) {
 inline float sum8(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
+// The sum of the lanes in the order Sum8x8 adds them (pairs, then pairs of
+// pairs), so a key scored alone gets the bits it gets scored with another.
+inline float sum8_pairs(v8 x) {
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// Lane i of the result is sum8_pairs(x[i]): eight dot products finished with
+// seven pairwise adds of vectors instead of eight horizontal sums.
+inline v8 Sum8x8(const v8* x) {
+  typedef int32_t i8 __attribute__((vector_size(32)));
+  const i8 even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  v8 t[4], u[2];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], even) +
+           __builtin_shuffle(x[2 * i], x[2 * i + 1], odd);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], even) +
+           __builtin_shuffle(t[2 * i], t[2 * i + 1], odd);
+  }
+  const i8 lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
+}
+
+// Keeps a loaded vector in a register. Without it GCC folds the load into
+// every multiply-add that uses the value (a memory operand each), so a
+// value used G times is loaded G times and the loop waits on its loads:
+// on the 2-core Zen 4 VM the value sums alone went 1.65 -> 1.34 ms (hot
+// harness, one thread) with the values pinned.
+inline void InRegister(v8& x) {
+#if defined(__x86_64__) && defined(__AVX__)
+  __asm__("" : "+v"(x));
+#else
+  (void)x;
+#endif
+}
 
 // exp on eight lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in
 // r, times 2^n); relative error under 2e-7 on [-87, 88]. Below -87.3 it is 0
@@ -116,53 +152,144 @@ inline float ScaleAndMax8(float* s, int64_t n, float scale) {
   return m;
 }
 
-// s[g * stride] = q_g . k for the G query heads of one KV head: one read of
-// the key serves all G, each with two independent accumulators (the sums
-// are latency-bound otherwise).
-template <int G, typename E>
-inline void ScoresFixed(const float* q, const E* k, int64_t D, float* s,
-                        int64_t stride) {
-  v8 a[G], b[G];
-  for (int g = 0; g < G; ++g) a[g] = b[g] = v8{};
-  for (int64_t d = 0; d < D; d += 16) {
-    const v8 k0 = load8(k + d), k1 = load8(k + d + 8);
+// s[g * stride + i] = q_g . k_i for the G query heads of one KV head and
+// M = 1 or 2 consecutive keys (k_i at k + i * token_stride): each query load
+// serves both keys, each key load all G heads, so two keys at a time are
+// bound by the multiply-adds, not the loads (hot harness, one thread: scores
+// 0.68 -> about 0.4 ms). One accumulator per key and head, summed over D in
+// the same order for M = 1 and 2: a key's score does not depend on whether
+// it was paired.
+template <int G, int M, typename E>
+inline void ScoreKeys(const float* q, const E* k, int64_t token_stride,
+                      int64_t D, float* s, int64_t stride) {
+  v8 a[M * G];
+  for (int i = 0; i < M * G; ++i) a[i] = v8{};
+  static_assert(M == 1 || M == 2, "one or two keys");
+  for (int64_t d = 0; d < D; d += 8) {
+    v8 k0 = load8(k + d), k1 = M == 2 ? load8(k + token_stride + d) : v8{};
+    InRegister(k0);
+    if (M == 2) InRegister(k1);
     for (int g = 0; g < G; ++g) {
-      a[g] += load8(q + g * D + d) * k0;
-      b[g] += load8(q + g * D + d + 8) * k1;
+      v8 qg = load8(q + g * D + d);
+      if (M == 2) InRegister(qg);
+      a[g] += qg * k0;
+      if (M == 2) a[G + g] += qg * k1;
     }
   }
-  for (int g = 0; g < G; ++g) s[g * stride] = sum8(a[g] + b[g]);
+  if constexpr (M * G == 8) {
+    const v8 r = Sum8x8(a);
+    for (int i = 0; i < M; ++i) {
+      for (int g = 0; g < G; ++g) s[g * stride + i] = r[i * G + g];
+    }
+  } else {
+    for (int i = 0; i < M; ++i) {
+      for (int g = 0; g < G; ++g) s[g * stride + i] = sum8_pairs(a[i * G + g]);
+    }
+  }
 }
 
-// s[g * stride] = q_g . k for the G query heads of one KV head: one read of
-// the key serves all G, each with two independent accumulators held in
-// registers (G a compile-time constant for the common group sizes).
-template <typename E>
-inline void Scores(const float* q, const E* k, int64_t G, int64_t D, float* s,
-                   int64_t stride) {
-  if (D % 16 == 0) {
+// Scores of M keys against the G query heads of one KV head (see ScoreKeys);
+// G = 8 as two halves of 4 (eight accumulators each); group sizes without
+// a fixed variant, and head dims that are not a multiple of 8, one scalar
+// dot product at a time.
+template <int M, typename E>
+inline void Scores(const float* q, const E* k, int64_t token_stride, int64_t G,
+                   int64_t D, float* s, int64_t stride) {
+  if (D % 8 == 0) {
     switch (G) {
-      case 1: return ScoresFixed<1>(q, k, D, s, stride);
-      case 2: return ScoresFixed<2>(q, k, D, s, stride);
-      case 4: return ScoresFixed<4>(q, k, D, s, stride);
-      case 8: return ScoresFixed<8>(q, k, D, s, stride);
+      case 1: return ScoreKeys<1, M>(q, k, token_stride, D, s, stride);
+      case 2: return ScoreKeys<2, M>(q, k, token_stride, D, s, stride);
+      case 4: return ScoreKeys<4, M>(q, k, token_stride, D, s, stride);
+      case 8:
+        ScoreKeys<4, M>(q, k, token_stride, D, s, stride);
+        return ScoreKeys<4, M>(q + 4 * D, k, token_stride, D, s + 4 * stride,
+                               stride);
       default: break;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * load(k, d);
-    s[g * stride] = dot;
+  for (int i = 0; i < M; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += q[g * D + d] * load(k + i * token_stride, d);
+      }
+      s[g * stride + i] = dot;
+    }
   }
 }
+
+#ifdef JAXKV_NO_PREFETCH
+constexpr bool kPrefetch = false;
+#else
+constexpr bool kPrefetch = true;
+#endif
+
+// The cache lines of the next page's keys (or values) of KV heads [h0, h1),
+// asked for into L2 (prefetcht1) a few at a time, so that they arrive while
+// the current page is worked on: `Step()` asks for 1/steps of them, once per
+// key scored or value chunk summed, and `Rest()` for what is left. Into L2,
+// not L1: L2 tracks more misses in flight, and a page's 32 KiB would evict
+// the current page from a 32 KiB L1D. One range of bytes per head, merged
+// when heads' ranges touch (keys of a token side by side); a layout with
+// heads outermost is one range per head, not a sweep over every page
+// between them.
+//
+// Measured on the 2-core Zen 4 VM (C++ harness over this file, 32 x 512,
+// fp32, 2 threads, pool in L3), with the kernel's other changes of that
+// commit: one token's lines per key scored, into L1 1.44-1.49 ms; into L2
+// 1.17 ms; spread over keys and value chunks 0.99 ms (1.07 before it).
+struct Lines {
+  const char* p = nullptr;    // next line to ask for
+  const char* end = nullptr;  // end of the current head's range
+  int64_t ranges_left = 0;    // heads' ranges after the current one
+  int64_t head_bytes = 0;     // from one head's range to the next
+  int64_t span = 0;           // bytes of one head's range
+  int64_t per_step = 0;
+
+  Lines() = default;
+  Lines(const char* first, int64_t heads, int64_t head_bytes_, int64_t span_,
+        int64_t steps)
+      : head_bytes(head_bytes_), span(span_) {
+    if (heads > 1 && head_bytes <= span) {
+      span += (heads - 1) * head_bytes;
+      heads = 1;
+    }
+    const char* start = reinterpret_cast<const char*>(
+        reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
+    span += first - start;
+    p = start;
+    end = start + span;
+    ranges_left = heads - 1;
+    const int64_t lines = heads * ((span + 63) / 64);
+    per_step = (lines + steps - 1) / std::max<int64_t>(1, steps);
+  }
+  void Issue(int64_t count) {
+    while (count > 0) {
+      if (p >= end) {
+        if (ranges_left == 0) return;
+        --ranges_left;
+        p = end - span + head_bytes;
+        end = p + span;
+      }
+      const int64_t m = std::min<int64_t>(count, (end - p + 63) / 64);
+      for (int64_t i = 0; i < m; ++i) __builtin_prefetch(p + 64 * i, 0, 2);
+      p += 64 * m;
+      count -= m;
+    }
+  }
+  void Step() { Issue(per_step); }
+  void Rest() { Issue(std::numeric_limits<int64_t>::max()); }
+};
 
 // acc[g] += sum_j w[g * stride + j] * v_j for the n values of one page (v_j
 // at v + j * token_stride): blocks of 16 lanes of the G numerators stay in
 // registers while the page's values stream past.
 template <int G, typename E>
 inline void AccumulateFixed(const E* v, int64_t token_stride, const float* w,
-                            int64_t stride, int64_t n, int64_t Dv, float* acc) {
+                            int64_t stride, int64_t n, int64_t Dv, float* acc,
+                            Lines& ahead) {
   for (int64_t d = 0; d < Dv; d += 16) {
+    ahead.Step();
     v8 a[G], b[G];
     for (int g = 0; g < G; ++g) {
       a[g] = load8(acc + g * Dv + d);
@@ -170,7 +297,9 @@ inline void AccumulateFixed(const E* v, int64_t token_stride, const float* w,
     }
     for (int64_t j = 0; j < n; ++j) {
       const E* vj = v + j * token_stride + d;
-      const v8 v0 = load8(vj), v1 = load8(vj + 8);
+      v8 v0 = load8(vj), v1 = load8(vj + 8);
+      InRegister(v0);
+      InRegister(v1);
       for (int g = 0; g < G; ++g) {
         const float wg = w[g * stride + j];
         a[g] += wg * v0;
@@ -190,47 +319,31 @@ inline void AccumulateFixed(const E* v, int64_t token_stride, const float* w,
 template <typename E>
 inline void AccumulateValues(const E* v, int64_t token_stride, const float* w,
                              int64_t stride, int64_t n, int64_t G, int64_t Dv,
-                             float* acc) {
+                             float* acc, Lines& ahead) {
   if (Dv % 16 == 0) {
     switch (G) {
-      case 1: return AccumulateFixed<1>(v, token_stride, w, stride, n, Dv, acc);
-      case 2: return AccumulateFixed<2>(v, token_stride, w, stride, n, Dv, acc);
-      case 4: return AccumulateFixed<4>(v, token_stride, w, stride, n, Dv, acc);
-      case 8: return AccumulateFixed<8>(v, token_stride, w, stride, n, Dv, acc);
+      case 1:
+        return AccumulateFixed<1>(v, token_stride, w, stride, n, Dv, acc,
+                                    ahead);
+      case 2:
+        return AccumulateFixed<2>(v, token_stride, w, stride, n, Dv, acc,
+                                    ahead);
+      case 4:
+        return AccumulateFixed<4>(v, token_stride, w, stride, n, Dv, acc,
+                                    ahead);
+      case 8:
+        return AccumulateFixed<8>(v, token_stride, w, stride, n, Dv, acc,
+                                    ahead);
       default: break;
     }
   }
+  ahead.Rest();
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < Dv; ++d) {
         acc[g * Dv + d] += w[g * stride + j] * load(v + j * token_stride, d);
       }
     }
-  }
-}
-
-#ifdef JAXKV_NO_PREFETCH
-constexpr bool kPrefetch = false;
-#else
-constexpr bool kPrefetch = true;
-#endif
-
-// Asks for token j's K and V lines (every head) of a page ahead of use; with
-// one token's worth per key of the current page, the whole next page is on
-// its way by the time it is read, without flooding the miss queue at once.
-// Into L2 (prefetcht1), not L1: L2 tracks more misses in flight, and the
-// page's 32 KiB would evict the current page's lines from a 32 KiB L1D.
-// Measured on a 2-core Zen 4 VM (C++ harness, 32 x 512, 2 threads): pool in
-// L3 1.44-1.49 -> 1.17 ms, flushed 1.86-2.12 -> 1.31-1.45 ms, cached
-// pages unchanged (0.88 ms).
-template <typename E>
-inline void PrefetchToken(const E* page, int64_t j, const Params& P) {
-  const int64_t line = 64 / sizeof(E);
-  const int64_t extent = P.kv_heads * P.head_stride;  // one token's heads
-  const E* k = page + j * P.token_stride;
-  for (int64_t i = 0; i < extent; i += line) {
-    __builtin_prefetch(k + i, 0, 2);
-    __builtin_prefetch(k + P.v_offset + i, 0, 2);
   }
 }
 
@@ -275,21 +388,43 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
     const int64_t j1 = std::min<int64_t>(hi, (c + 1) * bs);
     const int64_t n = j1 - j0;
     const E* page = base + id * P.block_stride + (j0 - c * bs) * P.token_stride;
-    // Pages are scattered over the pool: ask for the next one's lines now,
-    // so they arrive while this one is computed on.
-    const E* ahead = nullptr;
+    // Pages are scattered over the pool: ask for the next one's lines while
+    // this one is worked on.
+    Lines keys, values;
     if (kPrefetch && (c + 1) * bs < hi && c + 1 < P.cols) {
       const int64_t next = row_table[c + 1];
-      if (next >= 0 && next < P.num_blocks) ahead = base + next * P.block_stride;
+      if (next >= 0 && next < P.num_blocks) {
+        const int64_t es = sizeof(E);
+        const char* k = reinterpret_cast<const char*>(
+            base + next * P.block_stride + h0 * P.head_stride);
+        const int64_t heads = h1 - h0, hb = P.head_stride * es;
+        keys = Lines(k, heads, hb, ((bs - 1) * P.token_stride + D) * es, bs);
+        values = Lines(k + P.v_offset * es, heads, hb,
+                       ((bs - 1) * P.token_stride + Dv) * es,
+                       heads * std::max<int64_t>(1, Dv / 16));
+      }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      if (ahead != nullptr) PrefetchToken(ahead, j, P);
+    // Two keys at a time (each query load serves both), then the odd one.
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      keys.Step();
+      keys.Step();
       const E* key = page + j * P.token_stride;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t g0 = (h - h0) * G;
-        Scores(q + g0 * D, key + h * P.head_stride, G, D, s + g0 * bs + j, bs);
+        Scores<2>(q + g0 * D, key + h * P.head_stride, P.token_stride, G, D,
+                  s + g0 * bs + j, bs);
       }
     }
+    if (j < n) {
+      const E* key = page + j * P.token_stride;
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t g0 = (h - h0) * G;
+        Scores<1>(q + g0 * D, key + h * P.head_stride, P.token_stride, G, D,
+                  s + g0 * bs + j, bs);
+      }
+    }
+    keys.Rest();
     for (int64_t g = 0; g < QH; ++g) {
       float* sg = s + g * bs;
       float m = top[g];
@@ -330,8 +465,9 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
       const E* value = page + P.v_offset + h * P.head_stride;
       const int64_t g0 = (h - h0) * G;
       AccumulateValues(value, P.token_stride, s + g0 * bs, bs, n, G, Dv,
-                       acc + g0 * Dv);
+                       acc + g0 * Dv, values);
     }
+    values.Rest();
   }
   for (int64_t g = 0; g < QH; ++g) {
     const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 1.0f;
