@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 import jaxkv
 
@@ -24,9 +25,14 @@ def paged_layers(
     num_blocks: int,
     count: int = 1,
     storage: str = "words",
+    tensor_layout: str | None = None,
 ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
     """`count` full-attention JAX_PAGED layers, one pool of `num_blocks` each
     (`storage`: ``"words"``, ``"typed"`` or ``"stacked"``, as in ``make_plan``).
+
+    With `tensor_layout` (a vLLM 0.33 ``TensorLayout`` name, e.g. ``"LHBNC"``)
+    the layers are one tensor of that layout in a flat word pool instead,
+    their views where vLLM 0.33 puts them (``jaxkv.vllm.tensor_views``).
 
     Returns:
       ``(kv_cache_config, attention groups, pools, views in layer order)``.
@@ -42,6 +48,24 @@ def paged_layers(
     kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups, storage=storage)
+    if tensor_layout is not None:
+        layout = jaxkv.vllm.TensorLayout[tensor_layout]
+        shape, strides = jaxkv.vllm.layout_strides(
+            spec, num_blocks=num_blocks, num_layers=count, layout=layout
+        )
+        size = int(np.prod(shape))  # bytes: the content axis is in bytes
+        tensor = jaxkv.vllm.LayerTensor(
+            size=size,
+            layers=tuple(names),
+            layer_stride=strides[0],
+            block_stride=strides[1],
+        )
+        views = jaxkv.vllm.tensor_views(
+            tensor, spec, num_blocks=num_blocks, layout=layout
+        )
+        pools = jaxkv.cache.allocate_pools(
+            [jaxkv.cache.PoolSpec(size_bytes=size, word=4)]
+        )
     return kv, groups, pools, tuple(views[n] for n in names)
 
 

@@ -63,6 +63,7 @@ class Batch:
         ctx_lens: list[int],
         seed: int = 0,
         storage: str = "words",
+        tensor_layout: str | None = None,
     ):
         rng = np.random.default_rng(seed)
         dtype = np.dtype(jnp.dtype(args.dtype))
@@ -70,7 +71,13 @@ class Batch:
         width = max(-(-c // page) for c in ctx_lens)
         num_blocks = len(ctx_lens) * width + 1
         kv, groups, self.pools, views = paged_layers(
-            args.dtype, page, hk, d, num_blocks, storage=storage
+            args.dtype,
+            page,
+            hk,
+            d,
+            num_blocks,
+            storage=storage,
+            tensor_layout=tensor_layout,
         )
         self.view = views[0]
         perm = 1 + rng.permutation(num_blocks - 1)
@@ -263,6 +270,21 @@ def run(args: Any) -> dict[str, Any]:
         *typed.jaxkv_args(),
         iters=args.iters,
     )
+    # The same step on vLLM 0.33's LHBNC tensor view (heads outermost: a
+    # head's keys of one page are a whole layer's head apart from the next
+    # head's), which the kernel must read as fast as a block-outermost page.
+    lhbnc = Batch(
+        args,
+        [1] * args.num_reqs,
+        [args.context] * args.num_reqs,
+        tensor_layout="LHBNC",
+    )
+    _, t_lhbnc, lhbnc_state = measure_donated(
+        lhbnc.jaxkv_fn(scale, args.pages_per_chunk),
+        lhbnc.jaxkv_state(),
+        *lhbnc.jaxkv_args(),
+        iters=args.iters,
+    )
     # The same word-pool step on XLA's own path (dot products over gathered
     # pages), which "auto" leaves for the native kernel on one CPU device.
     _, t_xla, _ = measure_donated(
@@ -292,6 +314,11 @@ def run(args: Any) -> dict[str, Any]:
             "vs jaxkv": t_typed / t_jaxkv,
         },
         {
+            "impl": "jaxkv, word pool of a vLLM 0.33 LHBNC tensor",
+            "ms": t_lhbnc * 1e3,
+            "vs jaxkv": t_lhbnc / t_jaxkv,
+        },
+        {
             "impl": "jaxkv, word pool, XLA's path (contraction='dot')",
             "ms": t_xla * 1e3,
             "vs jaxkv": t_xla / t_jaxkv,
@@ -303,6 +330,11 @@ def run(args: Any) -> dict[str, Any]:
         "copy_ms": t_copy * 1e3,
         "jaxkv_over_copy": t_jaxkv / t_copy,
         "typed_over_copy": t_typed / t_copy,
+        "lhbnc_ms": t_lhbnc * 1e3,
+        "lhbnc_over_words": t_lhbnc / t_jaxkv,
+        "lhbnc_equals_words": bool(
+            np.array_equal(np.asarray(state[1]), np.asarray(lhbnc_state[1]))
+        ),
         "xla_path_ms": t_xla * 1e3,
         "xla_path_over_copy": t_xla / t_copy,
         "decode_path": path,
@@ -342,6 +374,11 @@ def run(args: Any) -> dict[str, Any]:
         f"\njaxkv / copy of KV bytes: word pool {t_jaxkv / t_copy:.2f}x, typed pool "
         f"{t_typed / t_copy:.2f}x  (target <= {target}x); typed outputs equal word "
         f"outputs: {results['typed_equals_words']}"
+    )
+    print(
+        f"vLLM 0.33 LHBNC tensor view / block-outermost word pool: "
+        f"{t_lhbnc / t_jaxkv:.2f}x (target <= 1.5x); outputs equal: "
+        f"{results['lhbnc_equals_words']}"
     )
     if isinstance(peer, str):
         print(f"skipped: {peer}")

@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{_fmt(r_att['jaxkv_over_copy'])} / {_fmt(r_att['typed_over_copy'])}",
         ),
         (
+            "Decode on a vLLM 0.33 LHBNC tensor / block-outermost pool (guard)",
+            "<= 1.5x",
+            f"{_fmt(r_att['lhbnc_over_words'])}; equal {r_att['lhbnc_equals_words']}",
+        ),
+        (
             "Mixed batch: jaxkv / ejkernel XLA fallback (ms)",
             "<= 1x",
             f"{_fmt(r_att.get('mixed_jaxkv_ms', 0.0))} / "

@@ -98,6 +98,8 @@ def _scaling(r):
 
 def _attention(r):
     assert r["typed_equals_words"]
+    assert r["lhbnc_equals_words"]
+    assert _positive(r["lhbnc_ms"])
     assert _positive(r["copy_ms"], r["jaxkv_ms"])
     assert r["jaxkv_over_copy"] == pytest.approx(r["jaxkv_ms"] / r["copy_ms"])
     if "decode_max_abs_diff" in r:  # ejkernel ran (head_dim 16 it refuses)
