@@ -376,3 +376,60 @@ def test_random_arrivals_stops_and_preemption_pipelined_equal_one_step_at_a_time
 
     base = serve(1, False, staggered=False)
     assert serve(3, True, staggered=True) == base
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_overlap_may_change_between_any_two_steps(model, decode_steps):
+    # A step or block in flight when `overlap` changes is finished under the
+    # mode it was dispatched in: the same tokens and logits as either mode.
+    base, base_logits, _, _ = _serve(model, decode_steps=1, overlap=False)
+    plan, forward, params = model
+    loop = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        record_logits=True,
+        decode_steps=decode_steps,
+    )
+    loop.warm_up()
+    flips_seen_in_flight = 0
+    for first, second in [(1, 3), (2, 4), (3, 7), (5, 6)]:
+        loop.reset()
+        loop.overlap = True
+        outs = []
+        for seed in (3, 4):
+            reqs = _requests(shared=16, seed=seed, new=11)
+            for r in reqs:
+                loop.submit(r)
+            n = 0
+            while loop.has_unfinished:
+                if n in (first, second):
+                    flips_seen_in_flight += bool(loop._pipeline)
+                    loop.overlap = not loop.overlap
+                loop.step()
+                n += 1
+            outs += [list(r.output) for r in reqs]
+        assert outs == base
+        for k, v in loop.logits.items():
+            np.testing.assert_allclose(np.stack(v), base_logits[k], atol=1e-5)
+        m = loop.scheduler.manager
+        assert m.num_free_blocks == m.num_usable_blocks
+    assert flips_seen_in_flight > 0
+
+
+def test_overlap_cannot_change_from_on_token_inside_run(model):
+    plan, forward, params = model
+    loop = jaxkv.ServingLoop(plan, forward, params, vocab_size=VOCAB)
+    base = [list(r.output) for r in loop.run(_requests(seed=3))]
+
+    def flip(req, token):
+        loop.overlap = False
+
+    loop.reset()
+    reqs = _requests(seed=3)
+    with pytest.raises(RuntimeError, match="cannot change inside run"):
+        loop.run(reqs, on_token=flip)
+    assert loop.overlap
+    loop.run()  # resumes the step in flight and serves the rest
+    assert [list(r.output) for r in reqs] == base

@@ -170,7 +170,7 @@ class ServingLoop(RequestMoves):
         self.num_ranks = 1 if self.sharded is None else self.sharded.data_parallel
         self.forward = forward
         self.record_logits = bool(record_logits)
-        self.overlap = bool(overlap)
+        self._overlap = bool(overlap)
         self.per_request_sampling = bool(per_request_sampling)
         # Per request id, its own SamplingParams (per_request_sampling).
         self._request_sampling: dict[str, SamplingParams] = {}
@@ -273,6 +273,60 @@ class ServingLoop(RequestMoves):
             is_leaf=lambda x: isinstance(x, P),
         )
         return jax.device_put(params, shardings), self.sharded.allocate(), specs
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the next step is scheduled while one runs (see the class).
+
+        May be changed between any two calls (not from ``on_token`` inside
+        ``run()``: RuntimeError): what is in flight is finished first under
+        the mode it was dispatched in (:meth:`resume`: its tokens are
+        applied, and requests it finishes are finished), so outputs stay
+        those of either mode throughout. If that raises, the mode is
+        unchanged and ``run()`` or ``resume()`` picks up as after any fault.
+
+        Example (the class's toy model; a step in flight when it changes):
+          >>> import jax.numpy as jnp
+          >>> import jaxkv
+          >>> cfg = jaxkv.pattern_config("G", num_layers=1, num_heads=1,
+          ...     num_kv_heads=1, head_size=8, max_model_len=64, max_num_seqs=2,
+          ...     max_num_batched_tokens=16, token_buckets=(4, 16))
+          >>> plan = jaxkv.make_plan(cfg, num_blocks=8)
+          >>> layer = plan.attention_layer("layers.0.self_attn")
+          >>> def forward(params, pools, meta, tokens, sample):
+          ...     x = params[tokens]
+          ...     m = meta[layer.name]
+          ...     pools = jaxkv.write_kv(pools, layer.view, x[:, None], x[:, None],
+          ...                            m.slot_mapping)
+          ...     out = jaxkv.paged_attention(x[:, None], pools, layer, m, scale=1.0)
+          ...     return pools, out[sample, 0] @ params.T
+          >>> loop = jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8)
+          >>> r = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=3)
+          >>> loop.submit(r)
+          True
+          >>> _ = loop.step()                   # dispatched, not read yet
+          >>> loop.overlap = False              # it is read first
+          >>> r.output
+          [3]
+          >>> _ = loop.run()
+          >>> r.output
+          [3, 3, 3]
+        """
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._overlap:
+            return
+        if self._on_token is not None:
+            raise RuntimeError(
+                "ServingLoop.overlap: cannot change inside run() (from on_token, "
+                "while a step's tokens are being applied); change it between "
+                "step() calls or runs."
+            )
+        self.resume()
+        self._overlap = value
 
     @property
     def host(self) -> HostKVCache | None:

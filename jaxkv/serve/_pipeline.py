@@ -47,7 +47,7 @@ class StepPipeline:
     plan: KVCachePlan
     sharded: ShardedPlan | None
     num_ranks: int
-    overlap: bool
+    _overlap: bool
     record_logits: bool
     schedulers: list[Scheduler]
     pools: Pools
@@ -142,7 +142,7 @@ class StepPipeline:
             step = sched.schedule_decode(self.decode_steps)
         if step is None:
             return False, done
-        if not self.overlap:
+        if not self._overlap:
             return True, done + self._run_decode(step)
         self._dispatch_ahead([step])
         while len(self._pipeline) > 1:
@@ -348,7 +348,7 @@ class StepPipeline:
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
         """  # noqa: D205
-        if not self.overlap:
+        if not self._overlap:
             decoding = self._inflight is not None and self._inflight[0].num_steps > 1
             if self._inflight is None:
                 return None
