@@ -19,20 +19,19 @@ def model():
     return plan, forward, _params(len(windows))
 
 
-def _serve(model, *, decode_steps, overlap, stops=(), **loop_args):
+def _loop(model, **loop_args):
+    """A warmed-up loop over the module's model, recording logits."""
     plan, forward, params = model
-    num_blocks = loop_args.pop("num_blocks", None)
     loop = jaxkv.ServingLoop(
-        plan,
-        forward,
-        params,
-        vocab_size=VOCAB,
-        record_logits=True,
-        overlap=overlap,
-        decode_steps=decode_steps,
-        **loop_args,
+        plan, forward, params, vocab_size=VOCAB, record_logits=True, **loop_args
     )
     loop.warm_up()
+    return loop
+
+
+def _serve(model, *, decode_steps, overlap, stops=(), **loop_args):
+    num_blocks = loop_args.pop("num_blocks", None)
+    loop = _loop(model, overlap=overlap, decode_steps=decode_steps, **loop_args)
     if num_blocks is not None:  # a smaller pool: preemption
         loop.reset(
             num_blocks=num_blocks,
@@ -383,16 +382,7 @@ def test_overlap_may_change_between_any_two_steps(model, decode_steps):
     # A step or block in flight when `overlap` changes is finished under the
     # mode it was dispatched in: the same tokens and logits as either mode.
     base, base_logits, _, _ = _serve(model, decode_steps=1, overlap=False)
-    plan, forward, params = model
-    loop = jaxkv.ServingLoop(
-        plan,
-        forward,
-        params,
-        vocab_size=VOCAB,
-        record_logits=True,
-        decode_steps=decode_steps,
-    )
-    loop.warm_up()
+    loop = _loop(model, decode_steps=decode_steps)
     flips_seen_in_flight = 0
     for first, second in [(1, 3), (2, 4), (3, 7), (5, 6)]:
         loop.reset()

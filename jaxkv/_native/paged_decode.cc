@@ -24,6 +24,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -320,20 +321,16 @@ template <typename E>
 inline void AccumulateValues(const E* v, int64_t token_stride, const float* w,
                              int64_t stride, int64_t n, int64_t G, int64_t Dv,
                              float* acc, Lines& ahead) {
+  const auto fixed = [&](auto g) {
+    AccumulateFixed<decltype(g)::value>(v, token_stride, w, stride, n, Dv, acc,
+                                        ahead);
+  };
   if (Dv % 16 == 0) {
     switch (G) {
-      case 1:
-        return AccumulateFixed<1>(v, token_stride, w, stride, n, Dv, acc,
-                                    ahead);
-      case 2:
-        return AccumulateFixed<2>(v, token_stride, w, stride, n, Dv, acc,
-                                    ahead);
-      case 4:
-        return AccumulateFixed<4>(v, token_stride, w, stride, n, Dv, acc,
-                                    ahead);
-      case 8:
-        return AccumulateFixed<8>(v, token_stride, w, stride, n, Dv, acc,
-                                    ahead);
+      case 1: return fixed(std::integral_constant<int, 1>{});
+      case 2: return fixed(std::integral_constant<int, 2>{});
+      case 4: return fixed(std::integral_constant<int, 4>{});
+      case 8: return fixed(std::integral_constant<int, 8>{});
       default: break;
     }
   }
