@@ -60,12 +60,10 @@ def paged_layers(
             layer_stride=strides[0],
             block_stride=strides[1],
         )
-        views = jaxkv.vllm.tensor_views(
-            tensor, spec, num_blocks=num_blocks, layout=layout
+        pool_specs, views = jaxkv.vllm.allocate_layer_tensors(
+            [tensor], dict.fromkeys(names, spec), num_blocks=num_blocks, layout=layout
         )
-        pools = jaxkv.cache.allocate_pools(
-            [jaxkv.cache.PoolSpec(size_bytes=size, word=4)]
-        )
+        pools = jaxkv.cache.allocate_pools(pool_specs)
     return kv, groups, pools, tuple(views[n] for n in names)
 
 

@@ -77,12 +77,13 @@ def _decode(
             layer_stride=strides[0],
             block_stride=strides[1],
         )
-        view = jaxkv.vllm.tensor_views(
-            tensor, spec, num_blocks=num_blocks, layout=tensor_layout
-        )["l"]
-        pools = jaxkv.cache.allocate_pools(
-            [jaxkv.cache.PoolSpec(size_bytes=size, word=4)]
+        pool_specs, views = jaxkv.vllm.allocate_layer_tensors(
+            [tensor],
+            dict.fromkeys(tensor.layers, spec),
+            num_blocks=num_blocks,
+            layout=tensor_layout,
         )
+        view, pools = views["l"], jaxkv.cache.allocate_pools(pool_specs)
     tables = np.zeros((num_reqs, width), np.int32)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     for r, seq_len in enumerate(seq_lens):
