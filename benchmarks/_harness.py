@@ -206,9 +206,22 @@ def gqa_params(layers: int, heads: int, kv_heads: int, head: int) -> dict[str, A
     }
 
 
-def gqa_forward(layers: Any, scale: float) -> Callable[..., Any]:
+def default_implementation() -> str | None:
+    """The kernels the benchmarks run: jaxkv's C++ kernels on CPU (opt-in,
+    named), the platform's choice (``None``: Pallas) on accelerators.
+    """  # noqa: D205
+    import jax
+
+    return "native" if jax.default_backend() == "cpu" else None
+
+
+def gqa_forward(
+    layers: Any, scale: float, implementation: str | None = None
+) -> Callable[..., Any]:
     """The GQA decoder's step through jaxkv (a ``ServingLoop`` forward) over
-    `layers` (``plan.attention_layer(name)`` each).
+    `layers` (``plan.attention_layer(name)`` each), its writes and attention
+    on `implementation` (``"native"``: the C++ decode kernel for rows of one
+    token, XLA's path for prefill chunks, which it does not take).
     """  # noqa: D205
     import jax.numpy as jnp
 
@@ -217,8 +230,14 @@ def gqa_forward(layers: Any, scale: float) -> Callable[..., Any]:
         for layer, w in zip(layers, params["layers"], strict=True):
             q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in ("wq", "wk", "wv"))
             m = meta[layer.name]
-            pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
-            out = jaxkv.paged_attention(q, pools, layer, m, scale=scale)
+            pools = jaxkv.write_kv(
+                pools, layer.view, k, v, m.slot_mapping, implementation=implementation
+            )
+            decode = q.shape[0] <= m.max_reqs  # rows of one token
+            attend = "xla" if implementation == "native" and not decode else implementation
+            out = jaxkv.paged_attention(
+                q, pools, layer, m, scale=scale, implementation=attend
+            )
             x = x + out.reshape(x.shape[0], -1) @ w["wo"]
         return pools, x[sample] @ params["unembed"]
 

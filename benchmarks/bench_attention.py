@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     add_attention_shape_args,
+    default_implementation,
     measure_donated,
     paged_layers,
     parser,
@@ -145,16 +146,24 @@ class Batch:
         pages_per_chunk: int = 4,
         query_tile: int = 1,
         contraction: str = "auto",
+        implementation: str | None = "default",
     ) -> Any:
         """``state = (pools, out) -> (pools', out')``: write the new K/V, attend.
 
         The pools are donated, as in a step loop: no copy of the cache.
         """
         view = self.view
+        if implementation == "default":
+            implementation = default_implementation()
+        # The C++ decode kernel takes rows of one token; a mixed batch's
+        # prefill rows go to XLA's path.
+        attend = "xla" if implementation == "native" and query_tile > 1 else implementation
 
         def step(state: Any, q: Any, meta: Any, new_k: Any, new_v: Any, slots: Any):
             pools, _ = state
-            pools = jaxkv.write_kv(pools, view, new_k, new_v, slots)
+            pools = jaxkv.write_kv(
+                pools, view, new_k, new_v, slots, implementation=implementation
+            )
             out = jaxkv.paged_attention(
                 q,
                 pools,
@@ -164,6 +173,7 @@ class Batch:
                 pages_per_chunk=pages_per_chunk,
                 query_tile=query_tile,
                 contraction=contraction,
+                implementation=attend,
             )
             return pools, out
 
@@ -286,16 +296,18 @@ def run(args: Any) -> dict[str, Any]:
         iters=args.iters,
     )
     # The same word-pool step on XLA's own path (dot products over gathered
-    # pages), which "auto" leaves for the native kernel on one CPU device.
+    # pages): implementation="xla".
     _, t_xla, _ = measure_donated(
-        decode.jaxkv_fn(scale, args.pages_per_chunk, contraction="dot"),
+        decode.jaxkv_fn(
+            scale, args.pages_per_chunk, contraction="dot", implementation="xla"
+        ),
         decode.jaxkv_state(),
         *decode.jaxkv_args(),
         iters=args.iters,
     )
-    # Which path "auto" took: the native kernel is a custom call in the HLO.
-    hlo = fn.lower(decode.jaxkv_state(), *decode.jaxkv_args()).as_text()
-    path = "native kernel" if "jaxkv_paged_decode" in hlo else "XLA"
+    # Which kernels the word and typed pools' steps ran, read off their HLO.
+    path = _kernels(fn, decode)
+    typed_path = _kernels(typed.jaxkv_fn(scale, args.pages_per_chunk), typed)
     t_copy = _copy_time(decode.kv_bytes, args.iters)
     rows = [
         {
@@ -338,6 +350,7 @@ def run(args: Any) -> dict[str, Any]:
         "xla_path_ms": t_xla * 1e3,
         "xla_path_over_copy": t_xla / t_copy,
         "decode_path": path,
+        "typed_decode_path": typed_path,
         "typed_equals_words": bool(
             np.array_equal(np.asarray(state[1]), np.asarray(typed_state[1]))
         ),
@@ -366,7 +379,8 @@ def run(args: Any) -> dict[str, Any]:
     print_table(
         f"Paged decode attention: {args.num_reqs} x {args.context} context, "
         f"{args.num_heads}/{args.num_kv_heads} heads, head {args.head_dim}, page "
-        f"{args.page}, {args.dtype}; paged_attention's decode path here: {path}",
+        f"{args.page}, {args.dtype}; kernels: word pool {path}, typed pool "
+        f"{typed_path}",
         rows,
     )
     target = 3 if jnp.dtype(args.dtype) == jnp.float32 else 5
@@ -419,6 +433,16 @@ def run(args: Any) -> dict[str, Any]:
         )
     print(line)
     return results
+
+
+def _kernels(fn: Any, batch: Batch) -> str:
+    """Which kernels a step ran, read off its lowered HLO."""
+    hlo = fn.lower(batch.jaxkv_state(), *batch.jaxkv_args()).as_text()
+    if "jaxkv_paged_decode" in hlo:
+        return "native"
+    if "triton" in hlo or "tpu_custom_call" in hlo:
+        return "pallas"
+    return "xla"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
+    default_implementation,
     measure_donated,
     measure_host,
     measure_pipelined,
@@ -39,6 +40,10 @@ from _harness import (  # noqa: E402
 )
 
 import jaxkv  # noqa: E402
+
+# jaxkv's C++ write on CPU (opt-in, named), the platform's choice elsewhere.
+IMPLEMENTATION = default_implementation()
+write_kv = functools.partial(jaxkv.write_kv, implementation=IMPLEMENTATION)
 from jaxkv.cache._ops import _plan  # noqa: E402
 from jaxkv.cache._strided import _starts, to_bits, to_words  # noqa: E402
 
@@ -79,7 +84,9 @@ def _layer(
 def _write_step(pools, views, keys, values, slots):
     """One step's writes: every layer's K/V in one program, as a model step does."""
     for i, view in enumerate(views):
-        pools = jaxkv.write_kv(pools, view, keys[i], values[i], slots)
+        pools = jaxkv.write_kv(
+            pools, view, keys[i], values[i], slots, implementation=IMPLEMENTATION
+        )
     return pools
 
 
@@ -170,9 +177,11 @@ def run(args) -> dict:
         value = jnp.asarray(rng.standard_normal((n, h, d)), dt)
         slots_j = jnp.asarray(slots)
         compile_s, t_jax, pools = measure_donated(
-            jaxkv.write_kv, pools, view, key, value, slots_j, iters=args.iters
+            write_kv, pools, view, key, value, slots_j, iters=args.iters
         )
-        compiled = jaxkv.write_kv.lower(pools, view, key, value, slots_j).compile()
+        compiled = jaxkv.write_kv.lower(
+            pools, view, key, value, slots_j, implementation=IMPLEMENTATION
+        ).compile()
         t_pipe, pools = measure_pipelined(
             compiled, pools, view, key, value, slots_j, calls=args.calls
         )
@@ -190,7 +199,7 @@ def run(args) -> dict:
             dtype, b, h, d, args.pool_mib, storage="typed"
         )
         _, t_typed, typed_pools = measure_donated(
-            jaxkv.write_kv,
+            write_kv,
             typed_pools,
             typed_view,
             key,

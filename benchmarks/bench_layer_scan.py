@@ -25,9 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import parser, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    default_implementation,
+    parser,
+    print_table,
+    write_json,
+)
 
 import jaxkv  # noqa: E402
+
+IMPLEMENTATION = default_implementation()
 
 
 def _model(num_layers: int, hidden: int, vocab: int, seed: int = 0) -> dict:
@@ -47,8 +54,17 @@ def _step_fn(plan: Any, builder: Any, num_layers: int, scan: bool) -> Any:
 
     def layer_step(x, pools, w, layer, slot, meta):
         q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in "qkv")
-        pools = jaxkv.write_kv(pools, layer.view, k, v, meta.slot_mapping, layer=slot)
-        out = jaxkv.paged_attention(q, pools, layer, meta, scale=0.125, layer=slot)
+        pools = jaxkv.write_kv(
+            pools, layer.view, k, v, meta.slot_mapping, layer=slot,
+            implementation=IMPLEMENTATION,
+        )
+        out = jaxkv.paged_attention(
+            q, pools, layer, meta, scale=0.125, layer=slot,
+            # The C++ decode kernel takes rows of one token only.
+            implementation="xla"
+            if IMPLEMENTATION == "native" and q.shape[0] > meta.max_reqs
+            else IMPLEMENTATION,
+        )
         return x + out.reshape(x.shape), pools
 
     @functools.partial(jax.jit, donate_argnums=0)

@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     GQA_VOCAB,
+    default_implementation,
     gqa_forward,
     gqa_params,
     parser,
@@ -126,7 +127,7 @@ def run(args: Any) -> dict[str, Any]:
     params = gqa_params(args.layers, heads, kv_heads, head)
     scale = head**-0.5
 
-    forward = gqa_forward(layers, scale)
+    forward = gqa_forward(layers, scale, default_implementation())
 
     loop = jaxkv.ServingLoop(plan, forward, params)
     warm_s = loop.warm_up()

@@ -22,8 +22,8 @@ import importlib
 import importlib.metadata
 
 from jaxkv import vllm as vllm  # the vLLM-named API, as jaxkv.vllm
-from jaxkv._attention import paged_attention
-from jaxkv._attention_rows import request_token_rows, token_requests_and_positions
+from jaxkv.attention import paged_attention
+from jaxkv.attention import request_token_rows, token_requests_and_positions
 from jaxkv._backend_registry import get_backend, register_backend, registered_backends
 from jaxkv._backends import AttentionBackend, KVCacheLayout
 from jaxkv._config import LayerConfig, RunnerConfig
@@ -154,6 +154,7 @@ __all__ = [
 ]
 
 _PUBLIC_MODULES = (
+    "attention",
     "cache",
     "groups",
     "pictures",
@@ -167,6 +168,7 @@ _PUBLIC_MODULES = (
 # seeds' API, where a vLLM port's user looks), then each layer's sub-package.
 _ELSEWHERE = (
     "jaxkv.vllm",
+    "jaxkv.attention",
     "jaxkv.cache",
     "jaxkv.groups",
     "jaxkv.sched",

@@ -11,8 +11,8 @@ from jaxtyping import install_import_hook
 # call (at trace time under jit) for the whole suite. Installed before any
 # test imports jaxkv.
 _TYPECHECKED = (
-    "jaxkv._attention",
-    "jaxkv._attention_rows",
+    "jaxkv.attention._paged",
+    "jaxkv.attention._rows",
     "jaxkv.cache._ops",
     "jaxkv.serve._sampling",
     "jaxkv.step._common_metadata",

@@ -93,6 +93,7 @@ def test_the_plan_first_namespace_is_curated():
     assert not set(SEED_NAMES) & set(jaxkv.__all__)
     assert not [n for n in jaxkv.__all__ if n.startswith("_")]
     modules = {
+        "attention",
         "cache",
         "groups",
         "pictures",
@@ -111,7 +112,16 @@ def test_every_sub_package_name_has_a_docstring():
     import importlib
 
     missing = []
-    for mod in ("vllm", "cache", "groups", "sched", "step", "serve", "transfer"):
+    for mod in (
+        "vllm",
+        "attention",
+        "cache",
+        "groups",
+        "sched",
+        "step",
+        "serve",
+        "transfer",
+    ):
         module = importlib.import_module(f"jaxkv.{mod}")
         assert list(module.__all__) == sorted(module.__all__), mod
         for name in module.__all__:

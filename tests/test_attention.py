@@ -98,9 +98,7 @@ def batches(draw):
     chunk = draw(st.sampled_from([1, 3, 4, 64]))
     tile = draw(st.sampled_from([1, 2, 4]))
     q_heads = draw(st.sampled_from([2, 4, 6]))
-    contraction = draw(st.sampled_from(["dot", "reduce", "auto", "native"]))
-    if contraction == "native" and (tile != 1 or "mm" in mask):
-        contraction = "auto"  # the kernel takes rows of one token, no PrefixLM
+    contraction = draw(st.sampled_from(["dot", "reduce", "auto"]))
     head = draw(st.sampled_from([4, 16]))  # 16: the kernel's vector loops
     return (
         reqs,
@@ -266,7 +264,7 @@ def test_the_layer_s_own_cap_and_local_chunk_reach_the_kernel():
 
 
 def test_contraction_is_checked_and_auto_follows_the_platform_and_tile():
-    from jaxkv._attention import resolve_contraction
+    from jaxkv.attention import resolve_contraction
 
     cpu = jax.default_backend() == "cpu"
     assert resolve_contraction("auto", 16) == ("reduce" if cpu else "dot")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-import jaxkv._attention
+import jaxkv.attention._xla
 from tests.test_attention import _reference
 
 FUSED = jaxkv.AttentionBackend(
@@ -189,13 +189,13 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
         plan.kv_cache_config,
     )[name]
     read: list[np.ndarray] = []
-    real_gather = jaxkv._attention.gather_kv_pages
+    real_gather = jaxkv.attention._xla.gather_kv_pages
 
     def counting_gather(pools, view, block_table, **kwargs):
         read.append(np.asarray(block_table))
         return real_gather(pools, view, block_table, **kwargs)
 
-    monkeypatch.setattr(jaxkv._attention, "gather_kv_pages", counting_gather)
+    monkeypatch.setattr(jaxkv.attention._xla, "gather_kv_pages", counting_gather)
     q = jnp.ones((1, 4, 8), jnp.float32)
     with jax.disable_jit():  # the loop runs in Python, one gather per chunk
         jaxkv.paged_attention(
@@ -206,7 +206,7 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
             scale=1.0,
             sliding_window=64,
             pages_per_chunk=1,
-            contraction="dot",  # XLA's chunk loop (the native kernel reads [lo, hi))
+            implementation="xla",  # XLA's chunk loop
         )
     pages = sorted({int(p) for chunk in read for p in chunk.ravel()})
     # Keys 936..999 are visible: pages 58..62 hold them (ids 59..63).
@@ -214,6 +214,6 @@ def test_windowed_attention_reads_only_the_pages_of_its_window(monkeypatch):
     read.clear()
     with jax.disable_jit():
         jaxkv.paged_attention(
-            q, pools, view, meta, scale=1.0, pages_per_chunk=1, contraction="dot"
+            q, pools, view, meta, scale=1.0, pages_per_chunk=1, implementation="xla"
         )
     assert len({int(p) for chunk in read for p in chunk.ravel()}) == 63

@@ -277,32 +277,36 @@ def test_bf16_write_has_no_pool_copy_and_donates():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU kernel layout")
-def test_kv_write_is_one_native_call_or_one_scatter_and_two_small_kernels(monkeypatch):
+def test_kv_write_is_one_native_call_or_one_scatter_and_two_small_kernels():
     # On XLA:CPU each kernel of a small program costs a thread hand-off (tens of
-    # microseconds on a 2-core machine). On one device the write is one custom
-    # call and nothing else; on XLA's path (meshes, JAXKV_NATIVE=0) K and V
-    # rows go out in one scatter, after one data kernel (carrier words) and
-    # one index kernel (offsets).
+    # microseconds on a 2-core machine). The native write is one custom call
+    # and nothing else; on XLA's path (the default) K and V rows go out in one
+    # scatter, after one data kernel (carrier words) and one index kernel
+    # (offsets).
     from jaxkv._native import available
-    from jaxkv.cache import _native_write
 
     cfg, kv = _bf16_layer(num_blocks=64)
     _, _, pools, views = _setup(cfg, kv)
     k = jnp.ones((16, 8, 128), jnp.bfloat16)
     slots = jnp.arange(16, dtype=jnp.int32)
 
-    def kernels():
+    def kernels(implementation=None):
         jax.clear_caches()
-        hlo = jaxkv.write_kv.lower(pools, views["l"], k, k, slots).compile().as_text()
+        hlo = (
+            jaxkv.write_kv.lower(
+                pools, views["l"], k, k, slots, implementation=implementation
+            )
+            .compile()
+            .as_text()
+        )
         entry = hlo[hlo.index("\nENTRY") :]
         return [
             ln for ln in entry.splitlines() if " fusion(" in ln or "custom-call(" in ln
         ]
 
     if available():
-        (call,) = kernels()
+        (call,) = kernels("native")
         assert 'custom_call_target="jaxkv_kv_write"' in call
-    monkeypatch.setattr(_native_write, "by_default", lambda: False)
     xla = kernels()
     assert sum("scatter" in line for line in xla) == 1, xla
     assert len(xla) <= 3, xla

@@ -1,4 +1,4 @@
-"""The native XLA:CPU decode kernel (``contraction="native"``) against XLA's path."""
+"""The native XLA:CPU decode kernel (``implementation="native"``) against XLA's path."""
 
 import dataclasses
 import functools
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv._attention import resolve_contraction
 from jaxkv._native import available, unavailable_reason
 from tests.helpers import run_asan_check
 
@@ -118,8 +117,8 @@ def _decode(
 
 def _both(pools, view, meta, q, **kw):
     attend = functools.partial(jaxkv.paged_attention, scale=0.3, **kw)
-    native = np.asarray(attend(q, pools, view, meta, contraction="native"), np.float32)
-    xla = np.asarray(attend(q, pools, view, meta, contraction="dot"), np.float32)
+    native = np.asarray(attend(q, pools, view, meta, implementation="native"), np.float32)
+    xla = np.asarray(attend(q, pools, view, meta, implementation="xla"), np.float32)
     return native, xla
 
 
@@ -261,7 +260,7 @@ def test_a_view_of_another_plan_is_refused_before_the_kernel_reads_a_byte(storag
     _, big_view, big_meta, _, _ = _decode(storage=storage, seq_lens=(4, 4), width=40)
     with pytest.raises(ValueError, match="another plan"):
         jaxkv.paged_attention(
-            q, pools, big_view, big_meta, scale=1.0, contraction="native"
+            q, pools, big_view, big_meta, scale=1.0, implementation="native"
         )
 
 
@@ -294,8 +293,8 @@ def test_a_traced_layer_inside_a_scan_reads_its_own_slot_and_bad_slots_are_nan()
     )[names[0]]
     q = jnp.asarray(rng.standard_normal((2, 4, view.head_size)), jnp.float32)
 
-    @functools.partial(jax.jit, static_argnames="contraction")
-    def scanned(pools, slots, contraction):
+    @functools.partial(jax.jit, static_argnames="implementation")
+    def scanned(pools, slots, implementation):
         def body(_, slot):
             out = jaxkv.paged_attention(
                 q,
@@ -304,27 +303,26 @@ def test_a_traced_layer_inside_a_scan_reads_its_own_slot_and_bad_slots_are_nan()
                 meta,
                 scale=0.2,
                 layer=slot,
-                contraction=contraction,
+                implementation=implementation,
             )
             return None, out
 
         return jax.lax.scan(body, None, slots)[1]
 
     slots = jnp.asarray([*stack.slots, 3, -1, 2**31 - 1], jnp.int32)
-    native = np.asarray(scanned(pools, slots, "native"))
-    xla = np.asarray(scanned(pools, slots, "dot"))
-    np.testing.assert_allclose(native[:3], xla[:3], rtol=1e-5, atol=1e-5)
-    assert not np.allclose(native[0], native[1])  # each slot its own cache
-    assert np.isnan(native[3:]).all()
-    assert np.isnan(xla[3:]).all()
+    xla = np.asarray(scanned(pools, slots, "xla"))
+    assert not np.allclose(xla[0], xla[1])  # each slot its own cache
+    assert np.isnan(xla[3:]).all()  # a slot outside the pool reads as NaN
+    for implementation in ("native", "pallas_gpu", "pallas_tpu"):
+        out = np.asarray(scanned(pools, slots, implementation))
+        np.testing.assert_allclose(out[:3], xla[:3], rtol=1e-5, atol=1e-5)
+        assert np.isnan(out[3:]).all(), implementation
 
 
-def test_auto_picks_native_for_decode_on_one_cpu_device_and_xla_otherwise():
+def test_native_runs_only_when_asked_for():
     pools, view, meta, q, _ = _decode()
-    assert resolve_contraction("auto", 1, native=None) == "native"
-    assert resolve_contraction("auto", 16, native=None) == "reduce"
 
-    def hlo(contraction, query_tile=None):
+    def hlo(implementation, query_tile=None):
         fn = jax.jit(
             lambda pools, q, meta: jaxkv.paged_attention(
                 q,
@@ -332,38 +330,31 @@ def test_auto_picks_native_for_decode_on_one_cpu_device_and_xla_otherwise():
                 view,
                 meta,
                 scale=1.0,
-                contraction=contraction,
+                implementation=implementation,
                 query_tile=query_tile,
             )
         )
         return fn.lower(pools, q, meta).as_text()
 
-    assert "jaxkv_paged_decode" in hlo("auto")
-    assert "jaxkv_paged_decode" not in hlo("dot")
-    assert "jaxkv_paged_decode" not in hlo("auto", query_tile=2)
-    # PrefixLM ranges are not a key range: XLA's path.
-    fn = jax.jit(
-        lambda pools, q, meta: jaxkv.paged_attention(
-            q, pools, view, meta, scale=1.0, use_mm_prefix=True
-        )
-    )
-    assert "jaxkv_paged_decode" not in fn.lower(pools, q, meta).as_text()
+    assert "jaxkv_paged_decode" in hlo("native")
+    # None on CPU is XLA's path: the C++ kernel is opt-in.
+    assert "jaxkv_paged_decode" not in hlo(None)
+    assert "jaxkv_paged_decode" not in hlo("xla")
 
 
 def test_native_refuses_what_it_cannot_run_naming_why():
     pools, view, meta, q, _ = _decode()
     with pytest.raises(ValueError, match="rows of 4 query tokens"):
         jaxkv.paged_attention(
-            q, pools, view, meta, scale=1.0, contraction="native", query_tile=4
+            q, pools, view, meta, scale=1.0, implementation="native", query_tile=4
         )
     with pytest.raises(ValueError, match="use_mm_prefix"):
         jaxkv.paged_attention(
-            q, pools, view, meta, scale=1.0, contraction="native", use_mm_prefix=True
+            q, pools, view, meta, scale=1.0, implementation="native", use_mm_prefix=True
         )
     pools8, view8, meta8, q8, _ = _decode(dtype="float16")
     with pytest.raises(ValueError, match="dtype float16"):
-        jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0, contraction="native")
-    # auto keeps XLA's path for what the kernel does not fit.
+        jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0, implementation="native")
     out = jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0)
     assert out.shape == q8.shape
 
@@ -384,47 +375,32 @@ def _run(code: str, **env: str) -> str:
 
 _PROBE = """
     import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
     from tests.test_native_decode import _decode
     import jaxkv
     pools, view, meta, q, _ = _decode()
-    fn = jax.jit(lambda p, q, m: jaxkv.paged_attention(q, p, view, m, scale=1.0))
-    print("native" if "jaxkv_paged_decode" in fn.lower(pools, q, meta).as_text()
-          else "xla")
-    try:
-        jaxkv.paged_attention(q, pools, view, meta, scale=1.0, contraction="native")
-        print("explicit ok")
-    except ValueError as err:
-        print("explicit refused:", err)
-    if jax.device_count() > 1:  # by name inside shard_map, check_vma on
-        from jax.sharding import PartitionSpec as P
-        mesh = jax.make_mesh((jax.device_count(),), ("x",))
-        outs = [
-            jax.jit(jax.shard_map(
-                lambda p, q, m, c=c: jaxkv.paged_attention(
-                    q, p, view, m, scale=1.0, contraction=c),
-                mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
-                check_vma=True))(pools, q, meta)
-            for c in ("native", "dot")
-        ]
-        print("shard_map equal:", bool(np.allclose(*outs, atol=1e-5)))
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    outs = [
+        jax.jit(jax.shard_map(
+            lambda p, q, m, i=i: jaxkv.paged_attention(
+                q, p, view, m, scale=1.0, implementation=i),
+            mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+            check_vma=True))(pools, q, meta)
+        for i in ("native", "xla")
+    ]
+    print("shard_map equal:", bool(np.allclose(*outs, atol=1e-5)))
 """
 
 
-def test_with_several_devices_or_turned_off_auto_stays_on_xla():
-    # A custom call cannot be split by the SPMD partitioner: with 8 devices
-    # (any of them may hold a shard) auto keeps XLA's path.
+def test_native_by_name_inside_shard_map_on_several_devices():
+    # A custom call cannot be split by the SPMD partitioner: on a mesh it
+    # runs per device inside shard_map (check_vma on).
     out = _run(
         _PROBE,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         JAX_PLATFORMS="cpu",
     )
-    assert out.splitlines()[0] == "xla", out
-    assert "explicit ok" in out
-    assert "shard_map equal: True" in out
-    off = _run(_PROBE, JAXKV_NATIVE="0", JAX_PLATFORMS="cpu")
-    assert off.splitlines()[0] == "xla", off
-    assert "explicit refused" in off
-    assert "JAXKV_NATIVE=0" in off
+    assert "shard_map equal: True" in out, out
 
 
 def test_the_library_is_built_once_and_cached(tmp_path):
@@ -440,7 +416,68 @@ def test_the_library_is_built_once_and_cached(tmp_path):
     assert first[0] == second[0]
     assert first[0].startswith(str(tmp_path))
     assert float(second[1]) < 0.5  # found, not compiled again
-    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(first[0])]
+    name = os.path.basename(first[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".sha256"]
+
+
+_CACHED = """
+    import warnings
+    from jaxkv import _native
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reason = _native.unavailable_reason()
+    print("reason:", reason)
+    print("warned:", [str(w.message) for w in caught])
+    import jaxkv
+    from tests.test_native_decode import _decode
+    pools, view, meta, q, _ = _decode()
+    try:
+        out = jaxkv.paged_attention(q, pools, view, meta, scale=1.0,
+                                    implementation="native")
+        print("native ok", out.shape)
+    except ValueError as err:
+        print("native refused:", err)
+    out = jaxkv.paged_attention(q, pools, view, meta, scale=1.0)
+    print("default ok", out.shape)
+"""
+
+
+@pytest.mark.slow  # three builds of the library (about 20 s each on 2 cores)
+def test_a_truncated_or_foreign_cached_library_never_crashes_a_process(tmp_path):
+    code = "from jaxkv import _native; print(_native.build())"
+    lib = Path(_run(code, JAXKV_CACHE_DIR=str(tmp_path)).strip())
+    record = lib.with_name(lib.name + ".sha256")
+    good = lib.read_bytes()
+    # Truncated (a build cut short, a full disk): loading it would SIGBUS.
+    lib.write_bytes(good[: len(good) // 3])
+    out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
+    assert "reason: None" in out, out
+    assert "does not match its record" in out and "rebuilding" in out, out
+    assert "native ok" in out and "default ok" in out
+    assert lib.read_bytes() == good or len(lib.read_bytes()) > len(good) // 2
+    # No record beside it (an older jaxkv's cache, a copied file): rebuilt.
+    record.unlink()
+    out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
+    assert "has no size and hash record" in out and "native ok" in out, out
+    # A foreign library with a record that matches it: loaded, found to lack
+    # the kernels, refused by name; the default path still serves.
+    libm = next(
+        p
+        for p in (
+            Path("/lib/x86_64-linux-gnu/libm.so.6"),
+            Path("/usr/lib/x86_64-linux-gnu/libm.so.6"),
+            Path("/lib/aarch64-linux-gnu/libm.so.6"),
+        )
+        if p.exists()
+    )
+    foreign = libm.read_bytes()
+    lib.write_bytes(foreign)
+    import hashlib
+
+    record.write_text(f"{len(foreign)} {hashlib.sha256(foreign).hexdigest()}\n")
+    out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
+    assert "lacks the kernels' symbols" in out, out
+    assert "native refused" in out and "default ok" in out, out
 
 
 def test_the_kernel_reads_no_byte_outside_the_pool_or_table_under_asan(tmp_path):

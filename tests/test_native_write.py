@@ -1,5 +1,6 @@
 """``write_kv`` on the native XLA:CPU kernel against XLA's scatter, byte for byte."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -40,16 +41,9 @@ def _plan(storage, dtype, layout, *, layers=1, heads=2, head=16, block=8, blocks
     return jaxkv.make_plan(cfg, num_blocks=blocks, storage=storage)
 
 
-def _both(monkeypatch, fn):
-    """``fn()`` on the native kernel, then on XLA's path (each freshly traced)."""
-    jax.clear_caches()
-    native = fn()
-    monkeypatch.setattr(_native_write, "by_default", lambda: False)
-    jax.clear_caches()
-    xla = fn()
-    monkeypatch.undo()
-    jax.clear_caches()
-    return native, xla
+def _both(fn):
+    """``fn(implementation)`` on the native kernel, then on XLA's path."""
+    return fn("native"), fn("xla")
 
 
 def _kv(plan, name) -> jaxkv.KVCacheView:
@@ -64,10 +58,15 @@ def _text(compiled) -> str:
     return text
 
 
-def _hlo(pools, view, k, v, slots):
+def _hlo(pools, view, k, v, slots, implementation="native"):
     return (
-        jax.jit(jaxkv.write_kv.__wrapped__, static_argnums=1, donate_argnums=0)
-        .lower(pools, view, k, v, slots)
+        jax.jit(
+            jaxkv.write_kv.__wrapped__,
+            static_argnums=1,
+            static_argnames="implementation",
+            donate_argnums=0,
+        )
+        .lower(pools, view, k, v, slots, implementation=implementation)
         .compile()
     )
 
@@ -82,7 +81,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("storage", ["words", "typed", "stacked"])
-def test_native_write_equals_xla_byte_for_byte(monkeypatch, storage, dtype, layout):
+def test_native_write_equals_xla_byte_for_byte(storage, dtype, layout):
     plan = _plan(storage, dtype, layout, layers=2)
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.normal(size=(9, 2, 16)), jnp.float32)
@@ -91,13 +90,15 @@ def test_native_write_equals_xla_byte_for_byte(monkeypatch, storage, dtype, layo
     # view (48), far past it, and ordinary slots in several blocks.
     slots = jnp.array([3, -1, 47, 48, 100, 8, 9, 30, -7], jnp.int32)
 
-    def run():
+    def run(impl):
         pools = plan.allocate()
-        pools = jaxkv.write_kv(pools, _kv(plan, "l1"), k, v, slots)
-        pools = jaxkv.write_kv(pools, _kv(plan, "l0"), 2 * k, -v, slots[::-1])
+        pools = jaxkv.write_kv(pools, _kv(plan, "l1"), k, v, slots, implementation=impl)
+        pools = jaxkv.write_kv(
+            pools, _kv(plan, "l0"), 2 * k, -v, slots[::-1], implementation=impl
+        )
         return [np.asarray(p).view(np.uint8) for p in pools]
 
-    native, xla = _both(monkeypatch, run)
+    native, xla = _both(run)
     assert len(native) == len(xla)
     for a, b in zip(native, xla, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -126,14 +127,14 @@ def test_the_write_is_in_place_under_donation_and_a_kept_pool_is_untouched():
     assert stats.temp_size_in_bytes < pools[0].nbytes // 8
     # Not donated (the caller keeps the pool): XLA copies it; the old one is kept.
     before = np.asarray(pools[0]).copy()
-    new = jax.jit(lambda p: jaxkv.write_kv(p, view, k, k, slots))(pools)
+    new = jax.jit(
+        lambda p: jaxkv.write_kv(p, view, k, k, slots, implementation="native")
+    )(pools)
     np.testing.assert_array_equal(np.asarray(pools[0]), before)
     assert not np.array_equal(np.asarray(new[0]), before)
 
 
-def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing(
-    monkeypatch,
-):
+def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing():
     plan = _plan("stacked", "float32", jaxkv.KVCacheLayout.BLOCKS_FIRST, layers=3)
     stack = plan.layer_stack(["l0", "l1", "l2"])
     view = stack.layer.view
@@ -144,19 +145,25 @@ def test_a_traced_layer_in_a_scan_writes_its_slot_and_a_bad_slot_writes_nothing(
         [stack.slots[2], 3, -1, 2**31 - 1, stack.slots[0]], jnp.int32
     )
 
-    @jax.jit
-    def scanned(pools):
+    @functools.partial(jax.jit, static_argnames="impl")
+    def scanned(pools, impl):
         def body(pools, x):
             i, layer = x
-            return jaxkv.write_kv(pools, view, k + i, -k - i, slots, layer=layer), None
+            new = jaxkv.write_kv(
+                pools, view, k + i, -k - i, slots, layer=layer, implementation=impl
+            )
+            return new, None
 
         xs = (jnp.arange(5, dtype=jnp.float32), layer_ids)
         return jax.lax.scan(body, pools, xs)[0]
 
-    def run():
-        return [np.asarray(p) for p in scanned(plan.allocate())]
+    def run(impl):
+        return [np.asarray(p) for p in scanned(plan.allocate(), impl)]
 
-    native, xla = _both(monkeypatch, run)
+    native, xla = _both(run)
+    for impl in ("pallas_gpu", "pallas_tpu"):
+        for a, b in zip(run(impl), xla, strict=True):
+            np.testing.assert_array_equal(a, b)
     for a, b in zip(native, xla, strict=True):
         np.testing.assert_array_equal(a, b)
     table = jnp.arange(6, dtype=jnp.int32)[None]
@@ -175,8 +182,8 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
     k = jnp.ones((2, 2, 16), jnp.float32)
     slots = jnp.array([0, 1], jnp.int32)
     view = _kv(plan, "l0")
-    assert _native_write.native_write_unfit(view, k, k) is None
-    assert "MLA" in str(_native_write.native_write_unfit(view, k, None))
+    assert _native_write.native_write_unfit(view, k) is None
+    assert "MLA" in str(_native_write.native_write_unfit(view, None))
     # Kernel blocks of 8 in a packed pool: each layer's kernel view owns a
     # quarter of every 32-token block's pages, the others are another layer's.
     split8 = jaxkv.AttentionBackend(
@@ -198,10 +205,12 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
     owned = _kv(packed, "l")
     assert owned.owned is not None
     assert owned.offset > 0
-    assert "packed" in str(_native_write.native_write_unfit(owned, k, k))
+    assert "packed" in str(_native_write.native_write_unfit(owned, k))
     with pytest.raises(ValueError, match="raw_address: cannot address.*packed pool"):
         jaxkv.cache.raw_address(owned)
-    hlo = _text(_hlo(packed.allocate(), owned, k, k, slots))
+    with pytest.raises(ValueError, match="implementation='native'.*packed pool"):
+        _hlo(packed.allocate(), owned, k, k, slots)
+    hlo = _text(_hlo(packed.allocate(), owned, k, k, slots, implementation=None))
     assert "jaxkv_kv_write" not in hlo
     assert "scatter" in hlo
     big = _plan("words", "float32", jaxkv.KVCacheLayout.BLOCKS_FIRST, blocks=60)
@@ -209,20 +218,20 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
         jaxkv.write_kv(plan.allocate(), big.views["l0"], k, k, slots)
 
 
-def test_a_vmapped_write_equals_xla(monkeypatch):
+def test_a_vmapped_write_equals_xla():
     plan = _plan("typed", "bfloat16", jaxkv.KVCacheLayout.BLOCKS_FIRST)
     view = _kv(plan, "l0")
     (pool,) = plan.allocate()
     k = jnp.arange(2 * 3 * 2 * 16, dtype=jnp.float32).reshape(2, 3, 2, 16)
     slots = jnp.array([[1, 9, -1], [40, 2, 3]], jnp.int32)
 
-    def one(pool, k, slots):
-        return jaxkv.write_kv((pool,), view, k, -k, slots)[0]
+    def run(impl):
+        def one(pool, k, slots):
+            return jaxkv.write_kv((pool,), view, k, -k, slots, implementation=impl)[0]
 
-    def run():
         return np.asarray(jax.vmap(one)(jnp.stack([pool, pool]), k, slots))
 
-    native, xla = _both(monkeypatch, run)
+    native, xla = _both(run)
     np.testing.assert_array_equal(native, xla)
     assert native.any()
 

@@ -317,22 +317,23 @@ def _write_hlo(pools, view, *, xla):
     or on the path ``write_kv`` takes here (the native kernel on one CPU
     device, which addresses bytes in int64).
     """  # noqa: D205
-    from jaxkv.cache import _native_write
-
     k = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-    own = _native_write.by_default
-    if xla:
-        _native_write.by_default = lambda: False
-    try:
-        jax.clear_caches()
-        return (
-            jax.jit(jaxkv.write_kv.__wrapped__, donate_argnums=0)
-            .lower(pools, view, k, k, jax.ShapeDtypeStruct((1,), jnp.int32))
-            .as_text()
+    return (
+        jax.jit(
+            jaxkv.write_kv.__wrapped__,
+            donate_argnums=0,
+            static_argnames="implementation",
         )
-    finally:
-        _native_write.by_default = own
-        jax.clear_caches()
+        .lower(
+            pools,
+            view,
+            k,
+            k,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            implementation="xla" if xla else "native",
+        )
+        .as_text()
+    )
 
 
 def _check_native_write_hlo(pools, view):

@@ -3,17 +3,29 @@
 Two kernels, one library: ``paged_decode.cc``, paged attention for rows of
 one query token read in place through the view's element strides, and
 ``kv_write.cc``, the KV write of a step's tokens into the pool in place (see
-each source's header). It is built with the machine's C++ compiler the first time
-it is asked for (about 4 s), against the headers jaxlib ships
-(:func:`jax.ffi.include_dir`), with ``-march=native``, and cached under
-``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``) by a hash of the source,
-the flags, the jaxlib version and the machine, so a process after the first
-loads it in milliseconds. ``JAXKV_NATIVE=0`` turns it off; without a compiler
-:func:`available` is False and the callers use XLA.
+each source's header). They run only when asked for
+(``paged_attention(implementation="native")``, ``write_kv(...,
+implementation="native")``). The library is built with the machine's C++
+compiler the first time it is asked for (about 4 s), against the headers
+jaxlib ships (:func:`jax.ffi.include_dir`), with ``-march=native`` and no
+fast-math flag that changes a result (no reassociation, no FMA contraction,
+signed zeros kept; what remains against XLA's path is the summation order
+and the kernel's own ``exp``: about 1e-6 relative in float32), and cached
+under ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``) by a hash of the
+source, the flags, the jaxlib version and the machine, so a process after
+the first loads it in milliseconds.
+
+A cached library is loaded only after its size and SHA-256 match the record
+written beside it when it was built: a truncated, foreign or unrecorded file
+is removed and rebuilt (with a warning), and a library that lacks the
+kernels' symbols is refused, never loaded into the callers' path. Without a
+compiler, :func:`available` is False and asking for the kernels raises,
+naming why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -23,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -35,6 +48,8 @@ _SOURCES = tuple(
 )
 _TARGET = "jaxkv_paged_decode"
 _WRITE_TARGET = "jaxkv_kv_write"
+# No flag that changes a result: -fno-math-errno only drops errno updates,
+# -fno-trapping-math assumes no FP trap handler; FMA contraction is off.
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -43,11 +58,10 @@ _FLAGS = (
     "-shared",
     "-fno-math-errno",
     "-fno-trapping-math",
-    "-ffp-contract=fast",
-    "-fassociative-math",
-    "-fno-signed-zeros",
+    "-ffp-contract=off",
     "-w",
 )
+_SYMBOLS = ("JaxkvPagedDecode", "JaxkvKvWrite")
 
 
 def _cache_dir() -> Path:
@@ -109,7 +123,18 @@ def build() -> Path:
     out_dir = _cache_dir()
     lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
-        return lib
+        problem = _check_entry(lib)
+        if problem is None:
+            return lib
+        warnings.warn(
+            f"jaxkv: the cached native kernel library {lib} {problem}; "
+            "rebuilding it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        for path in (lib, _record_of(lib)):
+            with contextlib.suppress(OSError):
+                path.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     # Compile to a private name, then rename: processes that build at once
     # (a test run's subprocesses) never load a half-written library.
@@ -123,20 +148,56 @@ def build() -> Path:
                 f"compiling jaxkv's native CPU kernel failed ({' '.join(cmd)}):\n"
                 f"{done.stderr[-2000:]}"
             )
+        record = _record(Path(tmp))
+        fd, tmp_record = tempfile.mkstemp(dir=out_dir, suffix=".sha256.tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(record)
+        # The library first, then its record: a reader in between finds no
+        # matching record and rebuilds rather than loading it.
         os.replace(tmp, lib)
+        os.replace(tmp_record, _record_of(lib))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
 
 
+def _record_of(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _record(lib: Path) -> str:
+    """``"<size> <sha256>"`` of a library file."""
+    data = lib.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _check_entry(lib: Path) -> str | None:
+    """What is wrong with a cached library (``None``: it matches its record)."""
+    try:
+        want = _record_of(lib).read_text()
+    except OSError:
+        return "has no size and hash record"
+    try:
+        got = _record(lib)
+    except OSError as err:
+        return f"cannot be read ({err})"
+    if got != want:
+        return f"does not match its record (size and SHA-256 {got.split()} != " \
+            f"{want.split()})"
+    return None
+
+
 @cache
 def _register() -> str | None:
     """Builds, loads and registers the kernel once; the reason it could not, or None."""
-    if os.environ.get("JAXKV_NATIVE", "1") == "0":
-        return "turned off by JAXKV_NATIVE=0"
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
+        missing = [name for name in _SYMBOLS if not hasattr(lib, name)]
+        if missing:
+            raise RuntimeError(
+                f"the library {lib._name} lacks the kernels' symbols {missing}"
+            )
         jax.ffi.register_ffi_target(
             _TARGET, jax.ffi.pycapsule(lib.JaxkvPagedDecode), platform="cpu"
         )
@@ -158,19 +219,6 @@ def available() -> bool:
       True
     """
     return _register() is None
-
-
-def by_default() -> bool:
-    """Whether jaxkv takes the native kernels unasked in this process: XLA:CPU,
-    one device (XLA's SPMD partitioner cannot split a custom call, so a
-    sharded operand would be gathered whole), the library built.
-
-    Example:
-      >>> from jaxkv import _native
-      >>> isinstance(_native.by_default(), bool)
-      True
-    """  # noqa: D205
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
 
 
 def unavailable_reason() -> str | None:

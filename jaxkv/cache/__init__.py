@@ -50,6 +50,7 @@ from jaxkv.cache._mixed_layouts import (
     _kv_first_layers_sharing_pool_with_mamba,  # noqa: F401  (vLLM's name)
 )
 from jaxkv.cache._ops import gather_kv_pages, write_kv
+from jaxkv.cache._page_layout import PageLayout, page_layout, pallas_view_unfit
 from jaxkv.cache._plan import KVCachePlan, LayerStack
 from jaxkv.cache._pools import PoolLayout, PoolSpec, resolve_storage
 from jaxkv.cache._raw_address import raw_address, raw_unfit
@@ -93,6 +94,7 @@ __all__ = [
     "LayerTensor",
     "LayerView",
     "MambaView",
+    "PageLayout",
     "PoolLayout",
     "PoolSpec",
     "Pools",
@@ -122,6 +124,8 @@ __all__ = [
     "local_runner_config",
     "make_kv_cache_config",
     "make_plan",
+    "page_layout",
+    "pallas_view_unfit",
     "plan_tensors",
     "pool_layout",
     "put_kernel_cache",

@@ -9,9 +9,9 @@ donated it writes the new K/V rows in place, as raw bytes through the view's
 byte offset and element strides, so word, typed and bits pools are one
 case, and nothing pool-sized is converted or copied.
 
-:func:`write_kv` takes it unasked where :func:`jaxkv._native.by_default`
-holds (XLA:CPU, one device, the library built; ``JAXKV_NATIVE=0`` turns it
-off) and the view fits (:func:`native_write_unfit`).
+:func:`write_kv` takes it when asked for (``implementation="native"``)
+and the view fits (:func:`native_write_unfit`). A custom call cannot be
+split by XLA's SPMD partitioner: on a mesh, call it inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv._native import by_default, target
+from jaxkv._native import target, unavailable_reason
 from jaxkv.cache._checks import layer_index
 from jaxkv.cache._raw_address import raw_address, raw_unfit
 from jaxkv.cache._views import KVCacheView
 
 
-def native_write_unfit(
-    view: KVCacheView, key: jax.Array, value: jax.Array | None
-) -> str | None:
+def native_write_unfit(view: KVCacheView, value: jax.Array | None) -> str | None:
     """Why the native write cannot take this call (``None``: it can).
 
     Example:
@@ -36,17 +34,15 @@ def native_write_unfit(
       >>> from jaxkv.cache._native_write import native_write_unfit
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
       >>> view = plan.views["layers.0.self_attn"]
-      >>> native_write_unfit(view, jnp.zeros((3, 2, 32)), None)
+      >>> native_write_unfit(view, None)
       'no value (MLA latents)'
     """
-    if value is None or key.ndim != 3 or value.ndim != 3:
+    if value is None or "head" not in view.axes:
         return "no value (MLA latents)"
     reason = raw_unfit(view)
     if reason is not None:
         return reason
-    if not by_default():
-        return "not on one XLA:CPU device with the native library built"
-    return None
+    return unavailable_reason()
 
 
 def native_write(

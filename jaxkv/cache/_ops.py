@@ -27,6 +27,8 @@ from jaxkv.cache._checks import (
     layer_index,
 )
 from jaxkv.cache._native_write import native_write, native_write_unfit
+from jaxkv.cache._page_layout import pallas_view_unfit
+from jaxkv.cache._pallas_write import gpu_write, tpu_write
 from jaxkv.cache._strided import (
     access_plan,
     from_bits,
@@ -80,8 +82,12 @@ def _check_kv_shapes(
         )
 
 
+WRITE_IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
+"""What ``write_kv(implementation=)`` takes."""
+
+
 @_checks_host_ids("slot_mapping", view=KVCacheView)
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="implementation")
 @checks_own_arguments
 def write_kv(
     pools: Pools,
@@ -91,6 +97,7 @@ def write_kv(
     slot_mapping: Int[ArrayLike, " num_tokens"],
     *,
     layer: Int[ArrayLike, ""] | None = None,
+    implementation: str | None = None,
 ) -> Pools:
     """Writes new K/V of a batch of tokens through `view`; the pools are donated.
 
@@ -112,6 +119,17 @@ def write_kv(
       layer: For a view of a layer-stacked typed pool: the layer slot to write,
         possibly traced (``lax.scan`` over layers); ``None``: the view's own.
         A traced slot outside the pool writes nothing.
+      implementation: Which kernel writes (as ``paged_attention``'s):
+        ``None``: jaxkv's Pallas write on GPU where the view fits
+        (:func:`pallas_view_unfit`), else XLA's scatter (CPU, TPU);
+        ``"xla"``: XLA's scatter, every platform and view;
+        ``"pallas"``: the platform's Pallas write (Triton on GPU, Mosaic
+        on TPU; on CPU the GPU kernel in interpret mode);
+        ``"pallas_gpu"`` / ``"pallas_tpu"``: that kernel, compiled on its
+        platform and interpreted elsewhere; ``"native"``: jaxkv's C++
+        XLA:CPU write (opt-in; compiled on first use). Every one writes the
+        same bytes; one asked for by name that cannot take the view raises,
+        naming why.
 
     Returns:
       The new pools.
@@ -156,9 +174,90 @@ def write_kv(
         )
     if slots.shape[0] == 0:
         return pools
-    if native_write_unfit(view, key, value) is None and value is not None:
-        new = native_write(pools[view.pool], view, key, value, slots, layer)
+    choice = _write_choice(implementation, view, value)
+    if choice != "xla" and value is not None:
+        pool = pools[view.pool]
+
+        def kernel(name: str, platform: str | None):
+            def go(pool, key, value, slots, layer):
+                if name == "native":
+                    return native_write(pool, view, key, value, slots, layer)
+                if name == "pallas_gpu":
+                    return gpu_write(
+                        pool, view, key, value, slots, layer,
+                        interpret=platform not in _GPU_PLATFORMS,
+                    )
+                if name == "pallas_tpu":
+                    return tpu_write(
+                        pool, view, key, value, slots, layer,
+                        interpret=platform != "tpu",
+                    )
+                own = _replace(pools, view.pool, pool)
+                return _xla_write(own, view, key, value, slots, layer)[view.pool]
+
+            return go
+
+        args = (pool, key, value, slots, layer)
+        if choice == "native":
+            new = kernel("native", "cpu")(*args)
+        elif choice == "auto":  # the GPU's Pallas write, XLA's elsewhere
+            new = jax.lax.platform_dependent(
+                *args,
+                **{p: kernel("pallas_gpu", p) for p in _GPU_PLATFORMS},
+                default=kernel("xla", None),
+            )
+        else:
+            own = ("tpu",) if choice == "pallas_tpu" else _GPU_PLATFORMS
+            new = jax.lax.platform_dependent(
+                *args,
+                **{p: kernel(choice, p) for p in own},
+                default=kernel(choice, None),
+            )
         return _replace(pools, view.pool, new)
+    return _xla_write(pools, view, key, value, slots, layer)
+
+
+_GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def _write_choice(
+    implementation: str | None, view: KVCacheView, value: jax.Array | None
+) -> str:
+    """``"xla"``, ``"auto"`` (per platform), or the kernel named; raises for a
+    name that cannot take the view.
+    """  # noqa: D205
+    if implementation not in WRITE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"write_kv: implementation={implementation!r}, expected one of "
+            f"{WRITE_IMPLEMENTATIONS}."
+        )
+    if implementation == "xla":
+        return "xla"
+    if implementation == "native":
+        reason = native_write_unfit(view, value)
+    else:
+        reason = pallas_view_unfit(view)
+        if reason is None and value is None:
+            reason = "no value (MLA latents)"
+    if implementation is None:
+        return "xla" if reason is not None else "auto"
+    if reason is not None:
+        raise ValueError(
+            f"write_kv: implementation={implementation!r} cannot take this view: "
+            f"{reason}."
+        )
+    return "pallas_gpu" if implementation == "pallas" else implementation
+
+
+def _xla_write(
+    pools: Pools,
+    view: KVCacheView,
+    key: jax.Array,
+    value: jax.Array | None,
+    slots: jax.Array,
+    layer: object,
+) -> Pools:
+    """`write_kv` as XLA scatters (every platform and view)."""
     k = view.block_size
     if view.owned is not None:
         slots = jnp.where(view.owns(slots // k), slots, -1)

@@ -167,6 +167,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="serve over a DATAxTENSOR device mesh, e.g. 2x4 (simulated on CPU)",
     )
+    p.add_argument(
+        "--implementation",
+        choices=("xla", "pallas", "native"),
+        default=None,
+        help="the kernels of the writes and attention (default: the platform's "
+        "choice, jaxkv.paged_attention's table; native: jaxkv's C++ kernels "
+        "on CPU, one device)",
+    )
     return p
 
 
@@ -215,6 +223,7 @@ def _engine(
         num_blocks=args.num_blocks,
         mesh=mesh,
         enable_prefix_caching=args.prefix_caching,
+        implementation=args.implementation,
     )
     pools_mib = sum(p.nbytes for p in engine.pools) / 2**20
     print(

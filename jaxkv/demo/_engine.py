@@ -86,6 +86,9 @@ class Engine(ServingLoop):
       enable_prefix_caching: Reuse cached prefixes (see :class:`Scheduler`).
       overlap: Schedule step N+1 while step N runs (the loop's async
         scheduling); off by default, so a fault lands in ``update()``.
+      implementation: The kernels of the model's writes and attention
+        (:func:`jaxkv.paged_attention`; ``"native"``: jaxkv's C++ kernels on
+        CPU where they apply).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Engine(ServingLoop):
         tensor_axis: str = "tensor",
         enable_prefix_caching: bool = False,
         overlap: bool = False,
+        implementation: str | None = None,
     ) -> None:
         """Plans and allocates the pools, splits the model, builds the loop."""
         self.config = config
@@ -140,6 +144,7 @@ class Engine(ServingLoop):
                 armed,
                 pages_per_chunk,
                 tensor_axis=axis,
+                implementation=implementation,
             )
 
         buckets = tuple(

@@ -264,6 +264,7 @@ def forward_paged(
     pages_per_chunk: int | None = None,
     query_tile: int | None = None,
     tensor_axis: str | None = None,
+    implementation: str | None = None,
 ) -> tuple[Pools, jax.Array]:
     """One ragged step through jaxkv; returns the new pools and sampled logits.
 
@@ -284,6 +285,10 @@ def forward_paged(
       tensor_axis: Inside ``shard_map`` over a tensor-parallel axis: the model
         holds this rank's heads, and the attention and Mamba outputs are
         summed over the axis (``psum``) before the residual.
+      implementation: The kernels of the writes and the attention (see
+        :func:`jaxkv.paged_attention`); ``"native"`` runs jaxkv's C++
+        kernels where they apply (every write, rows of one query token) and
+        XLA's path for prefill rows.
 
     Returns:
       ``(pools, logits (num_samples, vocab))``.
@@ -310,7 +315,10 @@ def forward_paged(
         _, positions, _ = token_requests_and_positions(m, x.shape[0])
         q, k, v = block.qkv(x, positions)
         if k is not None and v is not None:
-            pools = write_kv(pools, view.view, k, v, m.slot_mapping)
+            pools = write_kv(
+                pools, view.view, k, v, m.slot_mapping, implementation=implementation
+            )
+        tile = query_tile or (16 if q.shape[0] > m.max_reqs else 1)
         out = paged_attention(  # window from the layer's spec
             q,
             pools,
@@ -318,7 +326,10 @@ def forward_paged(
             m,
             scale=float(1.0 / np.sqrt(block.head_size)),
             pages_per_chunk=pages_per_chunk,
-            query_tile=query_tile,
+            query_tile=tile,
+            implementation="xla"
+            if implementation == "native" and tile > 1
+            else implementation,
         )
         x = x + _tensor_sum(block.wo(out.reshape(x.shape[0], -1)), tensor_axis)
     if not reduced:

@@ -93,9 +93,21 @@ class Rows(NamedTuple):
 
 
 def query_rows_of(
-    meta: CommonAttentionMetadata, num_tokens: int, tile: int, opts: Mask, width: int
+    meta: CommonAttentionMetadata,
+    num_tokens: int,
+    tile: int,
+    opts: Mask,
+    width: int,
+    *,
+    block_size: int,
 ) -> Rows:
-    """The step's query rows with their positions, key counts and page tables."""
+    """The step's query rows with their positions, key counts and page tables.
+
+    A row's keys stop at its request's length or at the block table's end,
+    whichever is first: keys at positions past ``cols * block_size`` (a
+    ``seq_len`` longer than the table holds) are never seen, on every
+    implementation (the table has no page for them).
+    """
     row_req, tok = query_rows(meta, num_tokens, tile)
     valid = tok >= 0
     safe_tok = jnp.where(valid, tok, 0)
@@ -108,7 +120,39 @@ def query_rows_of(
         if opts.cross_attention
         else meta.seq_lens[row_req]
     )
-    return Rows(row_req, tok, valid, pos, kv_len, table)
+    cols = meta.block_table_tensor.shape[1]
+    kv_len = jnp.minimum(kv_len, jnp.int32(cols * block_size))
+    return Rows(row_req, tok, valid, pos, kv_len.astype(jnp.int32), table)
+
+
+def key_ranges(
+    rows: Rows, meta: CommonAttentionMetadata, opts: Mask
+) -> tuple[jax.Array, jax.Array]:
+    """``(lo, hi)``, each ``(rows, tile)``: the keys ``[lo, hi)`` each query sees.
+
+    Every mask but PrefixLM's makes a query's visible keys one contiguous
+    range: up to its own position (causal requests), from the start of its
+    window or local chunk, up to the end of its chunk and of its request's
+    keys. Empty slots get the empty range ``[0, 0)``. It is :func:`visible`
+    for masks without ``use_mm_prefix``, as bounds: what the kernels that
+    walk a row's pages take.
+    """
+    hi = jnp.broadcast_to(rows.kv_len[:, None], rows.pos.shape)
+    lo = jnp.zeros_like(hi)
+    pos = rows.pos
+    if not opts.cross_attention:
+        if opts.causal:
+            own = jnp.minimum(hi, pos + 1)
+            hi = jnp.where(meta.request_causal[rows.req][:, None], own, hi)
+        if opts.sliding_window is not None:
+            lo = jnp.maximum(lo, pos - opts.sliding_window + 1)
+        if opts.attention_chunk_size is not None:
+            size = opts.attention_chunk_size
+            lo = jnp.maximum(lo, pos // size * size)
+            hi = jnp.minimum(hi, (pos // size + 1) * size)
+    hi = jnp.where(rows.valid, hi, 0).astype(jnp.int32)
+    lo = jnp.where(rows.valid, jnp.clip(lo, 0, hi), 0).astype(jnp.int32)
+    return lo, hi
 
 
 def chunk_range(

@@ -1,0 +1,121 @@
+"""The contract every attention implementation meets: one call's static options,
+the rows it attends, and where a kernel finds a layer's pages in its pool.
+
+Each implementation (``_xla``, ``_native``, ``_pallas_gpu``, ``_pallas_tpu``)
+is a function ``(q, pools, view, meta, layer, call) -> (T, H, Dv)`` with the
+same result up to float rounding: zero for padded tokens, keys past the
+request's length, the block table's end or the query's mask never seen, and
+NaN in pages or slots nobody may see never reaching an output.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.attention._rows import Mask, Rows, key_ranges, query_rows_of, value_dim
+from jaxkv.cache import KVCacheView, layer_index, pallas_view_unfit
+from jaxkv.step import CommonAttentionMetadata
+
+
+class Call(NamedTuple):
+    """The static options of one :func:`paged_attention` call (hashable)."""
+
+    mask: Mask
+    scale: float
+    logits_soft_cap: float | None
+    pages_per_chunk: int | None
+    query_tile: int
+    contraction: str
+
+
+def kv_heads_of(view: KVCacheView) -> int:
+    """KV heads of an attention view (1 for MLA latents)."""
+    return view.shape[view.dim("head")] if "head" in view.axes else 1
+
+
+def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
+    """Why jaxkv's Pallas attention kernels cannot take this call (``None``:
+    they can): the view's reasons (:func:`jaxkv.cache.pallas_view_unfit`),
+    or PrefixLM ranges (the kernels walk one contiguous key range per query).
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.attention._call import Call, pallas_unfit
+      >>> from jaxkv.attention._rows import Mask
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="stacked")
+      >>> view = plan.views["layers.0.self_attn"]
+      >>> mask = Mask(True, None, None, False, True)
+      >>> pallas_unfit(view, Call(mask, 1.0, None, None, 1, "auto"))
+      'use_mm_prefix=True (PrefixLM ranges are not one key range)'
+    """  # noqa: D205
+    reason = pallas_view_unfit(view)
+    if reason is not None:
+        return reason
+    if call.mask.use_mm_prefix:
+        return "use_mm_prefix=True (PrefixLM ranges are not one key range)"
+    return None
+
+
+class RowPlan(NamedTuple):
+    """A step's query rows as a page-walking kernel takes them.
+
+    ``info (R, 4)``: each row's request, first token, first and end page
+    column (``[first, end)`` holds every key some query of the row sees);
+    ``bounds (R, tile, 2)``: each query slot's key range ``[lo, hi)`` (empty
+    for empty slots); ``rows``: the rows themselves.
+    """
+
+    info: jax.Array
+    bounds: jax.Array
+    rows: Rows
+
+
+def row_plan(
+    meta: CommonAttentionMetadata,
+    num_tokens: int,
+    tile: int,
+    mask: Mask,
+    block_size: int,
+) -> RowPlan:
+    """The rows of `tile` query tokens and the pages each must walk."""
+    cols = meta.block_table_tensor.shape[1]
+    rows = query_rows_of(meta, num_tokens, tile, mask, cols, block_size=block_size)
+    lo, hi = key_ranges(rows, meta, mask)
+    some = hi > lo
+    live = jnp.any(some, axis=1)
+    big = jnp.iinfo(jnp.int32).max
+    first = jnp.min(jnp.where(some, lo, big), axis=1) // block_size
+    end = (jnp.max(jnp.where(some, hi, 0), axis=1) + block_size - 1) // block_size
+    first = jnp.where(live, first, 0)
+    end = jnp.where(live, jnp.minimum(end, cols), 0)
+    start = jnp.where(rows.valid[:, 0], rows.tok[:, 0], 0)
+    info = jnp.stack([rows.req, start, first, end], axis=1).astype(jnp.int32)
+    bounds = jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+    return RowPlan(info, bounds, rows)
+
+
+def rows_to_tokens(
+    rows_out: jax.Array, rows: Rows, num_tokens: int, dtype: jnp.dtype
+) -> jax.Array:
+    """``(R, tile, H, Dv)`` row outputs as ``(T, H, Dv)`` token outputs."""
+    tile = rows.tok.shape[1]
+    if tile == 1 and rows_out.shape[0] == num_tokens:  # rows are the tokens
+        return rows_out[:, 0].astype(dtype)
+    _, _, heads, dv = rows_out.shape
+    out = jnp.zeros((num_tokens, heads, dv), rows_out.dtype)
+    tok = jnp.where(rows.valid, rows.tok, num_tokens)
+    return out.at[tok].set(rows_out, mode="drop").astype(dtype)
+
+
+def layer_of(layer: object, view: KVCacheView) -> jax.Array:
+    """``(1,)`` int32 layer slot (traced or the view's own)."""
+    return layer_index(layer, view).reshape(1)
+
+
+def head_dims(view: KVCacheView, head_dim: int) -> tuple[int, int]:
+    """``(Dk, Dv)`` of a view read with queries of `head_dim`."""
+    return head_dim, value_dim(view, head_dim)

@@ -1,0 +1,388 @@
+"""``paged_attention``: one entry point, one explicit kernel choice per platform.
+
+The call's options are checked on the host and frozen into a static
+:class:`~jaxkv.attention._call.Call`; ``implementation`` then picks the
+kernel, per platform: from the pool's device when it is a concrete array,
+else with ``jax.lax.platform_dependent`` inside the caller's jit (only the
+branch of the platform being compiled for is lowered), never from process
+globals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
+
+from jaxkv._native import unavailable_reason
+from jaxkv.attention._call import Call, kv_heads_of, pallas_unfit
+from jaxkv.attention._native import native_attention, native_unfit
+from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
+from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
+from jaxkv.attention._rows import Mask
+from jaxkv.attention._xla import resolve_contraction, xla_attention
+from jaxkv.cache import (
+    AttentionLayer,
+    KVCacheView,
+    LayerView,
+    Pools,
+    check_fits,
+    check_layer,
+    check_pools_alive,
+)
+from jaxkv.step import CommonAttentionMetadata
+
+IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
+"""What ``paged_attention(implementation=)`` takes."""
+
+_GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def paged_attention(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    pools: Pools,
+    view: LayerView | AttentionLayer,
+    meta: CommonAttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    cross_attention: bool | None = None,
+    use_mm_prefix: bool = False,
+    pages_per_chunk: int | None = None,
+    query_tile: int | None = None,
+    layer: Int[ArrayLike, ""] | None = None,
+    contraction: str = "auto",
+    implementation: str | None = None,
+) -> Float[Array, "num_tokens num_heads head_dim_v"]:
+    """Attention of a ragged batch over K/V read through a layer's view.
+
+    Args:
+      q: ``(num_tokens, num_heads, head_dim)`` queries, ``num_heads`` a multiple
+        of the view's KV heads (GQA).
+      pools: The pool arrays.
+      view: The layer's :class:`AttentionLayer` (``plan.attention_layer(name)``:
+        window, local chunk, soft cap and cross-attention come from its spec;
+        an explicit argument that contradicts them raises), or its bare bound
+        view (then only the arguments given apply). ``meta.block_table_tensor``
+        must be in the view's block space (kernel blocks for kernel views).
+      meta: The group's step metadata.
+      scale: Softmax scale.
+      sliding_window: Keys within the last `sliding_window` positions only,
+        the query's own included (``p - W + 1 .. p``).
+      attention_chunk_size: Keys in the query's chunk only.
+      logits_soft_cap: ``cap * tanh(s / cap)`` on the scores.
+      cross_attention: Keys are the request's cached encoder K/V
+        (``encoder_seq_lens``), no causal mask.
+      use_mm_prefix: Tokens inside one multimodal range see each other
+        bidirectionally (PrefixLM).
+      pages_per_chunk: Pages gathered per step of the online softmax; only the
+        chunks holding keys a row can see are visited, and a table that fits
+        one chunk is read in one pass with no loop. Default
+        (:func:`auto_pages_per_chunk`): 4 on CPU, 64 elsewhere.
+      query_tile: Query tokens of one request that share one read of its
+        pages. 1 suits decode batches; prefill chunks want 8-32 (each request
+        then costs at most one partly empty tile). Default: 16 when the bucket
+        holds more tokens than requests (prefill chunks), else 1.
+      layer: For a layer-stacked typed pool: the layer slot to read, possibly
+        traced (``lax.scan`` over the layers of one stack, with `view` any
+        of them: they share one view but for the slot); ``None``: the view's.
+      contraction: On XLA's path, how queries meet keys and weights meet
+        values: ``"dot"`` (dot products: matrix units), ``"reduce"`` (a
+        broadcast multiply and a sum that XLA fuses with the page gather, so
+        no gathered chunk is written out), or ``"auto"``: ``"reduce"`` on
+        CPU for rows of more than one query token, ``"dot"`` otherwise.
+        Measured on XLA:CPU (``benchmarks/bench_attention.py``): a mixed
+        batch of 884 tokens in rows of 16 takes 26-39 ms reduced against
+        60-83 ms as dots, while a decode batch (rows of 1) takes about twice
+        as long reduced.
+      implementation: Which kernel runs the call (after
+        ``jax.nn.dot_product_attention``); every one gives the XLA path's
+        result up to float rounding (:data:`IMPLEMENTATIONS`):
+
+        ==============  ====================================================
+        ``None``        the best for the platform the call is compiled for
+                        (``jax.lax.platform_dependent``, or the pool's own
+                        device when it is a concrete array): ``"pallas"``
+                        on GPU and TPU where the kernel fits the call
+                        (:func:`pallas_unfit`), else ``"xla"``; on CPU
+                        ``"xla"`` (the C++ kernel is opt-in)
+        ``"xla"``       jaxkv's pure-JAX path, every platform and feature
+        ``"pallas"``    jaxkv's Pallas kernel for the platform: Triton on
+                        GPU, Mosaic on TPU; on CPU the GPU kernel in
+                        Pallas's interpret mode (slow: for tests)
+        ``"pallas_gpu"`` / ``"pallas_tpu"``  that kernel; compiled on its
+                        own platform, in interpret mode elsewhere
+        ``"native"``    jaxkv's C++ XLA:CPU decode kernel (rows of one
+                        token; compiled with the machine's C++ compiler on
+                        first use and cached, ``jaxkv/_native``); a custom
+                        call the SPMD partitioner cannot split, so on a
+                        mesh call it inside ``shard_map``
+        ==============  ====================================================
+
+        An implementation asked for by name that cannot run this call raises
+        a ValueError naming why.
+
+    Returns:
+      ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> import jaxkv
+      >>> cfg = jaxkv.tiny_hybrid_config()
+      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+      >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+      >>> view = views["layers.0.self_attn"]
+      >>> k = jnp.arange(2 * 2 * 32, dtype=jnp.float32).reshape(2, 2, 32) / 100
+      >>> pools = jaxkv.write_kv(pools, view, k, k + 1, jnp.array([32, 33]))
+      >>> meta = jaxkv.vllm.build_attn_metadata(
+      ...     groups, 1, 2, jnp.array([0, 2]), None, 2, jnp.array([2]), 2,
+      ...     [jnp.array([[1]])] * 3, [jnp.array([32, 33])] * 3, kv)
+      >>> meta = meta["layers.0.self_attn"]
+      >>> out = jaxkv.paged_attention(jnp.zeros((2, 4, 32)), pools, view, meta,
+      ...                             scale=1.0)
+      >>> bool(np.allclose(out[0, 0], k[0, 0] + 1))  # sees only itself
+      True
+      >>> bool(np.allclose(out[1, 0], k[:, 0].mean(0) + 1))  # zero q: mean of v
+      True
+    """
+    if isinstance(view, AttentionLayer):
+        given = {
+            "sliding_window": sliding_window,
+            "attention_chunk_size": attention_chunk_size,
+            "logits_soft_cap": logits_soft_cap,
+            "cross_attention": cross_attention,
+        }
+        for arg, value in given.items():
+            own = getattr(view, arg)
+            if value is not None and value != own:
+                raise ValueError(
+                    f"paged_attention: {arg}={value!r} contradicts layer "
+                    f"{view.name!r}, whose spec gives {arg}={own!r}."
+                )
+        sliding_window, attention_chunk_size = (
+            view.sliding_window,
+            view.attention_chunk_size,
+        )
+        logits_soft_cap, cross_attention = view.logits_soft_cap, view.cross_attention
+        view = view.view
+    elif (
+        isinstance(view, KVCacheView)
+        and view.windowed
+        and sliding_window is None
+        and attention_chunk_size is None
+    ):
+        raise ValueError(
+            "paged_attention: this view belongs to a layer with a sliding window "
+            "or local chunk, and no window was given; pass the layer's "
+            "AttentionLayer (plan.attention_layer(name)) instead of its bare "
+            "view, or give sliding_window / attention_chunk_size."
+        )
+    if not isinstance(view, KVCacheView):
+        raise TypeError(
+            "paged_attention: view must be an attention layer's KVCacheView or "
+            f"AttentionLayer, got {type(view).__name__} (a Mamba layer's state "
+            "view has no keys)."
+        )
+    if query_tile is None:
+        query_tile = 16 if q.shape[0] > meta.max_reqs else 1
+    call = Call(
+        mask=Mask(
+            meta.causal,
+            sliding_window,
+            attention_chunk_size,
+            bool(cross_attention),
+            use_mm_prefix,
+        ),
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        pages_per_chunk=pages_per_chunk,
+        query_tile=query_tile,
+        contraction=contraction,
+    )
+    resolve_contraction(contraction, query_tile)  # a bad name raises here
+    _check_heads(q.shape, view)
+    check_pools_alive(pools, "paged_attention")
+    check_fits(pools, view)  # the native kernel reads these bytes directly
+    check_layer(layer, view, pools, "paged_attention")
+    choice = choose_implementation(
+        implementation, view, call, q.shape, platform=_platform_of(pools[view.pool])
+    )
+    return _attend(q, pools, view, meta, layer, call=call, choice=choice)
+
+
+def _check_heads(q_shape: tuple[int, ...], view: KVCacheView) -> None:
+    _, num_heads, head_dim = q_shape
+    kv_heads = kv_heads_of(view)
+    if num_heads % kv_heads:
+        raise ValueError(
+            f"paged_attention: q has {num_heads} heads, not a multiple of the "
+            f"view's {kv_heads} KV heads."
+        )
+    if head_dim != (view.head_size or head_dim) and "kv" in view.axes:
+        raise ValueError(
+            f"paged_attention: q.shape[-1]={head_dim}, but the keys have "
+            f"{view.head_size}."
+        )
+
+
+def _platform_of(pool: object) -> str | None:
+    """The platform a concrete pool array lives on (``None`` for a tracer)."""
+    if isinstance(pool, jax.core.Tracer) or not isinstance(pool, jax.Array):
+        return None
+    try:
+        platform = next(iter(pool.devices())).platform
+    except (RuntimeError, StopIteration):  # a deleted array: checked elsewhere
+        return None
+    return "cuda" if platform == "gpu" else platform
+
+
+class Choice(NamedTuple):
+    """The implementation each platform runs (static, hashable)."""
+
+    by_platform: tuple[tuple[str, str], ...]  # (platform, implementation)
+    default: str
+
+    def on(self, platform: str) -> str:
+        """The implementation `platform` runs."""
+        return dict(self.by_platform).get(platform, self.default)
+
+
+def choose_implementation(
+    implementation: str | None,
+    view: KVCacheView,
+    call: Call,
+    q_shape: tuple[int, ...],
+    *,
+    platform: str | None = None,
+) -> Choice:
+    """Which implementation each platform runs for this call.
+
+    Args:
+      implementation: One of :data:`IMPLEMENTATIONS`.
+      view: The layer's view.
+      call: The call's static options.
+      q_shape: The queries' shape.
+      platform: The platform the pools live on, when known (``"cpu"``,
+        ``"cuda"``, ``"rocm"``, ``"tpu"``); ``None``: decided per platform at
+        lowering.
+
+    Returns:
+      A :class:`Choice`: an implementation per platform.
+
+    Raises:
+      ValueError: For an unknown name, or a named implementation that cannot
+        run this call (the reason named).
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.attention._call import Call
+      >>> from jaxkv.attention._paged import choose_implementation
+      >>> from jaxkv.attention._rows import Mask
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2),
+      ...                        num_blocks=4, storage="stacked")
+      >>> view = plan.views["layers.0.self_attn"]
+      >>> call = Call(Mask(True, None, None, False, False), 1.0, None, None, 1,
+      ...             "auto")
+      >>> choice = choose_implementation(None, view, call, (8, 4, 32))
+      >>> choice.on("cpu"), choice.on("cuda"), choice.on("tpu")
+      ('xla', 'pallas_gpu', 'pallas_tpu')
+      >>> choose_implementation(None, view, call, (8, 4, 32), platform="cpu")
+      Choice(by_platform=(), default='xla')
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"paged_attention: implementation={implementation!r}, expected one "
+            f"of {IMPLEMENTATIONS}."
+        )
+    platforms = (platform,) if platform is not None else ("cpu", *_GPU_PLATFORMS, "tpu")
+    if implementation is None:
+        picks = tuple((p, _best(p, view, call, q_shape)) for p in platforms)
+    elif implementation == "pallas":
+        picks = tuple((p, "pallas_tpu" if p == "tpu" else "pallas_gpu") for p in platforms)
+    else:
+        picks = tuple((p, implementation) for p in platforms)
+    for _, name in picks:
+        reason = _unfit(name, view, call, q_shape)
+        if reason is not None:
+            raise ValueError(
+                f"paged_attention: implementation={implementation!r} "
+                f"({name}) cannot run this call: {reason}."
+            )
+    names = {name for _, name in picks}
+    if len(names) == 1:
+        return Choice((), names.pop())
+    return Choice(tuple(p for p in picks if p[1] != "xla"), "xla")
+
+
+def _best(platform: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str:
+    if platform in _GPU_PLATFORMS and gpu_unfit(view, call, q_shape) is None:
+        return "pallas_gpu"
+    if platform == "tpu" and tpu_unfit(view, call, q_shape) is None:
+        return "pallas_tpu"
+    return "xla"
+
+
+def _unfit(
+    name: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]
+) -> str | None:
+    if name == "pallas_gpu":
+        return gpu_unfit(view, call, q_shape)
+    if name == "pallas_tpu":
+        return tpu_unfit(view, call, q_shape)
+    if name == "native":
+        return native_unfit(view, call) or unavailable_reason()
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("call", "choice"))
+def _attend(
+    q: jax.Array,
+    pools: Pools,
+    view: KVCacheView,
+    meta: CommonAttentionMetadata,
+    layer: jax.Array | None,
+    *,
+    call: Call,
+    choice: Choice,
+) -> jax.Array:
+    def run(name: str, platform: str | None):
+        def go(q, pools, meta, layer):
+            if name == "native":
+                return native_attention(q, pools, view, meta, layer, call)
+            if name == "pallas_gpu":
+                interpret = platform not in _GPU_PLATFORMS
+                return gpu_attention(
+                    q, pools, view, meta, layer, call, interpret=interpret
+                )
+            if name == "pallas_tpu":
+                interpret = platform != "tpu"
+                return tpu_attention(
+                    q, pools, view, meta, layer, call, interpret=interpret
+                )
+            return xla_attention(q, pools, view, meta, layer, call)
+
+        return go
+
+    args = (q, pools, meta, layer)
+    if not choice.by_platform:
+        # One implementation everywhere; a Pallas kernel runs compiled on
+        # its own platform and interpreted elsewhere.
+        if choice.default in ("pallas_gpu", "pallas_tpu"):
+            own = _GPU_PLATFORMS if choice.default == "pallas_gpu" else ("tpu",)
+            return jax.lax.platform_dependent(
+                *args,
+                **{p: run(choice.default, p) for p in own},
+                default=run(choice.default, None),
+            )
+        return run(choice.default, None)(*args)
+    return jax.lax.platform_dependent(
+        *args,
+        **{p: run(name, p) for p, name in choice.by_platform},
+        default=run(choice.default, None),
+    )

@@ -1,0 +1,252 @@
+"""One case matrix for every attention implementation.
+
+Each case plans a 2-layer model on a typed pool (layouts, dtypes, storage
+as elements or bits, kernel blocks smaller than manager blocks), fills every
+page of both layer slots with NaN, writes each request's keys and values,
+and builds one ragged step (decode rows, prefill chunks, empty requests,
+padding tokens whose queries are NaN). ``run(case, implementation)`` gives
+``paged_attention``'s output; the tests compare each implementation with the
+XLA path, and the XLA path with a dense NumPy oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+
+_LAYOUTS = {
+    "fused": (jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED, None),
+    "kv": (jaxkv.KVCacheLayout.BLOCKS_FIRST, None),
+    "kv_first": (jaxkv.KVCacheLayout.KV_FIRST, None),
+    # (blocks, 2, heads, tokens, dim): heads outside tokens (vLLM's HND)
+    "hnd": (jaxkv.KVCacheLayout.BLOCKS_FIRST, (0, 1, 3, 2, 4)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention call: the cache's shape and the step's requests."""
+
+    name: str
+    layout: str = "fused"
+    dtype: str = "float32"
+    pool_dtype: str = "native"  # "bits": the pool holds the floats' bits
+    kv_heads: int = 2
+    q_heads: int = 4
+    head: int = 16
+    block: int = 8
+    kernel_block: int | None = None  # a kernel block smaller than `block`
+    reqs: tuple[tuple[int, int], ...] = ((1, 9), (1, 17), (1, 3))  # (q_len, seq_len)
+    tile: int = 1
+    window: int | None = None
+    chunk: int | None = None
+    cap: float | None = None
+    cross: bool = False
+    non_causal: tuple[int, ...] = ()  # requests that see their whole context
+    layer: int = 1  # the layer slot read, passed traced as `layer=`
+    cols: int = 5  # block table columns per request
+    max_reqs: int = 4
+    pad_tokens: int = 3
+
+
+CASES = (
+    Case("decode_fused_f32"),
+    Case("decode_fused_bf16_bits", dtype="bfloat16", pool_dtype="bits", q_heads=8),
+    Case(
+        "mixed_kv_window",
+        layout="kv",
+        reqs=((5, 12), (1, 20), (3, 3)),
+        tile=4,
+        window=5,
+    ),
+    Case(
+        "mixed_kv_first_bf16_chunk",
+        layout="kv_first",
+        dtype="bfloat16",
+        reqs=((6, 14), (1, 9)),
+        tile=2,
+        chunk=8,
+    ),
+    Case("decode_hnd_cap", layout="hnd", cap=2.0, kv_heads=1, q_heads=4),
+    Case("mixed_cross", reqs=((4, 4), (1, 1)), tile=4, cross=True),
+    Case(
+        "mixed_kernel_blocks_window_cap",
+        block=16,
+        kernel_block=4,
+        reqs=((7, 15), (1, 11), (2, 2)),
+        tile=4,
+        window=6,
+        cap=3.0,
+    ),
+    Case("decode_mha_layer0", layout="kv", q_heads=2, layer=0),
+    Case(
+        "mixed_non_causal_request",
+        reqs=((3, 10), (4, 4)),
+        tile=4,
+        non_causal=(1,),
+    ),
+    # seq_len runs past the table (cols * block = 16 keys): the rest is unseen.
+    Case("decode_past_table", reqs=((1, 30), (1, 16)), cols=2),
+    Case("mixed_empty_requests", reqs=((0, 5), (3, 7), (0, 0)), tile=2),
+    Case("decode_gqa8", kv_heads=1, q_heads=8, head=32, window=4),
+)
+
+
+@dataclasses.dataclass
+class Built:
+    q: jax.Array
+    pools: Any
+    view: Any
+    meta: Any
+    kw: dict
+    layer: jax.Array
+    keys: list  # per request: (kv_len, kv_heads, head) float64, as stored
+    values: list
+    num_tokens: int
+
+
+def build(case: Case, seed: int = 0) -> Built:
+    rng = np.random.default_rng(seed)
+    layout, order = _LAYOUTS[case.layout]
+    backend = jaxkv.AttentionBackend(
+        name=f"cases_{case.layout}_{case.kernel_block}",
+        layout=layout,
+        stride_order=order,
+        supported_kernel_block_sizes=(case.kernel_block,)
+        if case.kernel_block
+        else (jaxkv.vllm.MultipleOf(1),),
+    )
+    spec = jaxkv.FullAttentionSpec(
+        block_size=case.block,
+        num_kv_heads=case.kv_heads,
+        head_size=case.head,
+        dtype=case.dtype,
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in ("a", "b")
+        ]
+    )
+    plan = jaxkv.make_plan(
+        cfg, num_blocks=24, storage="stacked", pool_dtype=case.pool_dtype
+    )
+    view = plan.views["a"]
+    kb = view.block_size
+    pools = plan.allocate()
+    dtype = jnp.dtype(case.dtype)
+    heads, head = case.kv_heads, case.head
+    n_slots = view.num_blocks * kb
+    nan = jnp.full((n_slots, heads, head), jnp.nan, dtype)
+    for slot in (0, 1):
+        pools = jaxkv.write_kv(
+            pools, view, nan, nan, jnp.arange(n_slots, dtype=jnp.int32),
+            layer=jnp.int32(slot),
+        )
+    free = list(rng.permutation(np.arange(1, view.num_blocks)))
+    tables = np.zeros((case.max_reqs, case.cols), np.int32)
+    keys, values, enc_lens = [], [], []
+    for r, (_, seq_len) in enumerate(case.reqs):
+        tables[r] = [free.pop() for _ in range(case.cols)]
+        enc = int(rng.integers(1, case.cols * kb)) if case.cross else 0
+        enc_lens.append(enc)
+        kv_len = enc if case.cross else min(seq_len, case.cols * kb)
+        k = rng.standard_normal((kv_len, heads, head)).astype(dtype)
+        v = rng.standard_normal((kv_len, heads, head)).astype(dtype)
+        pos = np.arange(kv_len)
+        slots = (tables[r][pos // kb] * kb + pos % kb).astype(np.int32)
+        pools = jaxkv.write_kv(
+            pools, view, k, v, slots, layer=jnp.int32(case.layer)
+        )
+        keys.append(np.asarray(k, np.float64))
+        values.append(np.asarray(v, np.float64))
+    q_lens = [q for q, _ in case.reqs]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    t_pad = num_tokens + case.pad_tokens
+    q = rng.standard_normal((t_pad, case.q_heads, head)).astype(dtype)
+    q[num_tokens:] = np.nan  # padding tokens' queries must not matter
+    n = len(case.reqs)
+    meta = jaxkv.CommonAttentionMetadata.empty(
+        max_reqs=case.max_reqs, max_tokens=t_pad, max_blocks=case.cols
+    )
+    causal = np.ones(case.max_reqs, bool)
+    causal[list(case.non_causal)] = False
+    meta = dataclasses.replace(
+        meta,
+        query_start_loc=jnp.asarray(np.pad(qsl, (0, case.max_reqs - n), mode="edge")),
+        seq_lens=jnp.asarray(
+            np.pad([s for _, s in case.reqs], (0, case.max_reqs - n)).astype(np.int32)
+        ),
+        block_table_tensor=jnp.asarray(tables),
+        num_reqs=jnp.int32(n),
+        num_actual_tokens=jnp.int32(num_tokens),
+        encoder_seq_lens=jnp.asarray(
+            np.pad(enc_lens, (0, case.max_reqs - n)).astype(np.int32)
+        ),
+        request_causal=jnp.asarray(causal),
+    )
+    kw: dict[str, Any] = {"scale": 0.5, "query_tile": case.tile}
+    if case.window is not None:
+        kw["sliding_window"] = case.window
+    if case.chunk is not None:
+        kw["attention_chunk_size"] = case.chunk
+    if case.cap is not None:
+        kw["logits_soft_cap"] = case.cap
+    if case.cross:
+        kw["cross_attention"] = True
+    return Built(
+        jnp.asarray(q), pools, view, meta, kw, jnp.int32(case.layer), keys, values,
+        num_tokens,
+    )
+
+
+def run(built: Built, implementation: str | None) -> np.ndarray:
+    @jax.jit
+    def attend(q, pools, meta, layer):
+        return jaxkv.paged_attention(
+            q, pools, built.view, meta, layer=layer, implementation=implementation,
+            **built.kw,
+        )
+
+    out = attend(built.q, built.pools, built.meta, built.layer)
+    return np.asarray(out.astype(jnp.float32))
+
+
+def dense(case: Case, built: Built) -> np.ndarray:
+    """The dense NumPy oracle of the case (float64)."""
+    q = np.asarray(built.q.astype(jnp.float32), np.float64)
+    out = np.zeros((q.shape[0], case.q_heads, case.head))
+    groups = case.q_heads // case.kv_heads
+    qsl = np.concatenate([[0], np.cumsum([ql for ql, _ in case.reqs])])
+    limit = case.cols * built.view.block_size
+    for r, (q_len, seq_len) in enumerate(case.reqs):
+        keys, values = built.keys[r], built.values[r]
+        kv_len = keys.shape[0]
+        for i in range(q_len):
+            t = qsl[r] + i
+            p = seq_len - q_len + i
+            j = np.arange(kv_len)
+            ok = j < limit
+            if not case.cross:
+                if r not in case.non_causal:
+                    ok &= j <= p
+                if case.window is not None:
+                    ok &= j > p - case.window
+                if case.chunk is not None:
+                    ok &= j // case.chunk == p // case.chunk
+            if not ok.any():
+                continue
+            for h in range(case.q_heads):
+                s = keys[:, h // groups] @ q[t, h] * 0.5
+                if case.cap is not None:
+                    s = case.cap * np.tanh(s / case.cap)
+                s = np.where(ok, s, -np.inf)
+                w = np.exp(s - s.max())
+                out[t, h] = (w / w.sum()) @ values[:, h // groups]
+    return out

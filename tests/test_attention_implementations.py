@@ -1,0 +1,142 @@
+"""Every attention implementation against XLA's path over one case matrix
+(``tests/attention_cases.py``), and XLA's path against a dense oracle. The
+Pallas kernels run in Pallas's interpret modes here (Triton's and the TPU's),
+the native kernel compiled for this CPU.
+"""  # noqa: D205
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv._native import available
+from tests.attention_cases import CASES, build, dense, run
+
+_TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def xla_outputs():
+    return {}
+
+
+def _xla(case, cache):
+    if case.name not in cache:
+        built = build(case)
+        cache[case.name] = (built, run(built, "xla"))
+    return cache[case.name]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_xla_path_matches_the_dense_oracle(case, xla_outputs):
+    built, out = _xla(case, xla_outputs)
+    want = dense(case, built)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=_TOL[case.dtype], rtol=_TOL[case.dtype])
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu", "native"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_implementation_matches_the_xla_path(case, implementation, xla_outputs):
+    built, want = _xla(case, xla_outputs)
+    if implementation == "native" and not available():
+        pytest.skip("no C++ compiler for the native kernel")
+    call_fits = _fits(built, implementation)
+    if call_fits is not None:
+        # An implementation that cannot run a case says why, by name.
+        with pytest.raises(ValueError, match=f"implementation='{implementation}'"):
+            run(built, implementation)
+        assert implementation == "native" and case.tile > 1, call_fits
+        return
+    out = run(built, implementation)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=_TOL[case.dtype], rtol=_TOL[case.dtype])
+
+
+def _fits(built, implementation):
+    try:
+        run_shapes = built.q.shape
+        from jaxkv.attention._call import Call
+        from jaxkv.attention._rows import Mask
+
+        kw = built.kw
+        call = Call(
+            Mask(
+                True,
+                kw.get("sliding_window"),
+                kw.get("attention_chunk_size"),
+                bool(kw.get("cross_attention")),
+                False,
+            ),
+            kw["scale"],
+            kw.get("logits_soft_cap"),
+            None,
+            kw["query_tile"],
+            "auto",
+        )
+        jaxkv.attention.choose_implementation(
+            implementation, built.view, call, run_shapes
+        )
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+_WRITE_CASES = [
+    c
+    for c in CASES
+    if c.name
+    in (
+        "decode_fused_f32",
+        "decode_fused_bf16_bits",
+        "mixed_kv_window",
+        "mixed_kv_first_bf16_chunk",
+        "decode_hnd_cap",
+        "mixed_kernel_blocks_window_cap",
+    )
+]
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu", "native"])
+@pytest.mark.parametrize("case", _WRITE_CASES, ids=lambda c: c.name)
+def test_write_implementation_writes_the_bytes_xla_writes(case, implementation):
+    import jax
+    import jax.numpy as jnp
+
+    if implementation == "native" and not available():
+        pytest.skip("no C++ compiler for the native kernel")
+    built = build(case)
+    view = built.view
+    rng = np.random.default_rng(1)
+    n_slots = view.num_blocks * view.block_size
+    # Padding, a slot past the view's blocks, int32's end and real slots.
+    slots = np.array(
+        [-1, n_slots, 2**31 - 1, 0, 5, n_slots - 1, 3 * view.block_size + 2],
+        np.int32,
+    )
+    dtype = jnp.dtype(case.dtype)
+    k = jnp.asarray(rng.standard_normal((7, case.kv_heads, case.head)), dtype)
+    v = jnp.asarray(rng.standard_normal((7, case.kv_heads, case.head)), dtype)
+
+    @jax.jit
+    def write(pools, layer, implementation=implementation):
+        return jaxkv.write_kv(
+            pools, view, k, v, slots, layer=layer, implementation=implementation
+        )
+
+    def bits(pools):
+        return [np.asarray(p).view(np.uint8) for p in pools]
+
+    for layer in (case.layer, 5, -1):  # a layer outside the pool writes nothing
+        fresh = build(case).pools
+        want = bits(
+            jax.jit(
+                lambda p, i: jaxkv.write_kv(
+                    p, view, k, v, slots, layer=i, implementation="xla"
+                )
+            )(fresh, jnp.int32(layer))
+        )
+        got = bits(write(build(case).pools, jnp.int32(layer)))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        if layer == 5:
+            np.testing.assert_array_equal(got[0], bits(build(case).pools)[0])
