@@ -234,7 +234,9 @@ def gqa_forward(
                 pools, layer.view, k, v, m.slot_mapping, implementation=implementation
             )
             decode = q.shape[0] <= m.max_reqs  # rows of one token
-            attend = "xla" if implementation == "native" and not decode else implementation
+            attend = (
+                "xla" if implementation == "native" and not decode else implementation
+            )
             out = jaxkv.paged_attention(
                 q, pools, layer, m, scale=scale, implementation=attend
             )

@@ -157,7 +157,9 @@ class Batch:
             implementation = default_implementation()
         # The C++ decode kernel takes rows of one token; a mixed batch's
         # prefill rows go to XLA's path.
-        attend = "xla" if implementation == "native" and query_tile > 1 else implementation
+        attend = (
+            "xla" if implementation == "native" and query_tile > 1 else implementation
+        )
 
         def step(state: Any, q: Any, meta: Any, new_k: Any, new_v: Any, slots: Any):
             pools, _ = state
@@ -412,6 +414,8 @@ def run(args: Any) -> dict[str, Any]:
         fn, mixed.jaxkv_state(), *mixed.jaxkv_args(), iters=iters_peer
     )
     results["mixed_jaxkv_ms"] = t_mixed * 1e3
+    results["mixed_kv_bytes"] = mixed.kv_bytes
+    results["mixed_path"] = _kernels(fn, mixed)
     line = f"mixed batch ({sum(q_lens)} tokens): jaxkv {t_mixed * 1e3:.2f} ms"
     peer = _try_ejkernel(mixed, scale, iters_peer)
     if not isinstance(peer, str):

@@ -55,11 +55,21 @@ def _step_fn(plan: Any, builder: Any, num_layers: int, scan: bool) -> Any:
     def layer_step(x, pools, w, layer, slot, meta):
         q, k, v = (jnp.einsum("td,dhk->thk", x, w[n]) for n in "qkv")
         pools = jaxkv.write_kv(
-            pools, layer.view, k, v, meta.slot_mapping, layer=slot,
+            pools,
+            layer.view,
+            k,
+            v,
+            meta.slot_mapping,
+            layer=slot,
             implementation=IMPLEMENTATION,
         )
         out = jaxkv.paged_attention(
-            q, pools, layer, meta, scale=0.125, layer=slot,
+            q,
+            pools,
+            layer,
+            meta,
+            scale=0.125,
+            layer=slot,
             # The C++ decode kernel takes rows of one token only.
             implementation="xla"
             if IMPLEMENTATION == "native" and q.shape[0] > meta.max_reqs

@@ -22,8 +22,6 @@ import importlib
 import importlib.metadata
 
 from jaxkv import vllm as vllm  # the vLLM-named API, as jaxkv.vllm
-from jaxkv.attention import paged_attention
-from jaxkv.attention import request_token_rows, token_requests_and_positions
 from jaxkv._backend_registry import get_backend, register_backend, registered_backends
 from jaxkv._backends import AttentionBackend, KVCacheLayout
 from jaxkv._config import LayerConfig, RunnerConfig
@@ -42,6 +40,11 @@ from jaxkv._specs import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+)
+from jaxkv.attention import (
+    paged_attention,
+    request_token_rows,
+    token_requests_and_positions,
 )
 from jaxkv.cache import (
     KVCacheBudget,

@@ -102,7 +102,7 @@ CASES = (
 class Built:
     q: jax.Array
     pools: Any
-    view: Any
+    view: jaxkv.KVCacheView
     meta: Any
     kw: dict
     layer: jax.Array
@@ -137,6 +137,7 @@ def build(case: Case, seed: int = 0) -> Built:
         cfg, num_blocks=24, storage="stacked", pool_dtype=case.pool_dtype
     )
     view = plan.views["a"]
+    assert isinstance(view, jaxkv.KVCacheView)
     kb = view.block_size
     pools = plan.allocate()
     dtype = jnp.dtype(case.dtype)
@@ -145,7 +146,11 @@ def build(case: Case, seed: int = 0) -> Built:
     nan = jnp.full((n_slots, heads, head), jnp.nan, dtype)
     for slot in (0, 1):
         pools = jaxkv.write_kv(
-            pools, view, nan, nan, jnp.arange(n_slots, dtype=jnp.int32),
+            pools,
+            view,
+            nan,
+            nan,
+            jnp.arange(n_slots, dtype=jnp.int32),
             layer=jnp.int32(slot),
         )
     free = list(rng.permutation(np.arange(1, view.num_blocks)))
@@ -160,9 +165,7 @@ def build(case: Case, seed: int = 0) -> Built:
         v = rng.standard_normal((kv_len, heads, head)).astype(dtype)
         pos = np.arange(kv_len)
         slots = (tables[r][pos // kb] * kb + pos % kb).astype(np.int32)
-        pools = jaxkv.write_kv(
-            pools, view, k, v, slots, layer=jnp.int32(case.layer)
-        )
+        pools = jaxkv.write_kv(pools, view, k, v, slots, layer=jnp.int32(case.layer))
         keys.append(np.asarray(k, np.float64))
         values.append(np.asarray(v, np.float64))
     q_lens = [q for q, _ in case.reqs]
@@ -201,7 +204,14 @@ def build(case: Case, seed: int = 0) -> Built:
     if case.cross:
         kw["cross_attention"] = True
     return Built(
-        jnp.asarray(q), pools, view, meta, kw, jnp.int32(case.layer), keys, values,
+        jnp.asarray(q),
+        pools,
+        view,
+        meta,
+        kw,
+        jnp.int32(case.layer),
+        keys,
+        values,
         num_tokens,
     )
 
@@ -210,7 +220,12 @@ def run(built: Built, implementation: str | None) -> np.ndarray:
     @jax.jit
     def attend(q, pools, meta, layer):
         return jaxkv.paged_attention(
-            q, pools, built.view, meta, layer=layer, implementation=implementation,
+            q,
+            pools,
+            built.view,
+            meta,
+            layer=layer,
+            implementation=implementation,
             **built.kw,
         )
 

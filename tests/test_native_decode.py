@@ -117,7 +117,9 @@ def _decode(
 
 def _both(pools, view, meta, q, **kw):
     attend = functools.partial(jaxkv.paged_attention, scale=0.3, **kw)
-    native = np.asarray(attend(q, pools, view, meta, implementation="native"), np.float32)
+    native = np.asarray(
+        attend(q, pools, view, meta, implementation="native"), np.float32
+    )
     xla = np.asarray(attend(q, pools, view, meta, implementation="xla"), np.float32)
     return native, xla
 
@@ -354,7 +356,9 @@ def test_native_refuses_what_it_cannot_run_naming_why():
         )
     pools8, view8, meta8, q8, _ = _decode(dtype="float16")
     with pytest.raises(ValueError, match="dtype float16"):
-        jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0, implementation="native")
+        jaxkv.paged_attention(
+            q8, pools8, view8, meta8, scale=1.0, implementation="native"
+        )
     out = jaxkv.paged_attention(q8, pools8, view8, meta8, scale=1.0)
     assert out.shape == q8.shape
 
@@ -452,13 +456,16 @@ def test_a_truncated_or_foreign_cached_library_never_crashes_a_process(tmp_path)
     lib.write_bytes(good[: len(good) // 3])
     out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
     assert "reason: None" in out, out
-    assert "does not match its record" in out and "rebuilding" in out, out
-    assert "native ok" in out and "default ok" in out
+    assert "does not match its record" in out, out
+    assert "rebuilding" in out, out
+    assert "native ok" in out
+    assert "default ok" in out
     assert lib.read_bytes() == good or len(lib.read_bytes()) > len(good) // 2
     # No record beside it (an older jaxkv's cache, a copied file): rebuilt.
     record.unlink()
     out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
-    assert "has no size and hash record" in out and "native ok" in out, out
+    assert "has no size and hash record" in out, out
+    assert "native ok" in out, out
     # A foreign library with a record that matches it: loaded, found to lack
     # the kernels, refused by name; the default path still serves.
     libm = next(
@@ -477,7 +484,8 @@ def test_a_truncated_or_foreign_cached_library_never_crashes_a_process(tmp_path)
     record.write_text(f"{len(foreign)} {hashlib.sha256(foreign).hexdigest()}\n")
     out = _run(_CACHED, JAXKV_CACHE_DIR=str(tmp_path))
     assert "lacks the kernels' symbols" in out, out
-    assert "native refused" in out and "default ok" in out, out
+    assert "native refused" in out, out
+    assert "default ok" in out, out
 
 
 def test_the_kernel_reads_no_byte_outside_the_pool_or_table_under_asan(tmp_path):

@@ -58,7 +58,7 @@ def _text(compiled) -> str:
     return text
 
 
-def _hlo(pools, view, k, v, slots, implementation="native"):
+def _hlo(pools, view, k, v, slots, implementation: str | None = "native"):
     return (
         jax.jit(
             jaxkv.write_kv.__wrapped__,

@@ -127,8 +127,7 @@ def build() -> Path:
         if problem is None:
             return lib
         warnings.warn(
-            f"jaxkv: the cached native kernel library {lib} {problem}; "
-            "rebuilding it.",
+            f"jaxkv: the cached native kernel library {lib} {problem}; rebuilding it.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -183,8 +182,10 @@ def _check_entry(lib: Path) -> str | None:
     except OSError as err:
         return f"cannot be read ({err})"
     if got != want:
-        return f"does not match its record (size and SHA-256 {got.split()} != " \
+        return (
+            f"does not match its record (size and SHA-256 {got.split()} != "
             f"{want.split()})"
+        )
     return None
 
 

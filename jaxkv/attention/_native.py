@@ -67,7 +67,9 @@ def native_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = view.shape[view.dim("head")]
     cols = meta.block_table_tensor.shape[1]
-    rows = query_rows_of(meta, num_tokens, 1, call.mask, cols, block_size=view.block_size)
+    rows = query_rows_of(
+        meta, num_tokens, 1, call.mask, cols, block_size=view.block_size
+    )
     lo, hi = key_ranges(rows, meta, call.mask)
     bounds = jnp.stack([lo[:, 0], hi[:, 0]], axis=1)
     head_dim_v = value_dim(view, head_dim)

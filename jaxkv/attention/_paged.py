@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from jaxkv._native import unavailable_reason
-from jaxkv.attention._call import Call, kv_heads_of, pallas_unfit
+from jaxkv.attention._call import Call, kv_heads_of
 from jaxkv.attention._native import native_attention, native_unfit
 from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
 from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
@@ -233,12 +233,12 @@ def _check_heads(q_shape: tuple[int, ...], view: KVCacheView) -> None:
 
 def _platform_of(pool: object) -> str | None:
     """The platform a concrete pool array lives on (``None`` for a tracer)."""
-    if isinstance(pool, jax.core.Tracer) or not isinstance(pool, jax.Array):
+    if not isinstance(pool, jax.Array):
         return None
     try:
         platform = next(iter(pool.devices())).platform
-    except (RuntimeError, StopIteration):  # a deleted array: checked elsewhere
-        return None
+    except (jax.errors.ConcretizationTypeError, RuntimeError, StopIteration):
+        return None  # traced (decided at lowering), or deleted (checked elsewhere)
     return "cuda" if platform == "gpu" else platform
 
 
@@ -304,7 +304,9 @@ def choose_implementation(
     if implementation is None:
         picks = tuple((p, _best(p, view, call, q_shape)) for p in platforms)
     elif implementation == "pallas":
-        picks = tuple((p, "pallas_tpu" if p == "tpu" else "pallas_gpu") for p in platforms)
+        picks = tuple(
+            (p, "pallas_tpu" if p == "tpu" else "pallas_gpu") for p in platforms
+        )
     else:
         picks = tuple((p, implementation) for p in platforms)
     for _, name in picks:
@@ -320,7 +322,9 @@ def choose_implementation(
     return Choice(tuple(p for p in picks if p[1] != "xla"), "xla")
 
 
-def _best(platform: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str:
+def _best(
+    platform: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]
+) -> str:
     if platform in _GPU_PLATFORMS and gpu_unfit(view, call, q_shape) is None:
         return "pallas_gpu"
     if platform == "tpu" and tpu_unfit(view, call, q_shape) is None:

@@ -188,7 +188,7 @@ def _kernel(
     v_at = dk if lay.fused else 0
 
     def load(page: jax.Array, ok: jax.Array, half: int, at: int, width: int):
-        x = pool_ref[lay.index(layer, page, h, half, pl.ds(at, width))]
+        x = pool_ref[lay.at(layer, page, h, half, pl.ds(at, width))]
         if x.dtype != lay.dtype:  # a bits pool: the same bytes, as floats
             x = jax.lax.bitcast_convert_type(x, lay.dtype)
         return jnp.where(ok, x.astype(jnp.float32), jnp.nan)

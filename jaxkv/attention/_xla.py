@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from jaxkv.attention._call import Call, kv_heads_of
 from jaxkv.attention._rows import (
     chunk_range,
@@ -114,7 +115,11 @@ def xla_attention(
     num_chunks = -(-cols // chunk)
     span = chunk * view.block_size
     rows = query_rows_of(
-        meta, num_tokens, query_tile, opts, num_chunks * chunk,
+        meta,
+        num_tokens,
+        query_tile,
+        opts,
+        num_chunks * chunk,
         block_size=view.block_size,
     )
     # Rows of one token are the tokens in order: no gather of the queries and

@@ -184,12 +184,22 @@ def write_kv(
                     return native_write(pool, view, key, value, slots, layer)
                 if name == "pallas_gpu":
                     return gpu_write(
-                        pool, view, key, value, slots, layer,
+                        pool,
+                        view,
+                        key,
+                        value,
+                        slots,
+                        layer,
                         interpret=platform not in _GPU_PLATFORMS,
                     )
                 if name == "pallas_tpu":
                     return tpu_write(
-                        pool, view, key, value, slots, layer,
+                        pool,
+                        view,
+                        key,
+                        value,
+                        slots,
+                        layer,
                         interpret=platform != "tpu",
                     )
                 own = _replace(pools, view.pool, pool)

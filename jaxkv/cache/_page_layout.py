@@ -72,9 +72,7 @@ class PageLayout(NamedTuple):
     fused: bool  # K|V in one dim: K is [:head_size], V the rest
     dtype: np.dtype
 
-    def index(
-        self, layer, block, head, half: int, dim_slice, token=slice(None)
-    ) -> tuple:
+    def at(self, layer, block, head, half: int, dim_slice, token=slice(None)) -> tuple:
         """An index of the reshaped pool: one page (or one `token`) of one
         `head` (or all: ``slice(None)``), of K (`half` 0) or V (1).
         """  # noqa: D205

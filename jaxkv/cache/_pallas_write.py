@@ -18,7 +18,6 @@ On CPU both run in their interpret modes (what CI checks against XLA).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -110,7 +109,9 @@ def tpu_write(
         @pl.when(ok)
         def _store():
             heads_all = slice(None)
-            k_dst = pool_ref.at[_row(lay, slot_layer, block, heads_all, 0, 0, dk, token)]
+            k_dst = pool_ref.at[
+                _row(lay, slot_layer, block, heads_all, 0, 0, dk, token)
+            ]
             v_at = dk if lay.fused else 0
             v_dst = pool_ref.at[
                 _row(lay, slot_layer, block, heads_all, 1, v_at, dv, token)
@@ -150,9 +151,12 @@ def tpu_write(
 def _slot_ok(slot, slot_layer, lay: PageLayout, view: KVCacheView):
     blocks = view.num_blocks * view.block_size
     return (
-        (slot >= 0) & (slot < blocks) & (slot_layer >= 0) & (slot_layer < lay.slots_shape[0])
+        (slot >= 0)
+        & (slot < blocks)
+        & (slot_layer >= 0)
+        & (slot_layer < lay.slots_shape[0])
     )
 
 
 def _row(lay: PageLayout, layer, block, head, half: int, at: int, width: int, token):
-    return lay.index(layer, block, head, half, pl.ds(at, width), token=token)
+    return lay.at(layer, block, head, half, pl.ds(at, width), token=token)
