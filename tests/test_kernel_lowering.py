@@ -183,9 +183,11 @@ def test_the_kernel_hand_off_in_a_cpu_layer_scan_copies_no_stack(write):
         .compile()
     )
     shape = ",".join(map(str, pools[0].shape))
+    text = compiled.as_text()
+    assert text is not None
     big = [
         line
-        for line in compiled.as_text().splitlines()
+        for line in text.splitlines()
         if f"[{shape}]" in line and (" copy(" in line or " convert(" in line)
     ]
     assert big == []
