@@ -19,6 +19,7 @@ _QUICK = {
     "mixed_kv_window",
     "decode_hnd_cap",
     "mixed_kernel_blocks_window_cap",
+    "decode_past_table",  # one rule for keys past the table, native included
 }
 
 

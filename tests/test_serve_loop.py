@@ -374,7 +374,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
         jaxkv.ServingLoop(plan, forward, {}, sampling={"temperature": 1})  # pyright: ignore[reportArgumentType]
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"temperature": -1.0}, "temperature must be a number >= 0"),
+        ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
         ({"top_k": -2}, "top_k must be an int >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"seed": -1}, "seed must be an int"),
@@ -392,8 +392,10 @@ def test_logits_wider_than_the_vocabulary_are_named_when_traced(decode_steps):
     """  # noqa: D205
     plan, _, _ = _model()
 
+    # No model: the pools come back as new arrays (a forward that returns
+    # the very arrays it was given is refused: its writes would be lost).
     def wide(params, pools, meta, tokens, sample):
-        return pools, jnp.zeros((sample.shape[0], VOCAB + 2))
+        return jax.tree.map(jnp.copy, pools), jnp.zeros((sample.shape[0], VOCAB + 2))
 
     loop = jaxkv.ServingLoop(
         plan, wide, {}, vocab_size=VOCAB, decode_steps=decode_steps
@@ -404,7 +406,7 @@ def test_logits_wider_than_the_vocabulary_are_named_when_traced(decode_steps):
         loop.warm_up()
 
     def exact(params, pools, meta, tokens, sample):
-        return pools, jnp.zeros((sample.shape[0], VOCAB))
+        return jax.tree.map(jnp.copy, pools), jnp.zeros((sample.shape[0], VOCAB))
 
     loop = jaxkv.ServingLoop(plan, exact, {}, vocab_size=VOCAB)
     r = jaxkv.Request("a", prompt=[1, 2], max_new_tokens=2)
@@ -552,8 +554,16 @@ def test_a_forward_that_returns_the_wrong_things_is_named():
             "not the ones it was given",
         ),
         (
-            lambda p, pools, m, t, s: (pools, forward(p, pools, m, t, s)[1][:1]),
+            lambda p, pools, m, t, s: (
+                forward(p, pools, m, t, s)[0],
+                forward(p, pools, m, t, s)[1][:1],
+            ),
             r"logits of shape \(num_samples, vocab\)",
+        ),
+        # The model's writes discarded: the argument returned as it came.
+        (
+            lambda p, pools, m, t, s: (pools, forward(p, pools, m, t, s)[1]),
+            "the very pools it was given",
         ),
     ]
     for bad, match in cases:

@@ -19,9 +19,10 @@ def check_forward_result(
     out: Any, pools: Pools, sample: jax.Array, *, vocab_size: int | None = None
 ) -> tuple[Any, Any]:
     """Trace-time check of what `forward` returned: ``(pools, logits)`` with
-    the pools' shapes and dtypes, one logits row per sampled token, and no
-    more columns than `vocab_size` (a wider row could sample an id the
-    scheduler refuses, found only when a step's tokens are read).
+    the pools' shapes and dtypes (and not the very arrays it was given: its
+    writes would be lost), one logits row per sampled token, and exactly
+    `vocab_size` columns (a wider row could sample an id the scheduler
+    refuses; a narrower one never samples the last ids).
     """  # noqa: D205
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(
@@ -29,6 +30,20 @@ def check_forward_result(
             f"{type(out).__name__}."
         )
     new_pools, logits = out
+    given = jax.tree.leaves(pools)
+    returned = jax.tree.leaves(new_pools)
+    if (
+        given
+        and len(returned) == len(given)
+        and all(a is b for a, b in zip(returned, given, strict=True))
+    ):
+        raise ValueError(
+            "ServingLoop: forward returned the very pools it was given, so "
+            "nothing it wrote would be kept (every step would read stale K/V). "
+            "Return the pools write_kv / write_mamba_state gave back, not the "
+            "argument (a discarded write_kv result, or a holder read before "
+            "the model ran)."
+        )
     want = [(tuple(p.shape), p.dtype) for p in jax.tree.leaves(pools)]
     got = [
         (tuple(jnp.shape(p)), jnp.result_type(p)) for p in jax.tree.leaves(new_pools)
@@ -52,6 +67,13 @@ def check_forward_result(
             f"vocab_size is {vocab_size}: ids in [{vocab_size}, {shape[1]}) could "
             "be sampled and would be refused. Return logits[:, :vocab_size] (a "
             "padded vocabulary) or pass the logits' width as vocab_size."
+        )
+    if vocab_size is not None and shape[1] < vocab_size:
+        raise ValueError(
+            f"ServingLoop: forward returned logits of {shape[1]} columns, but "
+            f"vocab_size is {vocab_size}: ids in [{shape[1]}, {vocab_size}) could "
+            "never be sampled. Return one column per token id, or pass the "
+            "logits' width as vocab_size."
         )
     return new_pools, logits
 
@@ -109,15 +131,18 @@ def check_host_blocks(
         )
 
 
-def check_decode_steps(plan: object, decode_steps: object) -> int:
-    """`decode_steps` is an int >= 1, and 1 on a mesh."""
+def check_decode_steps(plan: KVCachePlan | ShardedPlan, decode_steps: object) -> int:
+    """`decode_steps` is an int in ``[1, max_model_len]``, and 1 on a mesh."""
+    limit = plan.runner_config.max_model_len
     if (
         not isinstance(decode_steps, int)
         or isinstance(decode_steps, bool)
-        or decode_steps < 1
+        or not 1 <= decode_steps <= limit
     ):
         raise ValueError(
-            f"ServingLoop: decode_steps must be an int >= 1, got {decode_steps!r}."
+            f"ServingLoop: decode_steps must be an int in [1, max_model_len="
+            f"{limit}] (no request decodes more tokens than that), got "
+            f"{decode_steps!r}."
         )
     if decode_steps > 1 and isinstance(plan, ShardedPlan):
         raise ValueError(

@@ -160,7 +160,7 @@ class ServingLoop(RequestMoves):
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         check_loop_arguments(plan, forward, sampling, param_specs)
-        self.decode_steps = check_decode_steps(plan, decode_steps)
+        self._decode_steps = check_decode_steps(plan, decode_steps)
         check_host_blocks(plan, host_blocks, enable_prefix_caching)
         self.sampling = SamplingParams() if sampling is None else sampling
         sharded = plan if isinstance(plan, ShardedPlan) else None
@@ -275,6 +275,13 @@ class ServingLoop(RequestMoves):
         return jax.device_put(params, shardings), self.sharded.allocate(), specs
 
     @property
+    def decode_steps(self) -> int:
+        """Decode iterations per dispatch in steady decoding (read-only: its
+        programs are compiled by :meth:`warm_up`; make a new loop to change it).
+        """  # noqa: D205
+        return self._decode_steps
+
+    @property
     def overlap(self) -> bool:
         """Whether the next step is scheduled while one runs (see the class).
 
@@ -365,7 +372,17 @@ class ServingLoop(RequestMoves):
           num_blocks: Blocks each scheduler may use (default: all of the
             pool's); fewer simulate a smaller pool without recompiling.
           host_blocks: Blocks of a new host tier (see the class).
+
+        Raises:
+          RuntimeError: Inside ``run()`` (from ``on_token``, while a step's
+            tokens are being applied): the step would be left half applied.
         """  # noqa: D205
+        if self._on_token is not None:
+            raise RuntimeError(
+                "ServingLoop.reset: cannot reset inside run() (from on_token, "
+                "while a step's tokens are being applied); reset between "
+                "step() calls or runs."
+            )
         check_host_blocks(self.sharded or self.plan, host_blocks, enable_prefix_caching)
         self.resume()
         self.schedulers = self._schedulers(
@@ -550,6 +567,12 @@ class ServingLoop(RequestMoves):
         """
         requests = list(requests)
         own = dict(sampling or {})
+        unknown = sorted(set(own) - {r.req_id for r in requests})
+        if unknown:
+            raise ValueError(
+                f"run: sampling names request ids {unknown[:5]} that are not among "
+                "the requests given; each key must be the req_id of one of them."
+            )
         self._on_token = on_token
         try:
             for req in requests:

@@ -6,6 +6,8 @@ it is batched, preempted or resumed.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -15,9 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxkv._util import is_int
+from jaxkv._util import checks_own_arguments, is_int
 
 
+def _real(x: object) -> bool:
+    """A real number by value (NumPy scalars included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+
+
+@checks_own_arguments  # by value: NumPy scalars are numbers, named errors
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How tokens are drawn from the logits (static: part of the program).
@@ -43,19 +51,25 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # Checked by value, not by Python type: a NumPy scalar is a number,
+        # infinity and NaN are not temperatures.
         t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0:
+        if not _real(t) or not (math.isfinite(t) and t >= 0):
             raise ValueError(
-                f"SamplingParams.temperature must be a number >= 0, got {t!r}."
+                f"SamplingParams.temperature must be a finite number >= 0, got {t!r}."
             )
         if not is_int(k) or k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0, got {k!r}.")
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+        if not _real(p) or not 0 < p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}.")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
         if not is_int(self.seed) or not 0 <= self.seed < 2**31:
             raise ValueError(
                 f"SamplingParams.seed must be an int in [0, 2**31), got {self.seed!r}."
             )
+        object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
