@@ -64,17 +64,24 @@ def test_logits_must_be_exactly_as_wide_as_the_vocabulary(width):
 
 
 def test_sampling_parameters_are_checked_by_value():
-    p = jaxkv.SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9))
+    p = jaxkv.SamplingParams(
+        temperature=np.float32(0.7),  # pyright: ignore[reportArgumentType]
+        top_p=np.float64(0.9),
+    )
     assert p.temperature == pytest.approx(0.7)
     assert type(p.temperature) is float
     assert type(p.top_p) is float
-    assert jaxkv.SamplingParams(top_k=np.int64(5), seed=np.int32(3)).top_k == 5
+    numpy_ints = jaxkv.SamplingParams(
+        top_k=np.int64(5),  # pyright: ignore[reportArgumentType]
+        seed=np.int32(3),  # pyright: ignore[reportArgumentType]
+    )
+    assert numpy_ints.top_k == 5
     for bad in (float("inf"), float("nan"), -1.0, True, "0.7", np.bool_(True)):
         with pytest.raises(ValueError, match="temperature must be a finite"):
-            jaxkv.SamplingParams(temperature=bad)
+            jaxkv.SamplingParams(temperature=bad)  # pyright: ignore[reportArgumentType]
     for bad in (float("nan"), 0.0, 1.5, np.float32(2.0)):
         with pytest.raises(ValueError, match="top_p"):
-            jaxkv.SamplingParams(temperature=1.0, top_p=bad)
+            jaxkv.SamplingParams(temperature=1.0, top_p=bad)  # pyright: ignore[reportArgumentType]
 
 
 def test_decode_steps_is_bounded_and_read_only():
@@ -83,7 +90,11 @@ def test_decode_steps_is_bounded_and_read_only():
     for bad in (0, -2, 10**6, 65, 2.0):
         with pytest.raises(ValueError, match=r"decode_steps must be an int in \[1, "):
             jaxkv.ServingLoop(
-                plan, _forward(layer), jnp.eye(8), vocab_size=8, decode_steps=bad
+                plan,
+                _forward(layer),
+                jnp.eye(8),
+                vocab_size=8,
+                decode_steps=bad,  # pyright: ignore[reportArgumentType]
             )
     loop = jaxkv.ServingLoop(
         plan, _forward(layer), jnp.eye(8), vocab_size=8, decode_steps=64

@@ -133,7 +133,8 @@ def check_host_blocks(
 
 def check_decode_steps(plan: KVCachePlan | ShardedPlan, decode_steps: object) -> int:
     """`decode_steps` is an int in ``[1, max_model_len]``, and 1 on a mesh."""
-    limit = plan.runner_config.max_model_len
+    cfg = plan.runner_config
+    limit = cfg.max_model_len if cfg is not None else 2**31 - 1
     if (
         not isinstance(decode_steps, int)
         or isinstance(decode_steps, bool)

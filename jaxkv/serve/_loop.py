@@ -275,13 +275,6 @@ class ServingLoop(RequestMoves):
         return jax.device_put(params, shardings), self.sharded.allocate(), specs
 
     @property
-    def decode_steps(self) -> int:
-        """Decode iterations per dispatch in steady decoding (read-only: its
-        programs are compiled by :meth:`warm_up`; make a new loop to change it).
-        """  # noqa: D205
-        return self._decode_steps
-
-    @property
     def overlap(self) -> bool:
         """Whether the next step is scheduled while one runs (see the class).
 

@@ -38,7 +38,7 @@ class StepPipeline:
     builder: StepMetadataBuilder
     programs: Programs
     decode_programs: Programs
-    decode_steps: int
+    _decode_steps: int
     params: Any
     sampling: SamplingParams
     per_request_sampling: bool
@@ -58,6 +58,13 @@ class StepPipeline:
     _on_token: Callable[[Request, int], None] | None
     _pipeline: deque[tuple[list[ScheduledStep], jax.Array, jax.Array]]
     _prev_tokens: jax.Array
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode iterations per dispatch in steady decoding (read-only: its
+        programs are compiled by :meth:`warm_up`; make a new loop to change it).
+        """  # noqa: D205
+        return self._decode_steps
 
     def _rows(self) -> NamedSharding | None:
         """Per-rank rows on the mesh: ``P(data)`` over the leading axis."""
