@@ -102,9 +102,10 @@ def test_build_attn_metadata_worked_example():
     assert meta["m2"].causal is True
     np.testing.assert_array_equal(meta["m3"].block_table_tensor, tables[3])
     np.testing.assert_array_equal(meta["m3"].slot_mapping, slots[3])
-    # M3 is M2's record with group 3's table and slots (no fresh build).
+    # M3 is M2's record with group 3's table, slots and id (no fresh build).
+    assert (meta["m2"].group, meta["m3"].group) == (2, 3)
     for field in dataclasses.fields(jaxkv.CommonAttentionMetadata):
-        if field.name in ("block_table_tensor", "slot_mapping"):
+        if field.name in ("block_table_tensor", "slot_mapping", "group"):
             continue
         assert getattr(meta["m3"], field.name) is getattr(meta["m2"], field.name)
     assert meta["m3"].seq_lens is meta["m2"].seq_lens

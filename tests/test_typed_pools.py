@@ -1,6 +1,7 @@
 """Typed, layer-stacked pools: the same bytes as word pools, read and written in
 place, scanned over layers, handed to real kernels without a copy."""
 
+import dataclasses
 import functools
 import re
 
@@ -301,12 +302,27 @@ def test_a_scan_over_layers_gives_the_unrolled_model_s_logits():
 def test_layer_stack_refuses_layers_that_cannot_scan_together():
     cfg = jaxkv.llama_like_config(num_layers=3, sliding_window=16, window_every=3)
     plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
-    assert plan.layer_stack([L0, L1]).slots.tolist() == [
-        _view(plan, L0).layer,
-        _view(plan, L1).layer,
+    # Two full-attention layers, but each in its own KV-cache group (two
+    # full + one sliding: groups of one layer): their block tables differ.
+    assert plan.group_of(L0) != plan.group_of(L1)
+    with pytest.raises(ValueError, match="read different groups' metadata"):
+        plan.layer_stack([L0, L1])
+    plain = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="stacked"
+    )
+    assert plain.layer_stack([L0, L1]).slots.tolist() == [
+        _view(plain, L0).layer,
+        _view(plain, L1).layer,
     ]
+    # One group, but a soft cap on one layer only: one AttentionLayer cannot
+    # serve both.
+    base = jaxkv.llama_like_config(num_layers=2)
+    capped = dataclasses.replace(base.layers[1], logits_soft_cap=30.0)
+    cfg2 = dataclasses.replace(base, layers=[base.layers[0], capped])
+    two = jaxkv.make_plan(cfg2, num_blocks=4, storage="stacked")
+    assert two.group_of(L0) == two.group_of(L1)
     with pytest.raises(ValueError, match="cannot be scanned together"):
-        plan.layer_stack([L0, L2])  # sliding window beside full attention
+        two.layer_stack([L0, L1])
     words = jaxkv.make_plan(cfg, num_blocks=4, storage="words")
     with pytest.raises(ValueError, match="word pool"):
         words.layer_stack([L0])

@@ -152,6 +152,13 @@ def paged_attention(
       True
     """
     if isinstance(view, AttentionLayer):
+        if None not in (view.group, meta.group) and view.group != meta.group:
+            raise ValueError(
+                f"paged_attention: layer {view.name!r} reads KV-cache group "
+                f"{view.group}'s metadata, but meta is group {meta.group}'s (another "
+                "group's block tables address other pages); pass "
+                f"builder.metadata(inputs)[{view.name!r}]."
+            )
         given = {
             "sliding_window": sliding_window,
             "attention_chunk_size": attention_chunk_size,

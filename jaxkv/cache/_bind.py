@@ -200,6 +200,9 @@ class AttentionLayer:
       attention_chunk_size: Keys in the query's local chunk only.
       logits_soft_cap: From :class:`LayerConfig`.
       cross_attention: Keys are the cached encoder K/V.
+      group: The KV-cache group whose metadata the layer reads (set by
+        ``plan.attention_layer``; ``None``: unknown, unchecked).
+        :func:`paged_attention` refuses another group's metadata.
 
     Example:
       >>> import jaxkv
@@ -215,10 +218,15 @@ class AttentionLayer:
     attention_chunk_size: int | None = None
     logits_soft_cap: float | None = None
     cross_attention: bool = False
+    group: int | None = None
 
 
 def attention_layer(
-    views: Mapping[str, LayerView], runner_config: RunnerConfig, name: str
+    views: Mapping[str, LayerView],
+    runner_config: RunnerConfig,
+    name: str,
+    *,
+    group: int | None = None,
 ) -> AttentionLayer:
     """`name`'s :class:`AttentionLayer` from its bound view and its spec.
 
@@ -243,6 +251,7 @@ def attention_layer(
         logits_soft_cap=layer.logits_soft_cap,
         cross_attention=isinstance(spec, CrossAttentionSpec)
         or layer.attn_type == "encoder_decoder",
+        group=group,
     )
 
 

@@ -185,7 +185,26 @@ class KVCachePlan:
         """`name`'s bound view with its spec's attention parameters
         (:class:`AttentionLayer`), for :func:`paged_attention`.
         """  # noqa: D205
-        return attention_layer(self.views, self.runner_config, name)
+        return attention_layer(
+            self.views, self.runner_config, name, group=self.group_of(name)
+        )
+
+    def group_of(self, name: str) -> int | None:
+        """The KV-cache group whose metadata layer `name` reads (its target's
+        for a KV-sharing layer); ``None`` for a layer of no group.
+
+        Example:
+          >>> import jaxkv
+          >>> cfg = jaxkv.pattern_config("LLGG", num_layers=4, sliding_window=8,
+          ...                            num_heads=2, num_kv_heads=1, head_size=8)
+          >>> plan = jaxkv.make_plan(cfg, num_blocks=8)
+          >>> [plan.group_of(f"layers.{i}.self_attn") for i in range(4)]
+          [0, 0, 1, 1]
+        """  # noqa: D205
+        for gid, groups in enumerate(self.attn_groups):
+            if any(name in g.layer_names for g in groups):
+                return gid
+        return None
 
     def layer_stack(self, names: Sequence[str]) -> LayerStack:
         """The layers `names` as one stack to ``lax.scan`` over.
@@ -196,9 +215,11 @@ class KVCachePlan:
         ``slots[i]`` (traced inside the scan) picks layer ``names[i]``.
 
         Raises:
-          ValueError: If the layers live in different pools, in a word pool,
-            or differ in view or attention parameters (naming the first two
-            that disagree).
+          ValueError: If the layers belong to different KV-cache groups (they
+            read different block tables: one scan reads one group's
+            metadata), live in different pools, in a word pool, or differ in
+            view or attention parameters (naming the first two that
+            disagree).
 
         Example:
           >>> import jaxkv
@@ -213,6 +234,15 @@ class KVCachePlan:
             raise ValueError("layer_stack: names is empty.")
         layers = [self.attention_layer(n) for n in names]
         first = layers[0]
+        for layer in layers[1:]:
+            if layer.group != first.group:
+                raise ValueError(
+                    f"layer_stack: layers {first.name!r} (KV-cache group "
+                    f"{first.group}) and {layer.name!r} (group {layer.group}) read "
+                    "different groups' metadata (block tables, slot mappings); "
+                    "one scan reads one group's metadata. Stack each group's "
+                    "layers on their own (plan.group_of(name))."
+                )
         if not first.view.typed:
             raise ValueError(
                 f"layer_stack: layer {first.name!r} lives in a word pool; plan with "

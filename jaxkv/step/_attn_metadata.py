@@ -97,6 +97,7 @@ def build_attn_metadata_from_step(
                 shared,
                 mamba_cache,
             )
+            meta = dataclasses.replace(meta, group=gid)
             for name in group.layer_names:
                 out[name] = meta
     return out

@@ -33,7 +33,9 @@ class CommonAttentionMetadata:
     leaves: it is ``None`` inside ``jit``; ``logits_indices_cpu`` likewise holds
     the host copy of the real fast-prefill logits indices. ``block_size``
     (static) is the tokens per column of ``block_table_tensor`` (the group's
-    kernel block size) when built by :func:`build_attn_metadata`.
+    kernel block size) when built by :func:`build_attn_metadata`; ``group``
+    (static) the KV-cache group the record belongs to (``None`` when built by
+    hand): :func:`paged_attention` refuses a layer of another group.
 
     Example:
       >>> import jax
@@ -65,6 +67,7 @@ class CommonAttentionMetadata:
     causal: bool = static_field(default=True)
     fast_prefill: bool = static_field(default=False)
     block_size: int | None = static_field(default=None)
+    group: int | None = static_field(default=None)
     query_start_loc_cpu: np.ndarray | None = host_field()
     logits_indices_cpu: np.ndarray | None = host_field()
 
