@@ -196,8 +196,12 @@ def allocate_layer_tensors(
     Allocate with :func:`allocate_pools`.
 
     Raises:
-      ValueError: If the tensors disagree on the backing size, or a layer has
-        no spec.
+      ValueError: If the tensors disagree on the backing size, a layer has
+        no spec, or a tensor's geometry is impossible: a negative stride or
+        offset, a layer's cache running past the backing, or two of its
+        elements (of two blocks, tokens or heads of a layer, or of two of its
+        layers) on one byte. Tensors may overlay each other (vLLM's groups
+        share a backing); inside one tensor nothing may alias.
 
     Example (two groups overlaying one LBNHC backing, 2 layers each):
       >>> import jaxkv
@@ -229,14 +233,59 @@ def allocate_layer_tensors(
         if not isinstance(spec, AttentionSpec):
             continue  # raw state pages: the layer lays them out itself
         k = (kernel_block_sizes or {}).get(tensor.layers[0])
-        views.update(
-            tensor_views(
-                tensor,
-                spec,
-                num_blocks=num_blocks,
-                layout=layout,
-                kernel_block_size=k,
-                word=word,
-            )
+        own = tensor_views(
+            tensor,
+            spec,
+            num_blocks=num_blocks,
+            layout=layout,
+            kernel_block_size=k,
+            word=word,
         )
+        _check_geometry(tensor, own)
+        views.update(own)
     return (PoolSpec(size_bytes=sizes.pop(), word=word),), views
+
+
+def _check_geometry(tensor: LayerTensor, views: Mapping[str, KVCacheView]) -> None:
+    """Refuses a tensor whose layers' views leave the backing or alias.
+
+    The tensor's elements are an affine map of (layer, block, token, head,
+    dim) to bytes; sorted by stride, each dim's stride must step past
+    everything the smaller dims cover (a nested layout: the map is then
+    one-to-one), and the last element of the last layer must lie inside the
+    backing.
+    """
+    name = tensor.layers[0]
+    view = views[name]
+    where = f"allocate_layer_tensors: tensor of layers {list(tensor.layers)[:4]}"
+    if tensor.offset < 0 or tensor.layer_stride < 0 or tensor.block_stride < 0:
+        raise ValueError(
+            f"{where}: offset {tensor.offset}, layer_stride {tensor.layer_stride} "
+            f"and block_stride {tensor.block_stride} must be >= 0."
+        )
+    item = view.itemsize
+    dims = [
+        (axis, n, s * item)
+        for axis, n, s in zip(view.axes, view.shape, view.strides, strict=True)
+    ]
+    dims.append(("layer", len(tensor.layers), tensor.layer_stride))
+    if any(s < 0 for _, _, s in dims):
+        raise ValueError(f"{where}: a negative stride {dims}.")
+    covered, inner = item, "element"
+    for axis, n, stride in sorted((d for d in dims if d[1] > 1), key=lambda d: d[2]):
+        if stride < covered:
+            raise ValueError(
+                f"{where}: its {axis} stride of {stride} bytes is smaller than the "
+                f"{covered} bytes one {inner} spans, so two {axis}s share bytes "
+                "(a write to one would show up in another)."
+            )
+        covered, inner = stride * (n - 1) + covered, axis
+    for layer in tensor.layers:
+        v = views[layer]
+        end = v.extent_bytes
+        if end > tensor.size:
+            raise ValueError(
+                f"{where}: layer {layer!r} ends at byte {end}, past the backing's "
+                f"{tensor.size} bytes (too many blocks, or an offset or stride "
+                "past the tensor)."
+            )
