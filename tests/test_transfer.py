@@ -7,6 +7,7 @@ an oracle that reads the target pool's bytes from its views' strides alone.
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -498,3 +499,27 @@ def test_a_packed_pools_strided_kernel_view_round_trips_through_its_blocks():
         )
         np.testing.assert_array_equal(ok[oheld], k[oheld], err_msg=name)
         np.testing.assert_array_equal(ov[oheld], v[oheld], err_msg=name)
+
+
+def test_an_import_refuses_repeated_blocks_and_blocks_shared_by_groups_of_one_pool():
+    src = jaxkv.make_plan(jaxkv.tiny_hybrid_config(block_size=32), num_blocks=8)
+    name = "layers.0.self_attn"
+    k = jnp.arange(5 * 2 * 32, dtype=jnp.float32).reshape(5, 2, 32)
+    pools = jaxkv.write_kv(
+        src.allocate(), src.views[name], k, k, jnp.array([32, 33, 34, 35, 36])
+    )
+    kv = jaxkv.transfer.export_request(src, pools, block_ids=[[1]] * 3, num_tokens=5)
+    dst = jaxkv.make_plan(jaxkv.tiny_hybrid_config(block_size=4), num_blocks=16)
+    assert dst.block_sizes == (20, 20, 4)  # 5 tokens: 1, 1 and 2 blocks
+    target = dst.allocate()
+    before = [np.asarray(p).copy() for p in target]
+    with pytest.raises(ValueError, match=r"block_ids\[2\] lists block 7 twice"):
+        jaxkv.transfer.import_request(dst, target, kv, block_ids=[[3], [5], [7, 7]])
+    with pytest.raises(ValueError, match="block 3 is in the tables of groups 0 and"):
+        jaxkv.transfer.import_request(dst, target, kv, block_ids=[[3], [3], [7, 8]])
+    for a, b in zip(target, before, strict=True):  # refused: nothing written
+        np.testing.assert_array_equal(np.asarray(a), b)
+    ids = [[3], [5], [7, 8]]
+    out = jaxkv.transfer.import_request(dst, target, kv, block_ids=ids)
+    back = jaxkv.transfer.export_request(dst, out, block_ids=ids, num_tokens=5)
+    assert bool((back.attention[name].keys == k).all())

@@ -134,6 +134,41 @@ def _checked_ids(
     return out, n
 
 
+def _check_distinct(
+    plan: KVCachePlan,
+    layers: list[tuple[int, str, AttentionGroup | None]],
+    tables: list[np.ndarray],
+) -> None:
+    """No block listed twice in a table, nor in two tables whose groups'
+    layers share a pool (block ``b`` of each is then the same page bytes).
+    """  # noqa: D205
+    for g, ids in enumerate(tables):
+        real = ids[ids != 0]
+        values, counts = np.unique(real, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(
+                f"import_request: block_ids[{g}] lists block "
+                f"{int(values[counts > 1][0])} twice; each block holds one block "
+                "of tokens (0, the null block, may repeat)."
+            )
+    pools_of: dict[int, set[int]] = {}
+    for g, name, _ in layers:
+        pools_of.setdefault(g, set()).add(plan.views[name].pool)
+    groups = sorted(pools_of)
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            if not pools_of[a] & pools_of[b]:
+                continue
+            shared = np.intersect1d(tables[a][tables[a] != 0], tables[b])
+            if shared.size:
+                raise ValueError(
+                    f"import_request: block {int(shared[0])} is in the tables of "
+                    f"groups {a} and {b}, whose layers share a pool: one group's "
+                    "pages would overwrite the other's. Give each group its own "
+                    "blocks (as KVCacheManager.allocate does)."
+                )
+
+
 def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Array:
     """The block holding the Mamba state after `n` tokens (its table's column
     ``(n - 1) // bs``), as a ``(1,)`` id array.
@@ -303,7 +338,9 @@ def import_request(
     Raises:
       ValueError: If the layers differ (a layer missing on either side, or a
         key, value or state of another shape or dtype: named), or
-        `block_ids` does not fit as in :func:`export_request`.
+        `block_ids` does not fit as in :func:`export_request`, lists a block
+        twice, or gives one block to two groups whose layers share a pool
+        (their pages would overwrite each other's).
 
     Example:
       >>> import jax.numpy as jnp
@@ -317,8 +354,9 @@ def import_request(
       ...                        jnp.array([32, 33, 34, 35, 36]))
       >>> move = jaxkv.transfer
       >>> kv = move.export_request(src, pools, block_ids=[[1]] * 3, num_tokens=5)
-      >>> out = move.import_request(dst, dst.allocate(), kv, block_ids=[[3]] * 3)
-      >>> back = move.export_request(dst, out, block_ids=[[3]] * 3, num_tokens=5)
+      >>> ids = [[3], [4], [5]]  # one block per group: the groups share a pool
+      >>> out = move.import_request(dst, dst.allocate(), kv, block_ids=ids)
+      >>> back = move.export_request(dst, out, block_ids=ids, num_tokens=5)
       >>> bool((back.attention[name].keys == k).all())
       True
     """
@@ -332,6 +370,7 @@ def import_request(
             f"request's: only in the target {sorted(mine - theirs)}, only in the "
             f"request {sorted(theirs - mine)}."
         )
+    _check_distinct(plan, layers, tables)
     # Everything is checked before anything is written: a refused import
     # leaves the pools as they were.
     writes = [_checked_layer(plan, pools, kv, name, group) for _, name, group in layers]
