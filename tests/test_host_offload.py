@@ -297,3 +297,70 @@ def test_the_loop_refuses_host_blocks_it_cannot_serve():
             host_blocks=4,
             host=jaxkv.sched.HostKVCache(sp.local, num_blocks=4, sharded=sp),
         )
+
+
+@pytest.mark.parametrize(
+    ("host_blocks", "decode_steps"), [(1, 1), (1, 4), (2, 4), (16, 4)]
+)
+def test_a_tiny_host_tier_serves_what_a_loop_without_one_serves(
+    host_blocks, decode_steps
+):
+    # A host tier smaller than what one allocation offloads: the blocks a hit
+    # restores are claimed before the allocation's evictions can drop them
+    # (before: KeyError in record_restore). With multi-step decoding the
+    # offloads recorded while decoding run before the block is overwritten.
+    cfg = jaxkv.pattern_config(
+        "G",
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
+        block_size=4,
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    layer = plan.attention_layer("layers.0.self_attn")
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params[tokens]
+        m = meta[layer.name]
+        k = v = x[:, None, :]
+        pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+        q = jnp.repeat(x[:, None, :], 2, axis=1)
+        out = jaxkv.paged_attention(q, pools, layer, m, scale=1.0)
+        return pools, out[sample, 0] @ params.T
+
+    params = jnp.asarray(np.random.default_rng(1).standard_normal((8, 8)), jnp.float32)
+    ref = jaxkv.ServingLoop(plan, forward, params, vocab_size=8)
+    loop = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        vocab_size=8,
+        enable_prefix_caching=True,
+        host_blocks=host_blocks,
+        decode_steps=decode_steps,
+    )
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(0, 8, 12).tolist() for _ in range(3)]
+    for rnd in range(6):
+        prompts = [prefixes[(i + rnd) % 3] + [i] for i in range(3)]
+        got = loop.run(
+            [
+                jaxkv.Request(f"r{rnd}{i}", prompt=p, max_new_tokens=10)
+                for i, p in enumerate(prompts)
+            ]
+        )
+        want = ref.run(
+            [
+                jaxkv.Request(f"r{rnd}{i}", prompt=p, max_new_tokens=10)
+                for i, p in enumerate(prompts)
+            ]
+        )
+        assert [r.output for r in got] == [r.output for r in want], rnd
+    assert loop.host is not None
+    assert loop.host.stats["restored_blocks"] > 0
+    assert loop.host.stats["dropped_blocks"] > 0

@@ -392,17 +392,36 @@ class HostKVCache:
             old.dropped = True
             self.stats["dropped_blocks"] += 1
 
-    def record_restore(self, *, key: Hashable, block: int) -> None:
-        """Records a copy of the host's `key` into device `block`.
+    def claim(self, key: Hashable) -> object:
+        """The host's block under `key`, held for a restore recorded later
+        (:meth:`record_restore` with ``claimed=``) even if the LRU drops `key`
+        in between: the block manager claims what it will restore before the
+        allocation that may offload (and so drop) other blocks.
 
         Raises:
           KeyError: If the host does not hold `key`.
-        """
+        """  # noqa: D205
         entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"HostKVCache.claim: no host block under {key!r}.")
+        self._entries.move_to_end(key)
+        return entry
+
+    def record_restore(
+        self, *, key: Hashable, block: int, claimed: object | None = None
+    ) -> None:
+        """Records a copy of the host's `key` (or of the block :meth:`claim`
+        gave, `claimed`) into device `block`.
+
+        Raises:
+          KeyError: If the host does not hold `key` and nothing was claimed.
+        """  # noqa: D205
+        entry = claimed if isinstance(claimed, _Entry) else self._entries.get(key)
         if entry is None:
             raise KeyError(f"HostKVCache.record_restore: no host block under {key!r}.")
         self._check_block(entry.group, block, "record_restore")
-        self._entries.move_to_end(key)
+        if key in self._entries:
+            self._entries.move_to_end(key)
         self._pending.append(_Move("restore", entry.group, block, entry))
 
     def discard_pending(self) -> None:

@@ -272,6 +272,13 @@ class KVCacheManager(PrefixHits):
             return False
         for blocks in hits:
             self.allocator.touch(blocks)
+        # Held before the allocation: its evictions offload blocks to the host,
+        # and a small host tier may drop the very blocks this hit restores.
+        claimed = (
+            [self.host.claim((g, h)) for g, _, h in from_host]
+            if self.host is not None
+            else [None] * len(from_host)
+        )
         if need:
             ids = iter(self.allocator.allocate(need))
             for g, cols in enumerate(new):
@@ -279,11 +286,13 @@ class KVCacheManager(PrefixHits):
                     tables[g] += [0] * (j + 1 - len(tables[g]))
                     tables[g][j] = next(ids)
             self._copy_evicted()
-            for g, j, block_hash in from_host:
+            for (g, j, block_hash), entry in zip(from_host, claimed, strict=True):
                 tables[g][j] = block = next(ids)
                 self.allocator.cache(block, key=(g, block_hash))
                 if self.host is not None:
-                    self.host.record_restore(key=(g, block_hash), block=block)
+                    self.host.record_restore(
+                        key=(g, block_hash), block=block, claimed=entry
+                    )
         self._tables[req.req_id] = tables
         for g, cols in enumerate(new):
             self._rows.set(req.req_id, g, cols, tables[g])
