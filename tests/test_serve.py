@@ -227,6 +227,16 @@ def test_main_job_runs(capsys):
     assert "match the dense oracle: 3/3" in out
 
 
+@pytest.mark.slow  # six more step executables on a 1x1 mesh, about 40 s
+@pytest.mark.parametrize("argv", [["--mesh", "1x1"], ["--implementation", "native"]])
+def test_main_job_runs_on_a_1x1_mesh_and_on_the_native_kernels(capsys, argv):
+    from jaxkv.__main__ import main
+
+    assert main(["--num-requests", "2", "--max-new-tokens", "3", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "match the dense oracle: 2/2" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "match"),
     [

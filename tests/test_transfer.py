@@ -523,3 +523,19 @@ def test_an_import_refuses_repeated_blocks_and_blocks_shared_by_groups_of_one_po
     out = jaxkv.transfer.import_request(dst, target, kv, block_ids=ids)
     back = jaxkv.transfer.export_request(dst, out, block_ids=ids, num_tokens=5)
     assert bool((back.attention[name].keys == k).all())
+
+
+def test_receive_request_honours_its_deadline_when_the_peer_never_answers():
+    import time
+
+    class Silent:  # a connection to a peer that is not there: pull never returns
+        def pull(self, uuid, specs, timeout=None):
+            time.sleep(60)
+
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="nothing arrived for uuid 7"):
+        jaxkv.transfer.receive_request(Silent(), plan, uuid=7, timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+    with pytest.raises(TypeError, match="timeout must be a datetime"):
+        jaxkv.transfer.receive_request(Silent(), plan, uuid=7, timeout="5s")

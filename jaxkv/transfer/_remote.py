@@ -11,6 +11,8 @@ transfer server's connection.
 
 from __future__ import annotations
 
+import datetime
+import threading
 from typing import Any
 
 import jax
@@ -33,6 +35,49 @@ def _payload(kv: RequestKV) -> list[Any]:
     for name in sorted(kv.states):
         out.extend(jnp.asarray(x) for x in kv.states[name])
     return out
+
+
+def _deadline(timeout: Any) -> datetime.datetime | None:
+    """`timeout` (a ``datetime``, seconds from now, or ``None``) as a deadline."""
+    if timeout is None or isinstance(timeout, datetime.datetime):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            "receive_request: timeout must be a datetime.datetime or seconds, got "
+            f"{type(timeout).__name__}."
+        )
+    return datetime.datetime.now() + datetime.timedelta(seconds=float(timeout))
+
+
+def _pull(
+    connection: Any, uuid: int, specs: list[Any], deadline: datetime.datetime | None
+) -> Any:
+    """``connection.pull`` that returns or raises by `deadline`, whatever the
+    transport does (a worker thread, abandoned at the deadline).
+    """  # noqa: D205
+    if deadline is None:
+        return connection.pull(uuid, specs)
+    done: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            done["value"] = connection.pull(uuid, specs, timeout=deadline)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the caller
+            done["error"] = err
+
+    worker = threading.Thread(target=work, name=f"jaxkv-pull-{uuid}", daemon=True)
+    worker.start()
+    left = (deadline - datetime.datetime.now()).total_seconds()
+    worker.join(max(left, 0.0))
+    if worker.is_alive():
+        raise TimeoutError(
+            f"receive_request: nothing arrived for uuid {uuid} by the deadline "
+            f"{deadline.isoformat(timespec='milliseconds')} (is the sender there, "
+            "and has it called send_request with this uuid?)."
+        )
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def send_request(server: Any, kv: RequestKV, *, uuid: int) -> None:
@@ -124,25 +169,33 @@ def receive_request(
       connection: ``server.connect(sender_address)``.
       plan: The receiving plan (its layers decide the arrays pulled).
       uuid: The sender's `uuid`.
-      timeout: Absolute deadline (``datetime.datetime``) of each pull.
+      timeout: A deadline for the whole receive: an absolute
+        ``datetime.datetime``, or seconds from now. It holds even when the
+        transport does not return (a peer that is not there): each pull runs
+        on a worker thread that is abandoned at the deadline.
 
     Raises:
       ValueError: If the header is not a positive token count.
+      TimeoutError: If the request's cache has not arrived by the deadline
+        (naming the uuid).
 
     Example:
       See :func:`send_request`.
     """  # noqa: D205
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    kw = {} if timeout is None else {"timeout": timeout}
-    (header,) = connection.pull(
-        uuid, [jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sharding)], **kw
+    deadline = _deadline(timeout)
+    (header,) = _pull(
+        connection,
+        uuid,
+        [jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sharding)],
+        deadline,
     )
     n = int(np.asarray(header)[0])
     if n < 1:
         raise ValueError(f"receive_request: the sender offers {n} tokens.")
     shapes = _shapes(plan, n, sharding)
-    arrays = connection.pull(uuid + 1, [s for _, s in shapes], **kw)
+    arrays = _pull(connection, uuid + 1, [s for _, s in shapes], deadline)
     got = dict(zip((w for w, _ in shapes), arrays, strict=True))
     attention = {}
     states: dict[str, list[jax.Array]] = {}
