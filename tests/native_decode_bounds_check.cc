@@ -29,8 +29,11 @@ int main() {
       {kBlocks, 1, 0, 2},     // one past the pool: NaN
       {big, 1, 0, 2},         // int32's end: NaN
       {-big - 1, 1, 0, 2},    // int32's start: NaN
-      {1, 2, 0, 1000},        // keys past the table's columns: NaN
       {1, 2, -100, 3},        // a range from before 0: keys 0..2 of page 1
+      // Keys past the table's columns: NaN. The last row, so that a read
+      // past its columns (the next page's prefetch included) leaves the
+      // table's heap block and AddressSanitizer sees it.
+      {1, 2, 0, 1000},
   };
   for (int64_t r = 0; r < kRows; ++r) {
     table[r * kCols] = rows[r][0];
@@ -67,8 +70,8 @@ int main() {
     }
     return true;
   };
-  bool ok = row_is(0, false) && row_is(6, false);
-  for (int64_t t = 1; t <= 5; ++t) ok = ok && row_is(t, true);
+  bool ok = row_is(0, false) && row_is(5, false) && row_is(6, true);
+  for (int64_t t = 1; t <= 4; ++t) ok = ok && row_is(t, true);
   std::free(pool);
   std::free(table);
   std::free(bounds);

@@ -364,3 +364,15 @@ def test_a_tiny_host_tier_serves_what_a_loop_without_one_serves(
     assert loop.host is not None
     assert loop.host.stats["restored_blocks"] > 0
     assert loop.host.stats["dropped_blocks"] > 0
+
+
+def test_touch_keeps_a_block_over_an_untouched_older_one():
+    plan = PLANS["hybrid f32, Mamba"]()
+    host = jaxkv.sched.HostKVCache(plan, num_blocks=2)
+    host.record_offload(group=0, block=1, key="old")
+    host.record_offload(group=0, block=2, key="new")
+    host.touch("old")  # now the most recently used
+    host.record_offload(group=0, block=3, key="third")  # drops the LRU: "new"
+    assert "old" in host
+    assert "new" not in host
+    assert "third" in host

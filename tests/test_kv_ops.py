@@ -425,3 +425,19 @@ def test_device_ids_past_int32_are_dropped_never_wrapped():
         np.testing.assert_array_equal(
             np.asarray(kp).view(np.uint32), np.asarray(ones).view(np.uint32)
         )
+
+
+def test_a_view_ending_at_the_pools_last_byte_fits_and_one_element_past_does_not():
+    cfg = jaxkv.llama_like_config(num_layers=1)
+    plan = jaxkv.make_plan(cfg, num_blocks=4, storage="words")
+    view = plan.views["layers.0.self_attn"]
+    assert isinstance(view, jaxkv.KVCacheView)
+    a = jaxkv.cache.raw_address(view)
+    # The raw extent spans the view's first to last element, inclusive.
+    assert int(a["byte_offset"]) + int(a["extent_bytes"]) == view.extent_bytes
+    word = np.dtype(plan.allocate()[view.pool].dtype).itemsize
+    exact = jnp.zeros((view.extent_bytes // word,), plan.allocate()[view.pool].dtype)
+    jaxkv.cache.check_fits((exact,), view)
+    short = exact[: (view.extent_bytes - view.itemsize) // word]
+    with pytest.raises(ValueError, match="reaches byte"):
+        jaxkv.cache.check_fits((short,), view)

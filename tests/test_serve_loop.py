@@ -622,6 +622,40 @@ def test_per_row_sampling_draws_what_sample_tokens_draws(params):
     assert got.tolist() == want.tolist()
 
 
+def test_both_samplers_draw_with_the_documented_key_per_row():
+    # An oracle of its own (not one sampler against the other): row i draws
+    # categorical(fold_in(fold_in(key(seed), request_seeds[i]), positions[i]),
+    # logits[i] / temperature). A key that forgot the position (or the
+    # request's seed) in both samplers would still pass the comparison above.
+    logits = jax.random.normal(jax.random.key(1), (48, 40)) * 3
+    seeds = jnp.arange(48, dtype=jnp.int32) % 3 * 7919
+    pos = jnp.arange(48, dtype=jnp.int32) // 3
+    params = jaxkv.SamplingParams(temperature=0.8, seed=5)
+    want = [
+        int(
+            jax.random.categorical(
+                jax.random.fold_in(
+                    jax.random.fold_in(jax.random.key(5), int(seeds[i])), int(pos[i])
+                ),
+                logits[i] / 0.8,
+            )
+        )
+        for i in range(48)
+    ]
+    one = jaxkv.sample_tokens(logits, params=params, request_seeds=seeds, positions=pos)
+    rows = jaxkv.sample_tokens_per_row(
+        logits,
+        temperature=jnp.full(48, 0.8, jnp.float32),
+        top_k=jnp.zeros(48, jnp.int32),
+        top_p=jnp.ones(48, jnp.float32),
+        seed=jnp.full(48, 5, jnp.int32),
+        request_seeds=seeds,
+        positions=pos,
+    )
+    assert one.tolist() == want
+    assert rows.tolist() == want
+
+
 def test_each_request_samples_with_its_own_parameters(served):
     """One loop, one program per bucket: greedy, hot and top-1 requests mixed
     in a batch draw what loops of one kind each draw; no compile after
