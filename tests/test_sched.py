@@ -402,3 +402,65 @@ def test_engine_rejects_bad_requests_and_serves_the_others(served):
     assert generated == 6
     # A far-future arrival is reached by skipping idle steps, not by looping.
     assert steps > 10**9
+
+
+def test_blocks_filled_while_decoding_are_hit_by_a_prompt_that_repeats_them():
+    # The hashes a decoding request extends block by block must equal the
+    # hashes of the same tokens hashed at once (chained from the previous
+    # block): a second prompt of the first's prompt and output then hits
+    # every full block but the last token's.
+    cfg = jaxkv.llama_like_config(num_layers=1, block_size=4)
+    plan = jaxkv.make_plan(cfg, num_blocks=32)
+    s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
+    first = jaxkv.Request("first", prompt=[1, 2, 3, 4, 5], max_new_tokens=12)
+    assert s.add_request(first)
+    rng = np.random.default_rng(0)
+    while s.has_unfinished:
+        step = s.schedule()
+        s.update(step, rng.integers(0, 50, len(step.sampled)).tolist())
+    tokens = first.prompt + first.output  # 17 tokens: 4 full blocks
+    again = jaxkv.Request("again", prompt=tokens, max_new_tokens=1)
+    assert s.add_request(again)
+    s.schedule()
+    assert again.num_cached_tokens == 16
+
+
+def test_a_step_puts_decodes_before_prefills():
+    cfg = jaxkv.llama_like_config(num_layers=1, block_size=4)
+    plan = jaxkv.make_plan(cfg, num_blocks=32)
+    s = jaxkv.Scheduler(plan)
+    first = jaxkv.Request("first", prompt=[1, 2, 3], max_new_tokens=8)
+    assert s.add_request(first)
+    step = s.schedule()
+    s.update(step, [7])  # first now decodes
+    s.add_request(jaxkv.Request("second", prompt=[4, 5, 6, 7, 8], max_new_tokens=2))
+    step = s.schedule()
+    assert [(r.req_id, n) for r, n in step.batch] == [("first", 1), ("second", 5)]
+    assert step.query_start_loc.tolist()[:3] == [0, 1, 6]
+
+
+def test_every_steps_block_tables_are_the_managers_tables_zero_padded():
+    # Rows are recycled between requests and out-of-window blocks are freed at
+    # commit: a step's table row must hold exactly the request's table (0 for
+    # freed columns), zeros past it, in every group.
+    plan = _plan(num_blocks=40)
+    s = jaxkv.Scheduler(plan, max_num_batched_tokens=48)
+    rng = np.random.default_rng(3)
+    n = 0
+    for _ in range(80):
+        if rng.random() < 0.3:
+            prompt = rng.integers(0, 50, int(rng.integers(1, 90))).tolist()
+            s.add_request(
+                jaxkv.Request(
+                    f"r{n}", prompt=prompt, max_new_tokens=int(rng.integers(1, 40))
+                )
+            )
+            n += 1
+        step = s.schedule()
+        for i, (req, _) in enumerate(step.batch):
+            for g, table in enumerate(s.manager.blocks_of(req)):
+                row = np.asarray(step.block_tables[g][i])
+                assert row[: len(table)].tolist() == list(table), (req.req_id, g)
+                assert not row[len(table) :].any(), (req.req_id, g)
+        s.update(step, rng.integers(0, 50, len(step.sampled)).tolist())
+    assert n > 15

@@ -4,6 +4,8 @@ value, a read-only ``decode_steps`` with a bound, ``reset()`` and unknown
 request ids in ``run(sampling=...)``; each refusal leaves the loop serving.
 """  # noqa: D205
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,3 +129,21 @@ def test_sampling_for_an_unknown_request_id_is_refused_before_anything_runs():
         loop.run([_request("a")], sampling={"b": jaxkv.SamplingParams()})
     assert not loop.has_unfinished
     assert loop.run([_request("a")])[0].output == [3, 3]
+
+
+def test_warm_up_compiles_the_decode_of_max_num_seqs_requests_at_once():
+    cfg = dataclasses.replace(CFG, request_buckets=(1, 2))  # one program each
+    plan = jaxkv.make_plan(cfg, num_blocks=16)
+    layer = plan.attention_layer("layers.0.self_attn")
+    loop = jaxkv.ServingLoop(
+        plan, _forward(layer), jnp.eye(8), vocab_size=8, decode_steps=4
+    )
+    loop.warm_up()
+    reqs = [
+        jaxkv.Request(f"r{i}", prompt=[1, 2, 3], max_new_tokens=9) for i in range(2)
+    ]
+    with jaxkv.count_compilations() as compiles:
+        done = loop.run(reqs)  # both decode together: max_num_seqs = 2
+    assert [len(r.output) for r in done] == [9, 9]
+    assert loop.counters["decode_iterations"] > 0
+    assert compiles == []
