@@ -376,3 +376,16 @@ def test_touch_keeps_a_block_over_an_untouched_older_one():
     assert "old" in host
     assert "new" not in host
     assert "third" in host
+
+
+def test_reset_prefix_cache_forgets_offloads_that_never_ran():
+    plan = PLANS["hybrid f32, Mamba"]()
+    manager = jaxkv.KVCacheManager(plan, enable_prefix_caching=True, host_blocks=4)
+    host = manager.host
+    assert host is not None
+    host.record_offload(group=0, block=1, key="gone")
+    assert host.num_pending == 1
+    assert manager.reset_prefix_cache()
+    # The pools' contents are gone: the copy must not run, nor its key stay.
+    assert host.num_pending == 0
+    assert "gone" not in host

@@ -423,3 +423,26 @@ def test_overlap_cannot_change_from_on_token_inside_run(model):
     assert loop.overlap
     loop.run()  # resumes the step in flight and serves the rest
     assert [list(r.output) for r in reqs] == base
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_decode_block_caches_only_blocks_whose_keys_are_computed(pipelined):
+    # Prompt 3 + 1 token, then 4 decode iterations: 8 known tokens, two full
+    # blocks of 4, but the last sampled token's K/V is not computed yet, so
+    # only the first block may be cached, applied at once or pipelined.
+    cfg = jaxkv.llama_like_config(num_layers=1, block_size=4)
+    plan = jaxkv.make_plan(cfg, num_blocks=32)
+    s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
+    req = jaxkv.Request("r", prompt=[1, 2, 3], max_new_tokens=20)
+    s.add_request(req)
+    s.update(s.schedule(), [4])
+    step = s.schedule_decode(4)
+    assert step is not None
+    if pipelined:
+        s.advance_decode(step)
+        s.resolve_decode(step, [[5, 6, 7, 8]])
+    else:
+        s.update_decode(step, [[5, 6, 7, 8]])
+    assert req.num_known_tokens == 8
+    probe = jaxkv.Request("p", prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=1)
+    assert s.manager.find_cache_hit(probe) == 4

@@ -147,3 +147,12 @@ def test_warm_up_compiles_the_decode_of_max_num_seqs_requests_at_once():
     assert [len(r.output) for r in done] == [9, 9]
     assert loop.counters["decode_iterations"] > 0
     assert compiles == []
+
+
+def test_partial_prefills_count_the_steps_that_leave_a_prompt_unfinished():
+    loop = _loop()
+    loop.run([jaxkv.Request("short", prompt=[1, 2, 3], max_new_tokens=2)])
+    assert loop.counters["partial_prefills"] == 0  # done in one chunk
+    # 20 prompt tokens in chunks of at most 16: one partial step, then the rest.
+    loop.run([jaxkv.Request("long", prompt=[1] * 20, max_new_tokens=2)])
+    assert loop.counters["partial_prefills"] == 1
