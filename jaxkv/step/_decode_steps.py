@@ -57,6 +57,9 @@ def decode_step_inputs(
       [4, 5, 6]
       >>> [int(row[off["token_ids"][0]]) for row in out.packed]
       [9, -1, -1]
+      >>> [(int(row[off["seq_lens"][0]]), int(row[off["max_seq_len"][0]]))
+      ...  for row in out.packed]  # the longest context grows with the rest
+      [(5, 5), (6, 6), (7, 7)]
     """  # noqa: D205
     layout = inputs.layout
     groups = len(layout.block_table_widths)
