@@ -631,17 +631,10 @@ def test_both_samplers_draw_with_the_documented_key_per_row():
     seeds = jnp.arange(48, dtype=jnp.int32) % 3 * 7919
     pos = jnp.arange(48, dtype=jnp.int32) // 3
     params = jaxkv.SamplingParams(temperature=0.8, seed=5)
-    want = [
-        int(
-            jax.random.categorical(
-                jax.random.fold_in(
-                    jax.random.fold_in(jax.random.key(5), int(seeds[i])), int(pos[i])
-                ),
-                logits[i] / 0.8,
-            )
-        )
-        for i in range(48)
-    ]
+    keys = jax.vmap(
+        lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(5), s), p)
+    )(seeds, pos)
+    want = jax.vmap(jax.random.categorical)(keys, logits / 0.8).tolist()
     one = jaxkv.sample_tokens(logits, params=params, request_seeds=seeds, positions=pos)
     rows = jaxkv.sample_tokens_per_row(
         logits,

@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention._rows import Mask, Rows, key_ranges, query_rows_of, value_dim
-from jaxkv.cache import KVCacheView, layer_index, pallas_view_unfit
+from jaxkv.cache import (
+    KVCacheView,
+    PageLayout,
+    Pools,
+    layer_index,
+    page_layout,
+    pallas_view_unfit,
+)
 from jaxkv.step import CommonAttentionMetadata
 
 
@@ -109,6 +116,51 @@ def rows_to_tokens(
     out = jnp.zeros((num_tokens, heads, dv), rows_out.dtype)
     tok = jnp.where(rows.valid, rows.tok, num_tokens)
     return out.at[tok].set(rows_out, mode="drop").astype(dtype)
+
+
+class KernelCall(NamedTuple):
+    """What a page-walking kernel needs of one call, derived once: the query
+    shape (GQA group), head dims, the rows and their pages, and the pool as
+    ``(L, *physical shape)`` (a bitcast) with its :class:`PageLayout`.
+    """  # noqa: D205
+
+    num_tokens: int
+    heads: int
+    kv_heads: int
+    groups: int  # query heads per KV head
+    dk: int
+    dv: int
+    tile: int
+    plan: RowPlan
+    lay: PageLayout
+    slots: jax.Array
+
+
+def kernel_call(
+    q: jax.Array,
+    pools: Pools,
+    view: KVCacheView,
+    meta: CommonAttentionMetadata,
+    call: Call,
+) -> KernelCall:
+    """The :class:`KernelCall` of one attention call."""
+    num_tokens, heads, head_dim = q.shape
+    kvh = kv_heads_of(view)
+    dk, dv = head_dims(view, head_dim)
+    pool = pools[view.pool]
+    lay = page_layout(view, pool)
+    return KernelCall(
+        num_tokens=num_tokens,
+        heads=heads,
+        kv_heads=kvh,
+        groups=heads // kvh,
+        dk=dk,
+        dv=dv,
+        tile=call.query_tile,
+        plan=row_plan(meta, num_tokens, call.query_tile, call.mask, view.block_size),
+        lay=lay,
+        slots=pool.reshape(lay.slots_shape),
+    )
 
 
 def layer_of(layer: object, view: KVCacheView) -> jax.Array:

@@ -36,13 +36,13 @@ from jax.experimental.pallas import triton as pltriton
 from jaxkv.attention._call import (
     Call,
     head_dims,
+    kernel_call,
     kv_heads_of,
     layer_of,
     pallas_unfit,
-    row_plan,
     rows_to_tokens,
 )
-from jaxkv.cache import KVCacheView, PageLayout, Pools, page_layout
+from jaxkv.cache import KVCacheView, PageLayout, Pools
 from jaxkv.step import CommonAttentionMetadata
 
 _MASKED = -1e30  # finite: no inf - inf in the running max of an empty row
@@ -90,15 +90,9 @@ def gpu_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """``(T, H, Dv)`` attention of a ragged batch on the Triton kernel."""
-    num_tokens, heads, head_dim = q.shape
-    kvh = kv_heads_of(view)
-    groups = heads // kvh
-    dk, dv = head_dims(view, head_dim)
-    tile = call.query_tile
-    plan = row_plan(meta, num_tokens, tile, call.mask, view.block_size)
-    pool = pools[view.pool]
-    lay = page_layout(view, pool)
-    slots = pool.reshape(lay.slots_shape)
+    kc = kernel_call(q, pools, view, meta, call)
+    num_tokens, heads, kvh, groups = kc.num_tokens, kc.heads, kc.kv_heads, kc.groups
+    dk, dv, tile, plan, lay = kc.dk, kc.dv, kc.tile, kc.plan, kc.lay
     # A row's tile may run past the last token: pad so its load stays inside.
     q_padded = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))
     kernel = functools.partial(
@@ -129,7 +123,7 @@ def gpu_attention(
         meta.block_table_tensor.astype(jnp.int32),
         layer_of(layer, view),
         q_padded,
-        slots,
+        kc.slots,
     )
     return rows_to_tokens(out, plan.rows, num_tokens, q.dtype)
 

@@ -32,14 +32,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.attention._call import (
     Call,
-    head_dims,
-    kv_heads_of,
+    kernel_call,
     layer_of,
     pallas_unfit,
-    row_plan,
     rows_to_tokens,
 )
-from jaxkv.cache import KVCacheView, PageLayout, Pools, page_layout
+from jaxkv.cache import KVCacheView, PageLayout, Pools
 from jaxkv.step import CommonAttentionMetadata
 
 _MASKED = -1e30
@@ -62,19 +60,14 @@ def tpu_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """``(T, H, Dv)`` attention of a ragged batch on the Mosaic TPU kernel."""
-    num_tokens, heads, head_dim = q.shape
-    kvh = kv_heads_of(view)
-    groups = heads // kvh
-    dk, dv = head_dims(view, head_dim)
-    tile = call.query_tile
+    kc = kernel_call(q, pools, view, meta, call)
+    num_tokens, heads, kvh, groups = kc.num_tokens, kc.heads, kc.kv_heads, kc.groups
+    dk, dv, tile, plan, lay, slots = kc.dk, kc.dv, kc.tile, kc.plan, kc.lay, kc.slots
+    head_dim = q.shape[2]
     m = tile * groups
-    plan = row_plan(meta, num_tokens, tile, call.mask, view.block_size)
     rows = plan.rows
     num_rows = plan.info.shape[0]
     cols = meta.block_table_tensor.shape[1]
-    pool = pools[view.pool]
-    lay = page_layout(view, pool)
-    slots = pool.reshape(lay.slots_shape)
     # Queries as (row, KV head, tile * G, D): one 2-D matmul per KV head.
     tok = jnp.where(rows.valid, rows.tok, 0)
     qr = q[tok].reshape(num_rows, tile, kvh, groups, head_dim)

@@ -180,28 +180,14 @@ def write_kv(
 
         def kernel(name: str, platform: str | None):
             def go(pool, key, value, slots, layer):
+                args = (pool, view, key, value, slots, layer)
                 if name == "native":
-                    return native_write(pool, view, key, value, slots, layer)
-                if name == "pallas_gpu":
-                    return gpu_write(
-                        pool,
-                        view,
-                        key,
-                        value,
-                        slots,
-                        layer,
-                        interpret=platform not in _GPU_PLATFORMS,
-                    )
-                if name == "pallas_tpu":
-                    return tpu_write(
-                        pool,
-                        view,
-                        key,
-                        value,
-                        slots,
-                        layer,
-                        interpret=platform != "tpu",
-                    )
+                    return native_write(*args)
+                if name in ("pallas_gpu", "pallas_tpu"):
+                    gpu = name == "pallas_gpu"
+                    own = _GPU_PLATFORMS if gpu else ("tpu",)
+                    write = gpu_write if gpu else tpu_write
+                    return write(*args, interpret=platform not in own)
                 own = _replace(pools, view.pool, pool)
                 return _xla_write(own, view, key, value, slots, layer)[view.pool]
 

@@ -17,6 +17,8 @@ On CPU both run in their interpret modes (what CI checks against XLA).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -28,15 +30,25 @@ from jaxkv.cache._strided import to_bits
 from jaxkv.cache._views import KVCacheView
 
 
+class _Staged(NamedTuple):
+    """A write's operands as its kernel takes them."""
+
+    lay: PageLayout
+    key: jax.Array  # (n, H, Dk) in the pool's storage type
+    value: jax.Array  # (n, H, Dv)
+    slots: jax.Array  # the pool as (L, *physical shape): a bitcast
+
+
 def _staged(
     pool: jax.Array, view: KVCacheView, key: jax.Array, value: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+) -> _Staged:
     """K and V in the pool's storage type (the floats' bits for a bits pool)."""
     key = key.astype(view.dtype)
     value = value.astype(view.dtype)
     if pool.dtype != view.dtype:
         key, value = to_bits(key), to_bits(value)
-    return key, value
+    lay = page_layout(view, pool)
+    return _Staged(lay, key, value, pool.reshape(lay.slots_shape))
 
 
 def gpu_write(
@@ -50,10 +62,8 @@ def gpu_write(
     interpret: bool = False,
 ) -> jax.Array:
     """The pool with the tokens' K/V stored at their slots (Triton kernel)."""
-    lay = page_layout(view, pool)
-    key, value = _staged(pool, view, key, value)
-    n, heads, dk = key.shape
-    dv = value.shape[2]
+    lay, key, value, slots_arr = _staged(pool, view, key, value)
+    (n, heads, dk), dv = key.shape, value.shape[2]
 
     def kernel(slots_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref):
         t, h = pl.program_id(0), pl.program_id(1)
@@ -69,7 +79,6 @@ def gpu_write(
                 t, h, :
             ]
 
-    slots_arr = pool.reshape(lay.slots_shape)
     out = pl.pallas_call(
         kernel,
         grid=(n, heads),
@@ -95,10 +104,8 @@ def tpu_write(
     interpret: bool = False,
 ) -> jax.Array:
     """The pool with the tokens' K/V stored at their slots (Mosaic TPU kernel)."""
-    lay = page_layout(view, pool)
-    key, value = _staged(pool, view, key, value)
-    n, heads, dk = key.shape
-    dv = value.shape[2]
+    lay, key, value, slots_arr = _staged(pool, view, key, value)
+    (n, heads, dk), dv = key.shape, value.shape[2]
 
     def kernel(slots_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, sems):
         t = pl.program_id(0)
@@ -123,7 +130,6 @@ def tpu_write(
             k_copy.wait()
             v_copy.wait()
 
-    slots_arr = pool.reshape(lay.slots_shape)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(n,),
