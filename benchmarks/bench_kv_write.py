@@ -43,7 +43,14 @@ import jaxkv  # noqa: E402
 
 # jaxkv's C++ write on CPU (opt-in, named), the platform's choice elsewhere.
 IMPLEMENTATION = default_implementation()
-write_kv = functools.partial(jaxkv.write_kv, implementation=IMPLEMENTATION)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_kv(pools, view, key, value, slots):
+    """``jaxkv.write_kv`` on this platform's benchmarked kernel (jitted, donated)."""
+    return jaxkv.write_kv(pools, view, key, value, slots, implementation=IMPLEMENTATION)
+
+
 from jaxkv.cache._ops import _plan  # noqa: E402
 from jaxkv.cache._strided import _starts, to_bits, to_words  # noqa: E402
 

@@ -110,6 +110,8 @@ class Recorder:
 def run(args: Any) -> dict[str, Any]:
     heads, kv_heads, head = args.heads, args.kv_heads, args.head
     max_len = args.prompt + args.new
+    # A decode block of more iterations than a request can decode is refused.
+    args.decode_steps = min(args.decode_steps, max_len)
     cfg = jaxkv.pattern_config(
         "G",
         num_layers=args.layers,

@@ -134,3 +134,54 @@ def checks_own_arguments(fn: F) -> F:
     """
     fn.__no_type_check__ = True  # pyright: ignore[reportFunctionMemberAccess]
     return fn
+
+
+def varying_like(values: Any, refs: tuple[Any, ...]) -> Any:
+    """`values` cast to vary over every mesh axis some of `refs` vary over.
+
+    Outside ``shard_map`` nothing varies and `values` come back unchanged.
+    """
+    axes: set[Any] = set()
+    for ref in refs:
+        axes |= varying_axes(ref)
+    if not axes:
+        return values
+
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(sorted(axes - varying_axes(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, values)
+
+
+def varying_axes(x: Any) -> set[Any]:
+    """Mesh axes `x` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return set(manual.varying)
+    return set(getattr(aval, "vma", None) or ())  # later jax
+
+
+def kernel_operands(
+    operands: tuple[Any, ...], out_shape: tuple[int, ...], dtype: Any
+) -> tuple[tuple[Any, ...], jax.ShapeDtypeStruct]:
+    """A Pallas call's operands and output type under ``shard_map``.
+
+    With ``check_vma`` on, a kernel's operands and result must agree on the
+    mesh axes they vary over: the operands are cast to vary over every axis
+    one of them varies over, and the result is declared to vary over those.
+    Outside ``shard_map`` they come back as they are.
+    """
+    operands = varying_like(operands, operands)
+    axes: set[Any] = set()
+    mats = []
+    for x in operands:
+        axes |= varying_axes(x)
+        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+        if mat is not None:
+            mats.append(mat)
+    if not mats:  # jax without manual axis types
+        return operands, jax.ShapeDtypeStruct(out_shape, dtype)
+    mat = mats[0].update(varying=frozenset(axes))
+    return operands, jax.ShapeDtypeStruct(out_shape, dtype, manual_axis_type=mat)

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxkv
@@ -196,3 +197,47 @@ def test_the_kernel_hand_off_in_a_cpu_layer_scan_copies_no_stack(write):
     # At most the one layer slot kernel_cache hands out, never the stack.
     slot_bytes = pools[0].size * pools[0].dtype.itemsize // 4
     assert stats.temp_size_in_bytes <= slot_bytes + (64 << 10)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_the_pallas_kernels_run_inside_shard_map_with_check_vma(implementation):
+    # Operands vary over the data axis (the pools, the queries): the kernels'
+    # operands and results are typed to vary alike (check_vma on).
+    from jax.sharding import PartitionSpec as P
+
+    from tests.attention_cases import CASES, build
+
+    case = next(c for c in CASES if c.name == "decode_fused_bf16_bits")
+    built = build(case)
+    mesh = jax.make_mesh((1,), ("data",))
+    view, kw = built.view, built.kw
+    k = jnp.ones((2, case.kv_heads, case.head), jnp.dtype(case.dtype))
+
+    def step(pools, q, meta, layer):
+        pools = jaxkv.write_kv(
+            pools,
+            view,
+            k,
+            k,
+            jnp.array([3, 4], jnp.int32),
+            layer=layer,
+            implementation=implementation,
+        )
+        out = jaxkv.paged_attention(
+            q, pools, view, meta, layer=layer, implementation=implementation, **kw
+        )
+        return pools, out
+
+    spec = jax.tree.map(lambda _: P(), (built.pools, built.q, built.meta, built.layer))
+    sharded = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=spec, out_specs=(spec[0], P()), check_vma=True
+        )
+    )
+    plain = jax.jit(step)
+    args = (built.pools, built.q, built.meta, built.layer)
+    got = sharded(*args)
+    want = plain(*args)  # neither program donates
+    np.testing.assert_allclose(
+        np.asarray(got[1], np.float32), np.asarray(want[1], np.float32), atol=1e-2
+    )

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxkv._util import kernel_operands
 from jaxkv.attention._call import (
     Call,
     head_dims,
@@ -108,23 +109,28 @@ def gpu_attention(
         num_blocks=view.num_blocks,
     )
     num_rows = plan.info.shape[0]
+    operands, out_shape = kernel_operands(
+        (
+            plan.info,
+            plan.bounds,
+            meta.block_table_tensor.astype(jnp.int32),
+            layer_of(layer, view),
+            q_padded,
+            kc.slots,
+        ),
+        (num_rows, tile, heads, dv),
+        jnp.float32,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(num_rows, kvh),
         in_specs=[pl.no_block_spec] * 6,
         out_specs=pl.BlockSpec((None, tile, groups, dv), lambda r, h: (r, 0, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, tile, heads, dv), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_paged_attention_gpu",
-    )(
-        plan.info,
-        plan.bounds,
-        meta.block_table_tensor.astype(jnp.int32),
-        layer_of(layer, view),
-        q_padded,
-        kc.slots,
-    )
+    )(*operands)
     return rows_to_tokens(out, plan.rows, num_tokens, q.dtype)
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxkv._util import kernel_operands
 from jaxkv.attention._call import (
     Call,
     kernel_call,
@@ -124,23 +125,28 @@ def tpu_attention(
             pltpu.VMEM((kvh, m, dv), jnp.float32),
         ],
     )
+    operands, out_shape = kernel_operands(
+        (
+            plan.info.reshape(-1),
+            meta.block_table_tensor.astype(jnp.int32).reshape(-1),
+            layer_of(layer, view),
+            bounds,
+            qr,
+            *kv_args,
+        ),
+        (num_rows, kvh, m, dv),
+        jnp.float32,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((num_rows, kvh, m, dv), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jaxkv_paged_attention_tpu",
-    )(
-        plan.info.reshape(-1),
-        meta.block_table_tensor.astype(jnp.int32).reshape(-1),
-        layer_of(layer, view),
-        bounds,
-        qr,
-        *kv_args,
-    )
+    )(*operands)
     out = out.reshape(num_rows, kvh, tile, groups, dv)
     out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(num_rows, tile, heads, dv)
     return rows_to_tokens(out, rows, num_tokens, q.dtype)

@@ -6,7 +6,7 @@ step over a chunk. :func:`paged_attention` composes them.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -302,30 +302,3 @@ def value_dim(view: KVCacheView, head_dim: int) -> int:
     if "head" in view.axes and "kv" not in view.axes:
         return view.shape[view.dim("dim")] - view.head_size
     return head_dim
-
-
-def varying_like(values: Any, refs: tuple[Any, ...]) -> Any:
-    """`values` cast to vary over every mesh axis some of `refs` vary over.
-
-    Outside ``shard_map`` nothing varies and `values` come back unchanged.
-    """
-    axes: set[Any] = set()
-    for ref in refs:
-        axes |= varying_axes(ref)
-    if not axes:
-        return values
-
-    def cast(x: jax.Array) -> jax.Array:
-        missing = tuple(sorted(axes - varying_axes(x), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, values)
-
-
-def varying_axes(x: Any) -> set[Any]:
-    """Mesh axes `x` varies over inside ``shard_map`` (empty outside)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    if manual is not None:
-        return set(manual.varying)
-    return set(getattr(aval, "vma", None) or ())  # later jax

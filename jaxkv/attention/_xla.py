@@ -17,13 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxkv._util import varying_like
 from jaxkv.attention._call import Call, kv_heads_of
 from jaxkv.attention._rows import (
     chunk_range,
     online_softmax_step,
     query_rows_of,
     value_dim,
-    varying_like,
     visible,
 )
 from jaxkv.cache import KVCacheView, Pools, gather_kv_pages

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxkv._util import kernel_operands
 from jaxkv.cache._checks import layer_index
 from jaxkv.cache._page_layout import PageLayout, page_layout
 from jaxkv.cache._strided import to_bits
@@ -79,17 +80,22 @@ def gpu_write(
                 t, h, :
             ]
 
+    operands, out_shape = kernel_operands(
+        (slots, layer_index(layer, view).reshape(1), key, value, slots_arr),
+        slots_arr.shape,
+        slots_arr.dtype,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(n, heads),
         in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct(slots_arr.shape, slots_arr.dtype),
+        out_shape=out_shape,
         input_output_aliases={4: 0},
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jaxkv_kv_write_gpu",
-    )(slots, layer_index(layer, view).reshape(1), key, value, slots_arr)
+    )(*operands)
     return out.reshape(pool.shape)
 
 
@@ -141,16 +147,21 @@ def tpu_write(
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
     )
+    operands, out_shape = kernel_operands(
+        (slots, layer_index(layer, view).reshape(1), key, value, slots_arr),
+        slots_arr.shape,
+        slots_arr.dtype,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(slots_arr.shape, slots_arr.dtype),
+        out_shape=out_shape,
         # Operand 4 counts the two scalar-prefetch operands.
         input_output_aliases={4: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jaxkv_kv_write_tpu",
-    )(slots, layer_index(layer, view).reshape(1), key, value, slots_arr)
+    )(*operands)
     return out.reshape(pool.shape)
 
 
