@@ -170,6 +170,13 @@ assert (packed[0] == np.asarray(alone.packed)).all()
 f = inputs.fast_prefill
 assert np.asarray(f.num_logits_indices).tolist() == [2, 0]
 assert (np.asarray(f.logits_indices_padded)[1] == 0).all()
+# Rank 0 samples 1 token, rank 1 samples 3: sized by the busiest rank, and
+# the program keyed by the staged indices' width, not the rank count.
+fewer = b.prepare_ranks(_steps(sp.local, [[[1, 2]], [[3, 4], [5, 6, 7], [8]]]))
+assert fewer.layout.num_samples >= 3, fewer.layout
+width = np.asarray(fewer.fast_prefill.logits_indices_padded).shape
+assert width[0] == 2 and width[1] > 2, width
+assert fewer.program[1] == width[1], (fewer.program, width)
 print("ok", inputs.packed.sharding.spec)
 """
     env = {
