@@ -381,19 +381,16 @@ def _attend(
         return go
 
     args = (q, pools, meta, layer)
-    if not choice.by_platform:
-        # One implementation everywhere; a Pallas kernel runs compiled on
-        # its own platform and interpreted elsewhere.
-        if choice.default in ("pallas_gpu", "pallas_tpu"):
-            own = _GPU_PLATFORMS if choice.default == "pallas_gpu" else ("tpu",)
-            return jax.lax.platform_dependent(
-                *args,
-                **{p: run(choice.default, p) for p in own},
-                default=run(choice.default, None),
-            )
+    per = dict(choice.by_platform)
+    if not per and choice.default in ("pallas_gpu", "pallas_tpu"):
+        # A Pallas kernel everywhere: compiled on its own platform(s),
+        # interpreted elsewhere.
+        own = _GPU_PLATFORMS if choice.default == "pallas_gpu" else ("tpu",)
+        per = dict.fromkeys(own, choice.default)
+    if not per:
         return run(choice.default, None)(*args)
     return jax.lax.platform_dependent(
         *args,
-        **{p: run(name, p) for p, name in choice.by_platform},
+        **{p: run(name, p) for p, name in per.items()},
         default=run(choice.default, None),
     )
