@@ -146,7 +146,7 @@ def test_an_idle_rank_beside_a_busy_one_shares_its_bucket():
     import sys
 
     code = """
-import jax, numpy as np, jaxkv
+import dataclasses, jax, numpy as np, jaxkv
 from tests.test_step_ranks import CFG, _steps
 sp = jaxkv.shard_plan(CFG, mesh=jax.make_mesh((2, 1), ("data", "tensor")),
                       num_blocks=16)
@@ -172,8 +172,12 @@ assert np.asarray(f.num_logits_indices).tolist() == [2, 0]
 assert (np.asarray(f.logits_indices_padded)[1] == 0).all()
 # Rank 0 samples 1 token, rank 1 samples 3: sized by the busiest rank, and
 # the program keyed by the staged indices' width, not the rank count.
-fewer = b.prepare_ranks(_steps(sp.local, [[[1, 2]], [[3, 4], [5, 6, 7], [8]]]))
-assert fewer.layout.num_samples >= 3, fewer.layout
+# Token buckets start at 2 so that one sample and three pad differently.
+fine = jaxkv.shard_plan(dataclasses.replace(CFG, token_buckets=(2, 4, 8, 16)),
+                        mesh=sp.mesh, num_blocks=16)
+b = jaxkv.StepMetadataBuilder(fine, model_inputs=True)
+fewer = b.prepare_ranks(_steps(fine.local, [[[1, 2]], [[3, 4], [5, 6, 7], [8]]]))
+assert fewer.layout.num_samples == 4, fewer.layout
 width = np.asarray(fewer.fast_prefill.logits_indices_padded).shape
 assert width[0] == 2 and width[1] > 2, width
 assert fewer.program[1] == width[1], (fewer.program, width)
