@@ -389,3 +389,33 @@ def test_reset_prefix_cache_forgets_offloads_that_never_ran():
     # The pools' contents are gone: the copy must not run, nor its key stay.
     assert host.num_pending == 0
     assert "gone" not in host
+
+
+def test_a_step_applied_before_its_host_copies_ran_is_refused():
+    # The tier copies a block's bytes when flush(pools) runs, so a step that
+    # ran before it would have its own K/V offloaded under the old prefix's
+    # key: applying such a step raises, and flushing first applies it.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=14)
+    s = jaxkv.Scheduler(plan, enable_prefix_caching=True, host_blocks=16)
+    host = s.manager.host
+    assert host is not None
+    pools = plan.allocate()
+    s.add_request(jaxkv.Request("a", prompt=list(range(70)), max_new_tokens=1))
+    while s.has_unfinished:
+        step = s.schedule()
+        pools = host.flush(pools)
+        s.update(step, [1] * len(step.sampled))
+    for i in range(8):  # new prompts until one evicts a cached prefix
+        s.add_request(jaxkv.Request(f"b{i}", prompt=[90 + i] * 64, max_new_tokens=1))
+        step = s.schedule()
+        if host.num_pending:
+            break
+        pools = host.flush(pools)
+        s.update(step, [1] * len(step.sampled))
+    assert host.num_pending > 0
+    before = (host.num_pending, [r.num_computed for r, _ in step.batch])
+    with pytest.raises(RuntimeError, match="ran before manager.host.flush"):
+        s.update(step, [1] * len(step.sampled))
+    assert (host.num_pending, [r.num_computed for r, _ in step.batch]) == before
+    pools = host.flush(pools)
+    s.update(step, [1] * len(step.sampled))

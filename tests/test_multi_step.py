@@ -425,11 +425,14 @@ def test_overlap_cannot_change_from_on_token_inside_run(model):
     assert [list(r.output) for r in reqs] == base
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("pipelined", [False, True, "ahead"])
 def test_a_decode_block_caches_only_blocks_whose_keys_are_computed(pipelined):
     # Prompt 3 + 1 token, then 4 decode iterations: 8 known tokens, two full
     # blocks of 4, but the last sampled token's K/V is not computed yet, so
-    # only the first block may be cached, applied at once or pipelined.
+    # only the first block may be cached, applied at once or pipelined. With
+    # the next block already advanced ("ahead") token 8's K/V is in flight
+    # there: a block it completes is cached only when that step resolves (a
+    # failed step must not leave a cached block whose keys were never written).
     cfg = jaxkv.llama_like_config(num_layers=1, block_size=4)
     plan = jaxkv.make_plan(cfg, num_blocks=32)
     s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
@@ -438,11 +441,19 @@ def test_a_decode_block_caches_only_blocks_whose_keys_are_computed(pipelined):
     s.update(s.schedule(), [4])
     step = s.schedule_decode(4)
     assert step is not None
+    nxt = None
     if pipelined:
         s.advance_decode(step)
+        if pipelined == "ahead":
+            nxt = s.schedule_decode(4)
+            assert nxt is not None
+            s.advance_decode(nxt)
         s.resolve_decode(step, [[5, 6, 7, 8]])
     else:
         s.update_decode(step, [[5, 6, 7, 8]])
     assert req.num_known_tokens == 8
     probe = jaxkv.Request("p", prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=1)
     assert s.manager.find_cache_hit(probe) == 4
+    if nxt is not None:
+        s.resolve_decode(nxt, [[9, 10, 11, 12]])
+        assert s.manager.find_cache_hit(probe) == 8

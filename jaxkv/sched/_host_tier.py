@@ -9,7 +9,10 @@ records the copies (:meth:`HostKVCache.record_offload`,
 :meth:`HostKVCache.record_restore`); :meth:`HostKVCache.flush` runs them on
 the pools, in the order they were recorded, before the next step is
 dispatched (:class:`ServingLoop` calls it; your own loop calls it before
-each step). Copies are dispatched asynchronously, as the step is.
+each step). A copy reads the device block when it runs, so the scheduler
+refuses to apply a step while copies recorded by its scheduling are still
+pending (the step would have overwritten the blocks to keep). Copies are
+dispatched asynchronously, as the step is.
 
 What is copied is each layer's own data through its view, as the step
 writes it: per attention layer the K/V of the block's ``block_size`` tokens

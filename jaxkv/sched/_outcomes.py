@@ -348,7 +348,19 @@ class StepOutcomes:
         return rows
 
     def _check_latest(self, step: ScheduledStep, op: str, made_by: str) -> None:
-        """Raises unless `step` is the latest scheduled one and not applied."""
+        """Raises unless `step` is the latest scheduled one, not applied, and
+        ran after the host tier's copies its scheduling recorded.
+        """  # noqa: D205
+        host = self.manager.host
+        if host is not None and host.num_pending:
+            raise RuntimeError(
+                f"{op}: the host tier still holds {host.num_pending} copies recorded "
+                "when this step was scheduled, so the step ran before "
+                "manager.host.flush(pools): its writes went into blocks whose old "
+                "bytes the tier was to keep, and it read blocks the tier was to "
+                "restore. Call flush(pools) after schedule() and before "
+                "dispatching each step (ServingLoop does)."
+            )
         if step is self._applied:
             raise ValueError(
                 f"{op}: this step was already applied (a retry?); schedule the "
