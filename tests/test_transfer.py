@@ -517,8 +517,34 @@ def test_an_import_refuses_repeated_blocks_and_blocks_shared_by_groups_of_one_po
         jaxkv.transfer.import_request(dst, target, kv, block_ids=[[3], [5], [7, 7]])
     with pytest.raises(ValueError, match="block 3 is in the tables of groups 0 and"):
         jaxkv.transfer.import_request(dst, target, kv, block_ids=[[3], [3], [7, 8]])
+    # With the target's manager: only blocks it gave this request.
+    m = jaxkv.KVCacheManager(dst)
+    other = jaxkv.Request("other", prompt=[1] * 5, max_new_tokens=1)
+    req = jaxkv.Request("req", prompt=[1] * 5, max_new_tokens=1)
+    with pytest.raises(ValueError, match="request 'req' holds no blocks"):
+        jaxkv.transfer.import_request(
+            dst, target, kv, block_ids=[[3], [5], [7, 8]], manager=m, request=req
+        )
+    assert m.allocate(other, 5) and m.allocate(req, 5)
+    mine, theirs = m.blocks_of(req), m.blocks_of(other)
+    stolen = [mine[0], mine[1], [mine[2][0], theirs[2][1]]]
+    with pytest.raises(ValueError, match=f"block_ids.2. has block {theirs[2][1]}, wh"):
+        jaxkv.transfer.import_request(
+            dst, target, kv, block_ids=stolen, manager=m, request=req
+        )
+    with pytest.raises(ValueError, match="pass manager= and request= together"):
+        jaxkv.transfer.import_request(dst, target, kv, block_ids=mine, manager=m)
+    with pytest.raises(TypeError, match="request must be the Request"):
+        jaxkv.transfer.import_request(
+            dst, target, kv, block_ids=mine, manager=m, request="req"
+        )
     for a, b in zip(target, before, strict=True):  # refused: nothing written
         np.testing.assert_array_equal(np.asarray(a), b)
+    out = jaxkv.transfer.import_request(
+        dst, dst.allocate(), kv, block_ids=mine, manager=m, request=req
+    )
+    back = jaxkv.transfer.export_request(dst, out, block_ids=mine, num_tokens=5)
+    assert bool((back.attention[name].keys == k).all())
     ids = [[3], [5], [7, 8]]
     out = jaxkv.transfer.import_request(dst, target, kv, block_ids=ids)
     back = jaxkv.transfer.export_request(dst, out, block_ids=ids, num_tokens=5)

@@ -12,9 +12,16 @@ draws where the bytes land.
 
 from jaxkv.transfer._ranks import export_rank_request, import_rank_request
 from jaxkv.transfer._remote import receive_request, send_request
-from jaxkv.transfer._requests import LayerKV, RequestKV, export_request, import_request
+from jaxkv.transfer._requests import (
+    BlockOwner,
+    LayerKV,
+    RequestKV,
+    export_request,
+    import_request,
+)
 
 __all__ = [
+    "BlockOwner",
     "LayerKV",
     "RequestKV",
     "export_rank_request",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +167,54 @@ def _check_distinct(
                     "pages would overwrite the other's. Give each group its own "
                     "blocks (as KVCacheManager.allocate does)."
                 )
+
+
+class BlockOwner(Protocol):
+    """What :func:`import_request` asks of a block manager
+    (:class:`jaxkv.KVCacheManager` is one).
+    """  # noqa: D205
+
+    def holds_blocks(self, req: Any) -> bool:  # noqa: D102
+        ...
+
+    def blocks_of(self, req: Any) -> list[list[int]]:  # noqa: D102
+        ...
+
+
+def _check_owned(
+    tables: list[np.ndarray], manager: BlockOwner | None, request: Any
+) -> None:
+    """Every block of `tables` (but the null block) is one `manager` gave
+    `request` in that group.
+    """  # noqa: D205
+    if manager is None and request is None:
+        return
+    if manager is None or request is None:
+        raise ValueError(
+            "import_request: pass manager= and request= together (the blocks are "
+            "checked against the manager's allocation for the request)."
+        )
+    req_id = getattr(request, "req_id", None)
+    if not isinstance(req_id, str):
+        raise TypeError(
+            "import_request: request must be the Request the blocks were "
+            f"allocated for, got {type(request).__name__}."
+        )
+    if not manager.holds_blocks(request):
+        raise ValueError(
+            f"import_request: request {req_id!r} holds no blocks in the given "
+            "manager; allocate its tokens there first (KVCacheManager.allocate)."
+        )
+    owned = manager.blocks_of(request)
+    for g, ids in enumerate(tables):
+        foreign = np.setdiff1d(ids[ids != 0], np.asarray(owned[g], np.int64))
+        if foreign.size:
+            raise ValueError(
+                f"import_request: block_ids[{g}] has block {int(foreign[0])}, which "
+                f"the manager did not allocate to request {req_id!r} in group {g} "
+                f"(it holds {[b for b in owned[g] if b][:8]}); writing it would "
+                "overwrite another request's cache."
+            )
 
 
 def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Array:
@@ -321,6 +369,8 @@ def import_request(
     kv: RequestKV,
     *,
     block_ids: Sequence[Sequence[int]],
+    manager: BlockOwner | None = None,
+    request: Any = None,
 ) -> Pools:
     """Writes a request's KV cache into `pools` through `plan`'s views.
 
@@ -331,6 +381,10 @@ def import_request(
       block_ids: Per KV-cache group of the target, the blocks allocated for
         the request (``KVCacheManager.allocate`` of ``kv.num_tokens`` tokens,
         then ``blocks_of``); tokens in block 0 are not written.
+      manager: The target's block manager; with `request`, every block of
+        `block_ids` must be one it allocated to that request, in that group
+        (checked before anything is written).
+      request: The :class:`Request` the blocks were allocated for.
 
     Returns:
       The pools.
@@ -339,8 +393,9 @@ def import_request(
       ValueError: If the layers differ (a layer missing on either side, or a
         key, value or state of another shape or dtype: named), or
         `block_ids` does not fit as in :func:`export_request`, lists a block
-        twice, or gives one block to two groups whose layers share a pool
-        (their pages would overwrite each other's).
+        twice, gives one block to two groups whose layers share a pool
+        (their pages would overwrite each other's), or (with `manager`) holds
+        a block the manager did not allocate to `request`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -371,6 +426,7 @@ def import_request(
             f"request {sorted(theirs - mine)}."
         )
     _check_distinct(plan, layers, tables)
+    _check_owned(tables, manager, request)
     # Everything is checked before anything is written: a refused import
     # leaves the pools as they were.
     writes = [_checked_layer(plan, pools, kv, name, group) for _, name, group in layers]
