@@ -525,7 +525,8 @@ def test_an_import_refuses_repeated_blocks_and_blocks_shared_by_groups_of_one_po
         jaxkv.transfer.import_request(
             dst, target, kv, block_ids=[[3], [5], [7, 8]], manager=m, request=req
         )
-    assert m.allocate(other, 5) and m.allocate(req, 5)
+    assert m.allocate(other, 5)
+    assert m.allocate(req, 5)
     mine, theirs = m.blocks_of(req), m.blocks_of(other)
     stolen = [mine[0], mine[1], [mine[2][0], theirs[2][1]]]
     with pytest.raises(ValueError, match=f"block_ids.2. has block {theirs[2][1]}, wh"):
