@@ -68,3 +68,26 @@ def test_another_groups_metadata_is_refused_by_paged_attention():
         jaxkv.paged_attention(
             q, pools, stack.layer, meta[local.name], scale=1.0, layer=jnp.int32(1)
         )
+
+
+def test_write_kv_takes_a_layer_and_its_metadata_and_refuses_another_groups():
+    plan = _plan("LLGG", 4)
+    meta = _metadata(plan)
+    local = plan.attention_layer("layers.0.self_attn")
+    glob = plan.attention_layer("layers.2.self_attn")
+    k = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 1, 8)
+    # The layer and its own group's metadata write what the bare view and
+    # its slot mapping write.
+    want = jaxkv.write_kv(
+        plan.allocate(), glob.view, k, -k, meta[glob.name].slot_mapping
+    )
+    got = jaxkv.write_kv(plan.allocate(), glob, k, -k, meta[glob.name])
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"layers.2.self_attn.*group 1.*group 0"):
+        jaxkv.write_kv(plan.allocate(), glob, k, -k, meta[local.name])
+    stack = plan.layer_stack(["layers.2.self_attn", "layers.3.self_attn"])
+    with pytest.raises(ValueError, match="writes KV-cache group 1"):
+        jaxkv.write_kv(
+            plan.allocate(), stack.layer, k, -k, meta[local.name], layer=jnp.int32(1)
+        )

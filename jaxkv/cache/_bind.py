@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+from jax.typing import ArrayLike
+from jaxtyping import Int
 
 from jaxkv._config import RunnerConfig
 from jaxkv._kv_cache_config import KVCacheConfig
@@ -219,6 +221,21 @@ class AttentionLayer:
     logits_soft_cap: float | None = None
     cross_attention: bool = False
     group: int | None = None
+
+
+@runtime_checkable
+class GroupSlots(Protocol):
+    """A step's metadata for one KV-cache group, as :func:`write_kv` reads it
+    (``CommonAttentionMetadata`` is one).
+    """  # noqa: D205
+
+    @property
+    def slot_mapping(self) -> Int[ArrayLike, " num_tokens"]:  # noqa: D102
+        ...
+
+    @property
+    def group(self) -> int | None:  # noqa: D102
+        ...
 
 
 def attention_layer(

@@ -63,9 +63,10 @@ def _device_ids(value: ArrayLike, name: str) -> jax.Array:
     return ids.astype(jnp.int32)
 
 
-def _checks_host_ids(*names: str, view: type | None = None) -> Any:
+def _checks_host_ids(*names: str, view: type | None = None, resolve: Any = None) -> Any:
     """Wraps a jitted op: its view argument's type (when `view` is given) and its
-    host-given id arguments `names` are checked before jit sees them.
+    host-given id arguments `names` are checked before jit sees them, after
+    ``resolve(arguments)`` (when given) rewrote the bound arguments in place.
     """  # noqa: D205
 
     def wrap(fn: Any) -> Any:
@@ -74,6 +75,8 @@ def _checks_host_ids(*names: str, view: type | None = None) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
+            if resolve is not None:
+                resolve(bound.arguments)
             if "pools" in bound.arguments:
                 check_pools_alive(bound.arguments["pools"], fn.__name__)
             if view is not None:

@@ -10,6 +10,7 @@ write nothing and never wrap around.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jaxtyping import Array, Int, Shaped
 
 from jaxkv._util import checks_own_arguments
 from jaxkv.cache import _typed as typed
+from jaxkv.cache._bind import AttentionLayer, GroupSlots
 from jaxkv.cache._checks import (
     Pools,
     _check_dtype_supported,
@@ -86,7 +88,31 @@ WRITE_IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "nat
 """What ``write_kv(implementation=)`` takes."""
 
 
-@_checks_host_ids("slot_mapping", view=KVCacheView)
+def _layer_slots(view: object, slot_mapping: object) -> tuple[Any, Any]:
+    """A layer's view and slot mapping from an :class:`AttentionLayer` and
+    step metadata (refusing another group's), or the bare ones as given.
+    """  # noqa: D205
+    if isinstance(view, AttentionLayer):
+        group = getattr(slot_mapping, "group", None)
+        if None not in (view.group, group) and view.group != group:
+            raise ValueError(
+                f"write_kv: layer {view.name!r} writes KV-cache group {view.group}'s "
+                f"slots, but the metadata is group {group}'s (another group's slots "
+                f"address other pages); pass builder.metadata(inputs)[{view.name!r}]."
+            )
+        view = view.view
+    if isinstance(slot_mapping, GroupSlots):
+        slot_mapping = slot_mapping.slot_mapping
+    return view, slot_mapping
+
+
+def _resolve_layer_slots(arguments: dict[str, Any]) -> None:
+    arguments["view"], arguments["slot_mapping"] = _layer_slots(
+        arguments["view"], arguments["slot_mapping"]
+    )
+
+
+@_checks_host_ids("slot_mapping", view=KVCacheView, resolve=_resolve_layer_slots)
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="implementation")
 @checks_own_arguments
 def write_kv(
@@ -109,13 +135,16 @@ def write_kv(
 
     Args:
       pools: The pool arrays (donated).
-      view: The layer's view (static).
+      view: The layer's view (static), or its :class:`AttentionLayer`.
       key: ``(num_tokens, num_kv_heads, head_dim)`` keys, or ``(num_tokens,
         head_dim)`` latents for MLA.
       value: ``(num_tokens, num_kv_heads, head_dim_v)`` values, or ``None`` for
         MLA.
       slot_mapping: ``(num_tokens,)`` int32 slots, unique apart from padding
-        (which of two writes to one slot wins is unspecified).
+        (which of two writes to one slot wins is unspecified); or the layer's
+        step metadata (its ``slot_mapping`` is used), whose KV-cache group
+        must then be the layer's when `view` is an :class:`AttentionLayer`
+        (another group's slots address other pages).
       layer: For a view of a layer-stacked typed pool: the layer slot to write,
         possibly traced (``lax.scan`` over layers); ``None``: the view's own.
         A traced slot outside the pool writes nothing.
@@ -148,6 +177,8 @@ def write_kv(
       >>> float(kp[0, 0, 1].sum()), float(vp[0, 0, 8, 0, 0]), float(kp[0, 0, 0].sum())
       (64.0, 2.0, 0.0)
     """
+    # An AttentionLayer and its metadata were resolved to the view and slot
+    # mapping by the wrapper (_resolve_layer_slots), before jit.
     _check_view(view, KVCacheView, "write_kv")
     _check_dtype_supported(view)
     key = jnp.asarray(key)
