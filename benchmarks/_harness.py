@@ -45,7 +45,7 @@ def paged_layers(
     cfg = jaxkv.RunnerConfig(
         layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in names]
     )
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=num_blocks)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups, storage=storage)
     if tensor_layout is not None:
@@ -63,7 +63,7 @@ def paged_layers(
         pool_specs, views = jaxkv.vllm.allocate_layer_tensors(
             [tensor], dict.fromkeys(names, spec), num_blocks=num_blocks, layout=layout
         )
-        pools = jaxkv.cache.allocate_pools(pool_specs)
+        pools = jaxkv.plan.allocate_pools(pool_specs)
     return kv, groups, pools, tuple(views[n] for n in names)
 
 

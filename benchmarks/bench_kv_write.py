@@ -51,8 +51,8 @@ def write_kv(pools, view, key, value, slots):
     return jaxkv.write_kv(pools, view, key, value, slots, implementation=IMPLEMENTATION)
 
 
-from jaxkv.cache._ops import _plan  # noqa: E402
-from jaxkv.cache._strided import _starts, to_bits, to_words  # noqa: E402
+from jaxkv.kv._ops import _plan  # noqa: E402
+from jaxkv.kv._strided import _starts, to_bits, to_words  # noqa: E402
 
 _ROWS = lax.ScatterDimensionNumbers(
     update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)

@@ -10,7 +10,7 @@ from jaxkv._config import LayerConfig, RunnerConfig
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._pattern import pattern_config
 from jaxkv._specs import FullAttentionSpec, SlidingWindowSpec
-from jaxkv.cache import align_hybrid_block_size
+from jaxkv.plan import align_hybrid_block_size
 
 
 def tiny_hybrid_config(

@@ -17,7 +17,7 @@ from jaxkv._specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from jaxkv.cache import align_hybrid_block_size
+from jaxkv.plan import align_hybrid_block_size
 
 #: Pattern letters: global (full) attention, local (sliding-window)
 #: attention, chunked-local attention, recurrent (Mamba-like) state.

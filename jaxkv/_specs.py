@@ -323,3 +323,28 @@ class SlidingWindowMLASpec(MLAAttentionSpec):
         check_positive_int(
             "SlidingWindowMLASpec", "sliding_window", self.sliding_window
         )
+
+
+def get_num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Leading tokens no future query of a request attends to (vLLM's rule).
+
+    Sliding window ``w``: a query at position ``p >= num_computed_tokens`` sees
+    keys ``> p - w``, so ``num_computed_tokens - w + 1`` tokens are skipped.
+    Chunked local attention of chunk ``c``: keys of earlier chunks are never seen
+    again, ``(num_computed_tokens // c) * c``. Other specs skip nothing. Blocks
+    whose tokens are all skipped can be freed and replaced by the null block.
+
+    Example:
+      >>> import jaxkv
+      >>> swa = jaxkv.SlidingWindowSpec(block_size=16, num_kv_heads=1,
+      ...     head_size=8, dtype="float32", sliding_window=64)
+      >>> from jaxkv.vllm import get_num_skipped_tokens
+      >>> get_num_skipped_tokens(swa, 100), get_num_skipped_tokens(swa, 10)
+      (37, 0)
+    """
+    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+        return max(0, num_computed_tokens - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk = spec.attention_chunk_size
+        return (num_computed_tokens // chunk) * chunk
+    return 0

@@ -27,7 +27,7 @@ Which vLLM each follows:
 Example (the seeds' flow: groups, then pools and views, then binding):
   >>> import jaxkv, jaxkv.vllm as vllm
   >>> cfg = jaxkv.tiny_hybrid_config()
-  >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+  >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
   >>> groups, info, sizes = vllm.init_attn_backend(kv, cfg)
   >>> pools, views = vllm.init_kv_cache(kv, cfg, sizes, groups)
   >>> bound = vllm.bind_kv_caches(views, ["layers.3.self_attn",
@@ -67,26 +67,7 @@ from jaxkv._specs import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-)
-from jaxkv.cache import (
-    AttentionLayer,
-    BoundKVCaches,
-    KVCacheInit,
-    LayerTensor,
-    TensorLayout,
-    _align_mixed_attention_kv_cache_views,
-    _kv_first_layers_sharing_pool_with_mamba,
-    allocate_layer_tensors,
-    bind_kv_caches,
     get_num_skipped_tokens,
-    hnc_shape,
-    init_kv_cache,
-    layout_of_view,
-    layout_strides,
-    plan_tensors,
-    resolve_layout,
-    tensor_views,
-    unify_page_sizes,
 )
 from jaxkv.groups import (
     AttentionCGSupportInfo,
@@ -98,6 +79,25 @@ from jaxkv.groups import (
     init_attn_backend,
     prepare_kernel_block_sizes,
     select_common_block_size,
+)
+from jaxkv.plan import (
+    AttentionLayer,
+    BoundKVCaches,
+    KVCacheInit,
+    LayerTensor,
+    TensorLayout,
+    _align_mixed_attention_kv_cache_views,
+    _kv_first_layers_sharing_pool_with_mamba,
+    allocate_layer_tensors,
+    bind_kv_caches,
+    hnc_shape,
+    init_kv_cache,
+    layout_of_view,
+    layout_strides,
+    plan_tensors,
+    resolve_layout,
+    tensor_views,
+    unify_page_sizes,
 )
 from jaxkv.step import (
     BatchDescriptor,

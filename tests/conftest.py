@@ -13,7 +13,7 @@ from jaxtyping import install_import_hook
 _TYPECHECKED = (
     "jaxkv.attention._paged",
     "jaxkv.attention._rows",
-    "jaxkv.cache._ops",
+    "jaxkv.kv._ops",
     "jaxkv.serve._sampling",
     "jaxkv.step._common_metadata",
     "jaxkv.step._fast_prefill",

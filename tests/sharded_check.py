@@ -143,7 +143,7 @@ def main(d: int, t: int, axis_type: str, packed: bool) -> None:
     local_cfg = jaxkv.tiny_hybrid_config(
         num_heads=heads // t, num_kv_heads=kv_heads // t, **shape
     )
-    split = jaxkv.cache.local_runner_config(cfg, tensor_parallel=t)
+    split = jaxkv.plan.local_runner_config(cfg, tensor_parallel=t)
     assert [(x.spec, x.num_heads) for x in split.layers] == [
         (x.spec, x.num_heads) for x in local_cfg.layers
     ]

@@ -124,7 +124,7 @@ def hybrid_cases(draw) -> Case:
             dataclasses.replace(first, name="yoco", kv_sharing_target=first.name)
         )
     cfg = jaxkv.RunnerConfig(layers=layers)
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks, packed=packed)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=num_blocks, packed=packed)
     desc = (
         f"B={block} H={heads} D={head} {dtype} N={num_blocks} packed={packed} "
         f"mamba={with_mamba} pad={pad} layouts={layouts} splits={splits} yoco={yoco}"
@@ -138,7 +138,7 @@ def plan(case: Case, **plan_kw):
     groups, _, sizes = jaxkv.vllm.init_attn_backend(
         case.kv, case.cfg, maps_slot_mapping=True
     )
-    pool_specs, views = jaxkv.cache.pool_layout(
+    pool_specs, views = jaxkv.plan.pool_layout(
         case.kv, case.cfg, sizes, groups, **plan_kw
     )
     names = [layer.name for layer in case.cfg.layers]

@@ -110,12 +110,14 @@ def test_the_layering_check_sees_a_violation(tmp_path):
     # The check itself: an upward import, a private module of another
     # sub-package and a private name are each found.
     ranks = _ranks()
-    assert ranks["_specs"] < ranks["cache"] < ranks["serve"] < ranks["demo"]
+    assert (
+        ranks["_specs"] < ranks["plan"] < ranks["kv"] < ranks["serve"] < ranks["demo"]
+    )
     f = tmp_path / "m.py"
     f.write_text(
         "from jaxkv.serve import ServingLoop\n"
-        "from jaxkv.cache._ops import write_kv\n"
-        "from jaxkv.cache import _x\n"
+        "from jaxkv.kv._ops import write_kv\n"
+        "from jaxkv.plan import _x\n"
     )
     found = _violations(f, "step", ranks)
     assert len(found) == 3, found
@@ -125,7 +127,7 @@ def test_the_layering_check_sees_a_violation(tmp_path):
     assert len(_violations(f, "demo", ranks)) == 2  # serve is below demo
     g = tmp_path / "d.py"
     g.write_text("from jaxkv._specs import MambaSpec\n")
-    assert _violations(g, "cache", ranks) == []
+    assert _violations(g, "plan", ranks) == []
     (found,) = _violations(g, "demo", ranks)
     assert "public namespaces only" in found
 

@@ -28,7 +28,7 @@ def _setup(layout, block_size=8, kernel=None, num_blocks=24, heads=2, head=4) ->
     cfg = jaxkv.RunnerConfig(
         layers=[jaxkv.LayerConfig(name="l", spec=spec, backend=backend)]
     )
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=num_blocks)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=num_blocks)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
     bound = jaxkv.vllm.bind_kv_caches(views, ["l"], kv, cfg, groups)

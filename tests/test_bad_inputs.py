@@ -905,31 +905,31 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     # --- block manager and scheduler -------------------------------------------
     (
         "allocator 0 blocks",
-        lambda: jaxkv.cache.BlockAllocator(0),
+        lambda: jaxkv.sched.BlockAllocator(0),
         ValueError,
         "num_blocks",
     ),
     (
         "allocator negative count",
-        lambda: jaxkv.cache.BlockAllocator(3).allocate(-1),
+        lambda: jaxkv.sched.BlockAllocator(3).allocate(-1),
         ValueError,
         "n must be >= 0, got -1",
     ),
     (
         "allocator float count",
-        lambda: jaxkv.cache.BlockAllocator(3).allocate(1.0),
+        lambda: jaxkv.sched.BlockAllocator(3).allocate(1.0),  # pyright: ignore[reportArgumentType]
         TypeError,
         "n must be an int",
     ),
     (
         "allocator double free",
-        lambda: jaxkv.cache.BlockAllocator(3).free([1]),
+        lambda: jaxkv.sched.BlockAllocator(3).free([1]),
         ValueError,
         "not held",
     ),
     (
         "allocator null block",
-        lambda: jaxkv.cache.BlockAllocator(3).touch([0]),
+        lambda: jaxkv.sched.BlockAllocator(3).touch([0]),
         ValueError,
         "Block id 0",
     ),

@@ -25,7 +25,7 @@ def _model(backend="FLASH_ATTN", block_size=32):
 def test_bind_worked_example():
     cfg, kv = _model()
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    views = jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
+    views = jaxkv.plan.build_kv_cache_views(kv, cfg, sizes, groups)
     without_b = {k: v for k, v in views.items() if k != "b"}
     bound = jaxkv.vllm.bind_kv_caches(
         without_b, {"a": object(), "b": object()}, kv, cfg, groups
@@ -75,7 +75,7 @@ def test_uncached_forward_context_layers_are_reported():
 
 def test_yoco_pools_donated_once():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
     bound = jaxkv.vllm.bind_kv_caches(
@@ -113,9 +113,9 @@ def test_yoco_pools_donated_once():
 def test_build_slot_mappings_by_layer():
     cfg, kv = _model()
     rows = [np.arange(4, dtype=np.int32)]
-    got = jaxkv.cache.build_slot_mappings_by_layer(rows, kv)
+    got = jaxkv.plan.build_slot_mappings_by_layer(rows, kv)
     assert set(got) == {"a", "c"}
     assert got["a"] is rows[0]
-    got = jaxkv.cache.build_slot_mappings_by_layer(rows, kv, runner_config=cfg)
+    got = jaxkv.plan.build_slot_mappings_by_layer(rows, kv, runner_config=cfg)
     assert got["b"] is rows[0]
-    assert jaxkv.cache.build_slot_mappings_by_layer([], kv) == {}
+    assert jaxkv.plan.build_slot_mappings_by_layer([], kv) == {}

@@ -249,7 +249,7 @@ def _hybrid(block_size: int = 16, backend: Any = "FLASH_ATTN") -> jaxkv.RunnerCo
 
 def test_hybrid_alignment_worked_example():
     """Spec §1.9: a1 = 4096, m = 275968, B = 16 * cdiv(275968, 65536) = 80."""
-    a = jaxkv.cache.align_hybrid_block_size(_hybrid())
+    a = jaxkv.plan.align_hybrid_block_size(_hybrid())
     assert (a.mamba_page_size_bytes, a.block_size, a.page_size_bytes) == (
         275968,
         80,
@@ -261,10 +261,10 @@ def test_hybrid_alignment_worked_example():
     assert _spec(cfg, "mamba0").page_size_bytes == 327680
     assert _spec(cfg, "mamba0").real_page_size_bytes == 275968
     # A larger starting block size is the alignment unit: 32 * cdiv(m, 131072).
-    assert jaxkv.cache.align_hybrid_block_size(_hybrid(block_size=32)).block_size == 96
+    assert jaxkv.plan.align_hybrid_block_size(_hybrid(block_size=32)).block_size == 96
     # FlashInfer declares 16, 32, 64: its smallest (16) sets the unit.
     assert (
-        jaxkv.cache.align_hybrid_block_size(_hybrid(backend="FLASHINFER")).block_size
+        jaxkv.plan.align_hybrid_block_size(_hybrid(backend="FLASHINFER")).block_size
         == 80
     )
     # A backend of 64-token kernels only: align = 64, 64 * cdiv(m, 262144) = 128.
@@ -273,7 +273,7 @@ def test_hybrid_alignment_worked_example():
         layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
         supported_kernel_block_sizes=(64,),
     )
-    assert jaxkv.cache.align_hybrid_block_size(_hybrid(backend=k64)).block_size == 128
+    assert jaxkv.plan.align_hybrid_block_size(_hybrid(backend=k64)).block_size == 128
 
 
 def test_planner_aligns_a_hybrid_model_when_asked():
@@ -296,7 +296,7 @@ def test_alignment_rejects_attention_layers_that_cannot_share_one_page():
     )
     layers = [*cfg.layers[:3], dataclasses.replace(cfg.layers[2], name="x", spec=other)]
     with pytest.raises(ValueError, match="share bytes per token"):
-        jaxkv.cache.align_hybrid_block_size(dataclasses.replace(cfg, layers=layers))
+        jaxkv.plan.align_hybrid_block_size(dataclasses.replace(cfg, layers=layers))
 
 
 # --- 4. spec kinds without per-layer views ------------------------------------------
@@ -317,7 +317,7 @@ def test_a_spec_kind_without_views_gets_no_attention_group_and_raw_pages():
         ],
         max_model_len=64,
     )
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert [[g.layer_names for g in gs] for gs in groups] == [[("a0", "a1")], []]
     assert sizes == [16, 16]  # a kind without views keeps its block size
@@ -374,7 +374,7 @@ def test_a_kind_of_ones_own_registers_by_subclassing():
             )
         ]
     )
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=2)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=2)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
     assert groups == [[]]
     assert sizes == [16]
@@ -407,4 +407,4 @@ def test_a_group_layer_in_no_tensor_is_named(kind):
     with pytest.raises(
         ValueError, match="'b' of KV-cache group 0 is in no KVCacheTensor"
     ):
-        jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
+        jaxkv.plan.build_kv_cache_views(kv, cfg, sizes, groups)

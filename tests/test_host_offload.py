@@ -405,6 +405,7 @@ def test_a_step_applied_before_its_host_copies_ran_is_refused():
         step = s.schedule()
         pools = host.flush(pools)
         s.update(step, [1] * len(step.sampled))
+    step = None
     for i in range(8):  # new prompts until one evicts a cached prefix
         s.add_request(jaxkv.Request(f"b{i}", prompt=[90 + i] * 64, max_new_tokens=1))
         step = s.schedule()
@@ -412,6 +413,7 @@ def test_a_step_applied_before_its_host_copies_ran_is_refused():
             break
         pools = host.flush(pools)
         s.update(step, [1] * len(step.sampled))
+    assert step is not None
     assert host.num_pending > 0
     before = (host.num_pending, [r.num_computed for r, _ in step.batch])
     with pytest.raises(RuntimeError, match="ran before manager.host.flush"):

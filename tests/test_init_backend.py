@@ -248,7 +248,7 @@ def _hybrid_40_layers():
 def test_40_layer_hybrid_compiles_nothing():
     with count_compiles() as compiles:
         cfg = _hybrid_40_layers()
-        kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=64)
+        kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=64)
         groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
         jaxkv.vllm.get_varlen_cudagraph_unsupported_backend(groups, cfg, 4)
         jaxkv.vllm.get_query_lens_mismatch_unsupported_backend(groups)

@@ -78,9 +78,9 @@ def test_make_kv_cache_config_hybrid_and_packed():
     spec = cfg.layer("layers.0.self_attn").spec
     assert spec is not None
     page = spec.page_size_bytes
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     assert [t.size for t in kv.kv_cache_tensors] == [8 * page, 8 * page]
-    packed = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8, packed=True)
+    packed = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8, packed=True)
     assert [(t.offset, t.block_stride) for t in packed.kv_cache_tensors] == [
         (0, 2 * page),
         (page, 2 * page),
@@ -98,6 +98,4 @@ def test_make_kv_cache_config_rejects_unequal_pages():
         backend=jaxkv.get_backend("MAMBA2"),
     )
     with pytest.raises(ValueError, match="equal page sizes"):
-        jaxkv.cache.make_kv_cache_config(
-            jaxkv.RunnerConfig(layers=[a, m]), num_blocks=4
-        )
+        jaxkv.plan.make_kv_cache_config(jaxkv.RunnerConfig(layers=[a, m]), num_blocks=4)

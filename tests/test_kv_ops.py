@@ -87,9 +87,9 @@ def test_row_pools_match_the_oracle_byte_for_byte(case, seed):
 def test_row_pools_hold_packed_and_hybrid_pools():
     for packed in (False, True):
         cfg = jaxkv.tiny_hybrid_config()
-        kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
+        kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
         groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-        specs, _ = jaxkv.cache.pool_layout(kv, cfg, sizes, groups, max_flat_words=0)
+        specs, _ = jaxkv.plan.pool_layout(kv, cfg, sizes, groups, max_flat_words=0)
         assert all(p.rows == 6 for p in specs), specs
         assert all(p.shape == (6, p.size_bytes // p.word // 6) for p in specs)
 
@@ -101,7 +101,7 @@ def _check_against_oracle(case, seed, **plan_kw):
         assume(not any(m in str(err) for m in EXPECTED_ERRORS))
         raise
     rng = np.random.default_rng(seed)
-    pools = jaxkv.cache.allocate_pools(pool_specs)
+    pools = jaxkv.plan.allocate_pools(pool_specs)
     oracle = Oracle(case.kv, case.cfg, sizes, groups)
     group_of = {n: g for gs in groups for g in gs for n in g.layer_names}
     for step in range(2):
@@ -244,7 +244,7 @@ def _check_no_pool_copy(fn, pools, *args, reads_only=False):
 
 def test_write_and_read_never_copy_a_pool():
     cfg = jaxkv.tiny_hybrid_config(head_size=64, num_kv_heads=4)
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=512)  # 2 x 32 MiB pools
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=512)  # 2 x 32 MiB pools
     groups, _, pools, views = _setup(cfg, kv)
     attn, mamba = views["layers.0.self_attn"], views["layers.2.mixer"]
     k = jnp.ones((256, 4, 64), jnp.float32)
@@ -356,7 +356,7 @@ def test_validators_name_layer_and_first_bad_index():
 
 def test_hybrid_pool_shared_by_attention_and_mamba_without_duplication():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     _, _, pools, views = _setup(cfg, kv)
     assert len(pools) == 2
     assert sum(p.nbytes for p in pools) == sum(t.size for t in kv.kv_cache_tensors)
@@ -391,7 +391,7 @@ def test_reads_and_writes_keep_every_bit():
     back as signed zeros on XLA:CPU (see `_read_bits`), never as other values.
     """
     cfg = jaxkv.tiny_hybrid_config(dtype="bfloat16", num_kv_heads=4)
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     _, _, pools, views = _setup(cfg, kv)
     bits = np.array([0x0044, 0x8001, 0x7FC1, 0xFFFF, 0x0001, 0x3F80], np.uint16)
     conv = np.resize(bits, (1, 3, 128)).view(jnp.bfloat16)
@@ -432,12 +432,12 @@ def test_a_view_ending_at_the_pools_last_byte_fits_and_one_element_past_does_not
     plan = jaxkv.make_plan(cfg, num_blocks=4, storage="words")
     view = plan.views["layers.0.self_attn"]
     assert isinstance(view, jaxkv.KVCacheView)
-    a = jaxkv.cache.raw_address(view)
+    a = jaxkv.kv.raw_address(view)
     # The raw extent spans the view's first to last element, inclusive.
     assert int(a["byte_offset"]) + int(a["extent_bytes"]) == view.extent_bytes
     word = np.dtype(plan.allocate()[view.pool].dtype).itemsize
     exact = jnp.zeros((view.extent_bytes // word,), plan.allocate()[view.pool].dtype)
-    jaxkv.cache.check_fits((exact,), view)
+    jaxkv.kv.check_fits((exact,), view)
     short = exact[: (view.extent_bytes - view.itemsize) // word]
     with pytest.raises(ValueError, match="reaches byte"):
-        jaxkv.cache.check_fits((short,), view)
+        jaxkv.kv.check_fits((short,), view)

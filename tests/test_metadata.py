@@ -350,7 +350,7 @@ def test_vllm_signature_and_packed_step_give_the_same_records():
     # (pack_step in NumPy, unpack_step, build_attn_metadata_from_step) must
     # agree on every field of every record when every optional field is given.
     cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     n = len(groups)
     layout = jaxkv.step.StepLayout(

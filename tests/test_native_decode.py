@@ -82,7 +82,7 @@ def _decode(
             num_blocks=num_blocks,
             layout=tensor_layout,
         )
-        view, pools = views["l"], jaxkv.cache.allocate_pools(pool_specs)
+        view, pools = views["l"], jaxkv.plan.allocate_pools(pool_specs)
     tables = np.zeros((num_reqs, width), np.int32)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     for r, seq_len in enumerate(seq_lens):

@@ -10,7 +10,7 @@ import pytest
 
 import jaxkv
 from jaxkv._native import available, unavailable_reason
-from jaxkv.cache import _native_write
+from jaxkv.kv import _native_write
 from tests.helpers import run_asan_check
 
 pytestmark = [
@@ -207,7 +207,7 @@ def test_views_the_kernel_cannot_take_stay_on_xla_and_a_foreign_view_is_refused(
     assert owned.offset > 0
     assert "packed" in str(_native_write.native_write_unfit(owned, k))
     with pytest.raises(ValueError, match="raw_address: cannot address.*packed pool"):
-        jaxkv.cache.raw_address(owned)
+        jaxkv.kv.raw_address(owned)
     with pytest.raises(ValueError, match="implementation='native'.*packed pool"):
         _hlo(packed.allocate(), owned, k, k, slots)
     hlo = _text(_hlo(packed.allocate(), owned, k, k, slots, implementation=None))

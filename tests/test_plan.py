@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.cache import KVCacheView
+from jaxkv.plan import KVCacheView
 
 
 def test_core_import_loads_no_demo_libraries():
@@ -27,9 +27,9 @@ def test_core_import_loads_no_demo_libraries():
 def test_plan_matches_the_seed_functions():
     cfg = jaxkv.tiny_hybrid_config(max_model_len=256)
     plan = jaxkv.make_plan(cfg, num_blocks=8)
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
+    pools, views = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
     bound = jaxkv.vllm.bind_kv_caches(
         views, [layer.name for layer in cfg.layers], kv, cfg, groups
     )
@@ -121,9 +121,9 @@ def test_plan_allocates_its_pools():
 
 def test_equal_bindings_are_equal_and_hash_equal():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    _, views = jaxkv.cache.pool_layout(kv, cfg, sizes, groups)
+    _, views = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
     names = [layer.name for layer in cfg.layers]
     a = jaxkv.vllm.bind_kv_caches(views, names, kv, cfg, groups)
     b = jaxkv.vllm.bind_kv_caches(views, list(reversed(names)), kv, cfg, groups)
@@ -184,14 +184,14 @@ def test_unsupported_spec_fields_raise_instead_of_being_ignored(make, field):
 
 def test_init_attn_backend_rejects_a_device_it_would_ignore():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     with pytest.raises(ValueError, match="device=.*not used by jaxkv"):
         jaxkv.vllm.init_attn_backend(kv, cfg, "cuda:0")
 
 
 def test_capability_checks_reject_groups_of_another_model():
     cfg = jaxkv.tiny_hybrid_config()
-    kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     other = jaxkv.RunnerConfig(layers=[cfg.layers[0]])
     with pytest.raises(ValueError, match="'layers.3.self_attn' is not a layer"):

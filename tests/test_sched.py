@@ -14,7 +14,7 @@ import jaxkv.demo
 
 
 def test_allocator_counts_references_and_evicts_cached_blocks_lru():
-    a = jaxkv.cache.BlockAllocator(5)
+    a = jaxkv.sched.BlockAllocator(5)
     x, y = a.allocate(2)
     a.touch([x])  # a second request shares x
     a.cache(x, key="kx")

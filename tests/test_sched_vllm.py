@@ -167,7 +167,7 @@ def test_freed_uncached_blocks_are_reused_first_and_cached_ones_evicted_last():
 
 
 def test_allocator_free_order_is_vllms():
-    a = jaxkv.cache.BlockAllocator(8)
+    a = jaxkv.sched.BlockAllocator(8)
     ids = a.allocate(6)  # 1..6; 7 still free
     a.cache(ids[0], key="k0")
     a.cache(ids[1], key="k1")
@@ -200,7 +200,7 @@ def test_every_copy_of_a_block_stays_cached():
 
 
 def test_allocator_keeps_copies_under_one_key():
-    a = jaxkv.cache.BlockAllocator(4)
+    a = jaxkv.sched.BlockAllocator(4)
     x, y = a.allocate(2)
     a.cache(x, key="k")
     a.cache(y, key="k")

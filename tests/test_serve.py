@@ -211,7 +211,7 @@ def test_get_num_skipped_tokens_follows_vllm():
 
 
 def test_allocator_errors():
-    a = jaxkv.cache.BlockAllocator(3)
+    a = jaxkv.sched.BlockAllocator(3)
     a.allocate(2)
     with pytest.raises(RuntimeError, match="need 1, 0 free"):
         a.allocate(1)

@@ -60,7 +60,7 @@ def test_stacked_typed_pools_on_meshes_scan_over_layers_in_place():
 
 def test_local_config_splits_heads_and_mamba_states():
     cfg = jaxkv.tiny_hybrid_config(num_heads=8, num_kv_heads=4, head_size=16)
-    local = jaxkv.cache.local_runner_config(cfg, tensor_parallel=8)
+    local = jaxkv.plan.local_runner_config(cfg, tensor_parallel=8)
     attn = local.layer("layers.0.self_attn")
     attn_spec: Any = attn.spec
     assert attn_spec.num_kv_heads == 1  # 4 heads over 8 ranks: replicated
@@ -76,9 +76,7 @@ def test_local_config_splits_heads_and_mamba_states():
             jaxkv.LayerConfig(name="m", spec=mla, backend=jaxkv.get_backend("FLASHMLA"))
         ]
     )
-    assert (
-        jaxkv.cache.local_runner_config(cfg, tensor_parallel=4).layer("m").spec == mla
-    )
+    assert jaxkv.plan.local_runner_config(cfg, tensor_parallel=4).layer("m").spec == mla
 
 
 def test_heads_that_do_not_split_are_refused():
@@ -90,7 +88,7 @@ def test_heads_that_do_not_split_are_refused():
     )
     cfg = jaxkv.RunnerConfig(layers=[layer])
     with pytest.raises(ValueError, match="3 KV heads cannot be split over .* 4"):
-        jaxkv.cache.local_runner_config(cfg, tensor_parallel=4)
+        jaxkv.plan.local_runner_config(cfg, tensor_parallel=4)
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
     with pytest.raises(ValueError, match="tensor_axis='model' is not an axis"):
         jaxkv.shard_plan(cfg, mesh=mesh, tensor_axis="model", num_blocks=4)

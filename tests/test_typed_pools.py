@@ -103,7 +103,7 @@ def test_pools_that_typed_storage_cannot_hold_stay_words():
     )
     assert not any(p.typed for p in packed.pools)
     default = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
-    assert default.storage == jaxkv.cache.resolve_storage("auto", "auto")[0]
+    assert default.storage == jaxkv.plan.resolve_storage("auto", "auto")[0]
     assert not any(p.typed for p in default.pools)  # on every platform
 
 

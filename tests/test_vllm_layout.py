@@ -101,8 +101,8 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
     spec = cfg.layers[0].spec
     assert isinstance(spec, jaxkv.AttentionSpec)
     views = jaxkv.vllm.tensor_views(tensor, spec, num_blocks=5, layout=L.LBNHC)
-    backing = jaxkv.cache.allocate_pools(
-        [jaxkv.cache.PoolSpec(size_bytes=tensor.size, word=4)]
+    backing = jaxkv.plan.allocate_pools(
+        [jaxkv.plan.PoolSpec(size_bytes=tensor.size, word=4)]
     )
     pools = plan.allocate()
     rng = np.random.default_rng(0)
@@ -132,8 +132,8 @@ def test_block_outermost_tensor_views_address_vllm_s_bytes():
         size=3 * 2 * page, layers=("a", "b"), layer_stride=page, block_stride=2 * page
     )
     views = jaxkv.vllm.tensor_views(tensor, spec, num_blocks=3, layout=L.BLNHC)
-    pools = jaxkv.cache.allocate_pools(
-        [jaxkv.cache.PoolSpec(size_bytes=tensor.size, word=4)]
+    pools = jaxkv.plan.allocate_pools(
+        [jaxkv.plan.PoolSpec(size_bytes=tensor.size, word=4)]
     )
     k = jnp.full((1, 2, 2), 7.0)
     pools = jaxkv.write_kv(pools, views["b"], k, k + 1, jnp.array([2 * 4 + 1]))
@@ -168,7 +168,7 @@ def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
     pool_specs, views = jaxkv.vllm.allocate_layer_tensors(
         tensors, specs, num_blocks=4, layout=L.LBNHC
     )
-    pools = jaxkv.cache.allocate_pools(pool_specs)
+    pools = jaxkv.plan.allocate_pools(pool_specs)
     k = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 2, 8)
     pools = jaxkv.write_kv(pools, views["full.1"], k, -k, jnp.array([2 * 16 + 5]))
     kp, vp = jaxkv.gather_kv_pages(pools, views["swa.1"], jnp.array([[2]]))

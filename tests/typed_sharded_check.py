@@ -49,7 +49,7 @@ def main(d: int, t: int, axis_type: str) -> None:
     sp = jaxkv.shard_plan(cfg, mesh=mesh, num_blocks=blocks, storage="stacked")
     glob = jaxkv.make_plan(cfg, num_blocks=blocks, storage="stacked")
     ref_local = jaxkv.make_plan(
-        jaxkv.cache.local_runner_config(cfg, tensor_parallel=t),
+        jaxkv.plan.local_runner_config(cfg, tensor_parallel=t),
         num_blocks=blocks,
         storage="stacked",
     )
@@ -132,7 +132,7 @@ def main(d: int, t: int, axis_type: str) -> None:
     )
     pools, outs = compiled(pools, *args)
 
-    hl = jaxkv.cache.local_kv_heads(kv_heads, t)
+    hl = jaxkv.plan.local_kv_heads(kv_heads, t)
     for di in range(d):
         meta = jaxkv.vllm.build_attn_metadata(
             glob.attn_groups,

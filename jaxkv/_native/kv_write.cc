@@ -5,7 +5,7 @@
 // s / block_size, token s % block_size of the view, and its V row v_offset
 // elements after it, as raw bytes (the caller casts K/V to the view's dtype
 // first, so a word, typed or bits pool is just bytes here). Semantics equal
-// jaxkv's XLA path (jaxkv/cache/_ops.py, write_kv): a negative slot or one
+// jaxkv's XLA path (jaxkv/kv/_ops.py, write_kv): a negative slot or one
 // past the view's blocks writes nothing, a layer slot outside the pool
 // writes nothing, and of two tokens with one slot the later wins.
 //

@@ -16,14 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention._rows import Mask, Rows, key_ranges, query_rows_of, value_dim
-from jaxkv.cache import (
-    KVCacheView,
-    PageLayout,
-    Pools,
-    layer_index,
-    page_layout,
-    pallas_view_unfit,
-)
+from jaxkv.kv import PageLayout, Pools, layer_index, page_layout, pallas_view_unfit
+from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 
@@ -45,7 +39,7 @@ def kv_heads_of(view: KVCacheView) -> int:
 
 def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
     """Why jaxkv's Pallas attention kernels cannot take this call (``None``:
-    they can): the view's reasons (:func:`jaxkv.cache.pallas_view_unfit`),
+    they can): the view's reasons (:func:`jaxkv.kv.pallas_view_unfit`),
     or PrefixLM ranges (the kernels walk one contiguous key range per query).
 
     Example:

@@ -23,7 +23,8 @@ import numpy as np
 from jaxkv._native import target
 from jaxkv.attention._call import Call
 from jaxkv.attention._rows import key_ranges, query_rows_of, value_dim
-from jaxkv.cache import KVCacheView, Pools, layer_index, raw_address, raw_unfit
+from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit
+from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))

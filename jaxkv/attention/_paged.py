@@ -24,15 +24,8 @@ from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
 from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
 from jaxkv.attention._rows import Mask
 from jaxkv.attention._xla import resolve_contraction, xla_attention
-from jaxkv.cache import (
-    AttentionLayer,
-    KVCacheView,
-    LayerView,
-    Pools,
-    check_fits,
-    check_layer,
-    check_pools_alive,
-)
+from jaxkv.kv import Pools, check_fits, check_layer, check_pools_alive
+from jaxkv.plan import AttentionLayer, KVCacheView, LayerView
 from jaxkv.step import CommonAttentionMetadata
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
@@ -134,7 +127,7 @@ def paged_attention(
       >>> import jax.numpy as jnp, numpy as np
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
       >>> view = views["layers.0.self_attn"]

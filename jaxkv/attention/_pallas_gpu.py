@@ -43,7 +43,8 @@ from jaxkv.attention._call import (
     pallas_unfit,
     rows_to_tokens,
 )
-from jaxkv.cache import KVCacheView, PageLayout, Pools
+from jaxkv.kv import PageLayout, Pools
+from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 _MASKED = -1e30  # finite: no inf - inf in the running max of an empty row

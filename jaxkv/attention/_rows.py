@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from jaxkv.cache import KVCacheView
+from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 

@@ -26,7 +26,8 @@ from jaxkv.attention._rows import (
     value_dim,
     visible,
 )
-from jaxkv.cache import KVCacheView, Pools, gather_kv_pages
+from jaxkv.kv import Pools, gather_kv_pages
+from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 

@@ -20,15 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxkv.sched as jaxkv_sched
 from jaxkv import RunnerConfig
-from jaxkv.cache import (
-    BlockAllocator,
-    KVCacheView,
-    local_runner_config,
-    make_plan,
-    shard_plan,
-)
 from jaxkv.demo._model import TinyHybridModel, forward_paged
 from jaxkv.demo._tensor_parallel import tensor_parallel_state
+from jaxkv.plan import KVCacheView, local_runner_config, make_plan, shard_plan
+from jaxkv.sched import BlockAllocator
 from jaxkv.serve import ServingLoop
 from jaxkv.step import BucketDispatcher
 

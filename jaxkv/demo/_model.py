@@ -30,15 +30,8 @@ from jaxkv import (
     paged_attention,
     token_requests_and_positions,
 )
-from jaxkv.cache import (
-    AttentionLayer,
-    LayerView,
-    MambaView,
-    Pools,
-    read_mamba_state,
-    write_kv,
-    write_mamba_state,
-)
+from jaxkv.kv import Pools, read_mamba_state, write_kv, write_mamba_state
+from jaxkv.plan import AttentionLayer, LayerView, MambaView
 from jaxkv.step import CommonAttentionMetadata
 
 

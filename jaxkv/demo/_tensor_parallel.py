@@ -2,7 +2,7 @@
 
 Rank ``t`` holds: the query-head columns ``[t*H/T, (t+1)*H/T)`` of ``wq`` and
 the matching rows of ``wo``; its KV heads' columns of ``wk``/``wv`` (the same
-rule as the cache, :func:`jaxkv.cache.local_kv_heads`, so a replicated KV head is
+rule as the cache, :func:`jaxkv.plan.local_kv_heads`, so a replicated KV head is
 replicated in the weights too); the Mamba channels ``[t*C/T, (t+1)*C/T)`` of
 ``w_in``, ``conv`` and ``w_out`` and the heads of ``decay``. Embedding, norms,
 ``b``, ``c`` and the LM head are replicated. The outputs of ``wo`` and
@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import RunnerConfig
-from jaxkv.cache import local_kv_heads
 from jaxkv.demo._model import AttentionBlock, MambaBlock, TinyHybridModel
+from jaxkv.plan import local_kv_heads
 
 
 def _split(x: np.ndarray, axis: int, t: int, parts: int) -> np.ndarray:

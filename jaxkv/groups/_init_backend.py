@@ -37,7 +37,7 @@ def with_kv_sharing_layers(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
       >>> "layers.6.self_attn" in jaxkv.groups.with_kv_sharing_layers(kv, cfg).kv_cache_groups[0].layer_names
       True
     """  # noqa: E501
@@ -95,7 +95,7 @@ class AttnBackendInit(NamedTuple):
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> init = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> init.kernel_block_sizes, init.cg_support_info.min_cg_support.name
       ([32, 32, 32], 'UNIFORM_BATCH')
@@ -151,7 +151,7 @@ def init_attn_backend(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
       >>> groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> [len(g) for g in groups], sizes, info.min_cg_support.name
       ([2, 2, 1], [32, 32, 32], 'UNIFORM_BATCH')

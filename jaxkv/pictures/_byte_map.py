@@ -11,8 +11,8 @@ import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._util import check_positive_int
-from jaxkv.cache import KVCachePlan, KVCacheView, MambaView
 from jaxkv.pictures._common import _check_index, _pyplot
+from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 
 
 class ByteMap(NamedTuple):

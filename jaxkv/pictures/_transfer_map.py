@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxkv.cache import KVCachePlan, KVCacheView
 from jaxkv.pictures._common import _pyplot
+from jaxkv.plan import KVCachePlan, KVCacheView
 
 
 class TransferMap(NamedTuple):

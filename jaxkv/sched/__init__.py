@@ -10,6 +10,7 @@ prefill, preemption) with ``_outcomes`` (applying a step: update, async
 scheduling's advance/resolve, recompute).
 """  # noqa: D205
 
+from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._prefix import (
@@ -23,6 +24,7 @@ from jaxkv.sched._scheduler import Scheduler
 from jaxkv.sched._table_rows import StepBlocks
 
 __all__ = [
+    "BlockAllocator",
     "HostKVCache",
     "KVCacheManager",
     "Request",

@@ -40,19 +40,16 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._util import check_positive_int
-from jaxkv.cache import (
-    KVCachePlan,
-    KVCacheView,
-    MambaView,
+from jaxkv.groups import AttentionGroup
+from jaxkv.kv import (
     Pools,
-    ShardedPlan,
     check_pools_alive,
     gather_kv_pages,
     read_mamba_state,
     write_kv,
     write_mamba_state,
 )
-from jaxkv.groups import AttentionGroup
+from jaxkv.plan import KVCachePlan, KVCacheView, MambaView, ShardedPlan
 
 #: Blocks copied by one compiled program; longer runs are split, shorter ones
 #: padded (ids -1: nothing read back, nothing written).

@@ -15,9 +15,11 @@ from jaxkv._specs import (
     KVCacheSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    get_num_skipped_tokens,
 )
 from jaxkv._util import cdiv, is_int
-from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
+from jaxkv.plan import KVCachePlan
+from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._prefix import PrefixHits, prefix_caching_unsupported
 from jaxkv.sched._request import Request

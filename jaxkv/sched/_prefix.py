@@ -11,8 +11,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import CrossAttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
-from jaxkv.cache import BlockAllocator, KVCachePlan, get_num_skipped_tokens
+from jaxkv._specs import (
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheSpec,
+    get_num_skipped_tokens,
+)
+from jaxkv.plan import KVCachePlan
+from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._request import Request
 

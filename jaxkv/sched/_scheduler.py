@@ -14,7 +14,7 @@ from collections import deque
 import numpy as np
 
 from jaxkv._util import check_positive_int
-from jaxkv.cache import KVCachePlan
+from jaxkv.plan import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._outcomes import StepOutcomes

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
+from jaxkv.kv import Pools
+from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.serve._sampling import SamplingParams
 
 

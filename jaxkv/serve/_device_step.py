@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import Pools, ShardedPlan
+from jaxkv.kv import Pools
+from jaxkv.plan import ShardedPlan
 from jaxkv.serve._checks import check_forward_result
 from jaxkv.serve._sampling import SamplingParams, sample_rows
 from jaxkv.step import CommonAttentionMetadata, StepInputs, StepMetadataBuilder

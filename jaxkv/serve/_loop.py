@@ -16,7 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import KVCachePlan, Pools, ShardedPlan
+from jaxkv.kv import Pools
+from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import HostKVCache, Request, ScheduledStep, Scheduler
 from jaxkv.serve._checks import (
     check_decode_steps,

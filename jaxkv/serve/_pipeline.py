@@ -16,7 +16,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import KVCachePlan, Pools, ShardedPlan, any_deleted
+from jaxkv.kv import Pools, any_deleted
+from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import Request, ScheduledStep, Scheduler
 from jaxkv.serve._sampling import SamplingParams, sampling_rows
 from jaxkv.step import (

@@ -68,7 +68,7 @@ def build_attn_metadata_from_step(
       >>> import jax.numpy as jnp, numpy as np
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
       >>> groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> layout = jaxkv.step.StepLayout(max_reqs=2, max_tokens=8,
       ...                           block_table_widths=(1,) * 3)
@@ -262,7 +262,7 @@ def build_attn_metadata(
       >>> import jax.numpy as jnp
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=8)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
       >>> groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> i32 = lambda x: jnp.asarray(x, jnp.int32)
       >>> meta = jaxkv.vllm.build_attn_metadata(

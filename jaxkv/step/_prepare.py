@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxkv._util import checks_own_arguments
-from jaxkv.cache import KVCachePlan, ShardedPlan
+from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step._fast_prefill import FastPrefillHelper
 from jaxkv.step._packing import StepLayout, pack_step

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv.cache import KVCachePlan, ShardedPlan
+from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.step._attn_metadata import build_attn_metadata_from_step
 from jaxkv.step._buckets import BucketDispatcher, CompileMode
 from jaxkv.step._common_metadata import CommonAttentionMetadata

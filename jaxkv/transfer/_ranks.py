@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv.cache import Pools, ShardedPlan
+from jaxkv.kv import Pools
+from jaxkv.plan import ShardedPlan
 from jaxkv.transfer._requests import LayerKV, RequestKV, export_request, import_request
 
 

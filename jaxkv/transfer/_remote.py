@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import KVCachePlan, KVCacheView, MambaView, gather_kv_pages
+from jaxkv.kv import gather_kv_pages
+from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 from jaxkv.transfer._requests import LayerKV, RequestKV, owning_layers
 
 

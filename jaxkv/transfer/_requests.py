@@ -26,17 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._util import cdiv, is_int
-from jaxkv.cache import (
-    KVCachePlan,
-    KVCacheView,
-    MambaView,
+from jaxkv.groups import AttentionGroup
+from jaxkv.kv import (
     Pools,
     gather_kv_pages,
     read_mamba_state,
     write_kv,
     write_mamba_state,
 )
-from jaxkv.groups import AttentionGroup
+from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

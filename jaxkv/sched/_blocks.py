@@ -8,12 +8,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from jaxkv._specs import (
-    ChunkedLocalAttentionSpec,
-    KVCacheSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
 from jaxkv._util import check_positive_int, is_int
 
 
@@ -39,7 +33,7 @@ class BlockAllocator:
 
     Example:
       >>> import jaxkv
-      >>> a = jaxkv.cache.BlockAllocator(4)
+      >>> a = jaxkv.sched.BlockAllocator(4)
       >>> ids = a.allocate(2)
       >>> a.num_free, a.free(ids), a.num_free
       (1, None, 3)
@@ -216,28 +210,3 @@ class BlockAllocator:
                 f"Block id {block} is not held (the null block 0, out of range "
                 "or already free)."
             )
-
-
-def get_num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Leading tokens no future query of a request attends to (vLLM's rule).
-
-    Sliding window ``w``: a query at position ``p >= num_computed_tokens`` sees
-    keys ``> p - w``, so ``num_computed_tokens - w + 1`` tokens are skipped.
-    Chunked local attention of chunk ``c``: keys of earlier chunks are never seen
-    again, ``(num_computed_tokens // c) * c``. Other specs skip nothing. Blocks
-    whose tokens are all skipped can be freed and replaced by the null block.
-
-    Example:
-      >>> import jaxkv
-      >>> swa = jaxkv.SlidingWindowSpec(block_size=16, num_kv_heads=1,
-      ...     head_size=8, dtype="float32", sliding_window=64)
-      >>> from jaxkv.vllm import get_num_skipped_tokens
-      >>> get_num_skipped_tokens(swa, 100), get_num_skipped_tokens(swa, 10)
-      (37, 0)
-    """
-    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
-        return max(0, num_computed_tokens - spec.sliding_window + 1)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        chunk = spec.attention_chunk_size
-        return (num_computed_tokens // chunk) * chunk
-    return 0

@@ -14,16 +14,9 @@ from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Int
 
-from jaxkv.cache import _typed as typed
-from jaxkv.cache._checks import (
-    Pools,
-    _num_slots,
-    check_fits,
-    check_layer,
-    layer_index,
-)
-from jaxkv.cache._ops import _replace
-from jaxkv.cache._views import KVCacheView
+from jaxkv.kv._checks import Pools, _num_slots, check_fits, check_layer, layer_index
+from jaxkv.kv._ops import _replace
+from jaxkv.plan import KVCacheView, slot_shape
 
 
 def _typed_view(view: object, name: str) -> KVCacheView:
@@ -71,7 +64,7 @@ def kernel_cache(
     check_fits(pools, view)
     check_layer(layer, view, pools, "kernel_cache")
     pool = pools[view.pool]
-    phys = typed.slot_shape(view)
+    phys = slot_shape(view)
     if _num_slots(pool, view) == 1 and layer is None:
         if shape is not None and tuple(shape) == tuple(pool.shape):
             return pool  # the pool is the kernel's array
@@ -124,7 +117,7 @@ def put_kernel_cache(
     check_fits(pools, view)
     check_layer(layer, view, pools, "put_kernel_cache")
     pool = pools[view.pool]
-    phys = typed.slot_shape(view)
+    phys = slot_shape(view)
     cache = jnp.asarray(cache)
     if int(np.prod(cache.shape)) != int(np.prod(phys)) or cache.dtype != pool.dtype:
         raise ValueError(

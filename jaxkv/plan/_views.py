@@ -180,9 +180,9 @@ class MambaView:
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> views = jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
+      >>> views = jaxkv.plan.build_kv_cache_views(kv, cfg, sizes, groups)
       >>> [s.shape for s in views["layers.2.mixer"].states]
       [(4, 3, 128), (4, 4, 32, 16)]
     """

@@ -17,7 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxkv._util import host_int_array
-from jaxkv.cache._views import KVCacheView, LayerView, MambaView
+from jaxkv.plan import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
 
@@ -169,9 +169,9 @@ def layer_index(layer: object, view: KVCacheView) -> jax.Array:
       >>> cfg = jaxkv.llama_like_config(num_layers=2)
       >>> plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
       >>> view = plan.views["layers.1.self_attn"]
-      >>> int(jaxkv.cache.layer_index(None, view)), view.layer
+      >>> int(jaxkv.kv.layer_index(None, view)), view.layer
       (1, 1)
-      >>> int(jaxkv.cache.layer_index(jnp.uint32(2**32 - 1), view))
+      >>> int(jaxkv.kv.layer_index(jnp.uint32(2**32 - 1), view))
       -1
     """
     if layer is None:
@@ -190,9 +190,9 @@ def check_fits(pools: Pools, view: LayerView) -> None:
       >>> small = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
       >>> big = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
       >>> name = "layers.0.self_attn"
-      >>> jaxkv.cache.check_fits(big.allocate(), small.views[name])
+      >>> jaxkv.kv.check_fits(big.allocate(), small.views[name])
       >>> with pytest.raises(ValueError, match="another plan"):
-      ...     jaxkv.cache.check_fits(small.allocate(), big.views[name])
+      ...     jaxkv.kv.check_fits(small.allocate(), big.views[name])
     """
     parts = view.states if isinstance(view, MambaView) else (view,)
     for v in parts:

@@ -47,7 +47,7 @@ def make_kv_cache_config(
 
     Example:
       >>> import jaxkv
-      >>> kv = jaxkv.cache.make_kv_cache_config(jaxkv.tiny_hybrid_config(), num_blocks=8)
+      >>> kv = jaxkv.plan.make_kv_cache_config(jaxkv.tiny_hybrid_config(), num_blocks=8)
       >>> [g.layer_names for g in kv.kv_cache_groups]
       [('layers.0.self_attn', 'layers.3.self_attn'), ('layers.1.self_attn', 'layers.4.self_attn'), ('layers.2.mixer', 'layers.5.mixer')]
       >>> [t.shared_by for t in kv.kv_cache_tensors]
@@ -264,7 +264,7 @@ def align_hybrid_block_size(runner_config: RunnerConfig) -> HybridBlockAlignment
       ...                       backend=jaxkv.get_backend("FLASH_ATTN")),
       ...     jaxkv.LayerConfig(name="mamba", spec=mamba,
       ...                       backend=jaxkv.get_backend("MAMBA2"))])
-      >>> a = jaxkv.cache.align_hybrid_block_size(cfg)
+      >>> a = jaxkv.plan.align_hybrid_block_size(cfg)
       >>> a.mamba_page_size_bytes, a.block_size, a.page_size_bytes
       (275968, 80, 327680)
       >>> a.runner_config.layer("mamba").spec.page_size_bytes

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxkv.cache._views import KVCacheView
+from jaxkv.plan import KVCacheView
 
 _KERNEL_DTYPES = (
     np.dtype(np.float32),
@@ -35,10 +35,10 @@ def pallas_view_unfit(view: KVCacheView) -> str | None:
       >>> import jaxkv
       >>> cfg = jaxkv.llama_like_config(num_layers=2)
       >>> words = jaxkv.make_plan(cfg, num_blocks=4, storage="words")
-      >>> jaxkv.cache.pallas_view_unfit(words.views["layers.0.self_attn"])[:11]
+      >>> jaxkv.kv.pallas_view_unfit(words.views["layers.0.self_attn"])[:11]
       'a word pool'
       >>> typed = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
-      >>> jaxkv.cache.pallas_view_unfit(typed.views["layers.0.self_attn"]) is None
+      >>> jaxkv.kv.pallas_view_unfit(typed.views["layers.0.self_attn"]) is None
       True
     """
     if not view.typed:

@@ -14,11 +14,11 @@ import numpy as np
 
 from jaxkv._config import RunnerConfig
 from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv.cache._kernel_views import kernel_views
-from jaxkv.cache._layer_views import build_kv_cache_views
-from jaxkv.cache._pools import PoolLayout, PoolSpec, plan_pools
-from jaxkv.cache._views import LayerView
 from jaxkv.groups import AttentionGroup, check_kernel_block_sizes
+from jaxkv.plan._kernel_views import kernel_views
+from jaxkv.plan._layer_views import build_kv_cache_views
+from jaxkv.plan._pools import PoolLayout, PoolSpec, plan_pools
+from jaxkv.plan._views import LayerView
 
 
 def allocate_pools(
@@ -28,7 +28,7 @@ def allocate_pools(
 
     Example:
       >>> import jaxkv
-      >>> from jaxkv.cache import PoolSpec, allocate_pools
+      >>> from jaxkv.plan import PoolSpec, allocate_pools
       >>> (pool,) = allocate_pools([PoolSpec(size_bytes=64, word=4)])
       >>> pool.shape, pool.dtype
       ((16,), dtype('uint32'))
@@ -57,7 +57,7 @@ class KVCacheInit(NamedTuple):
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> init = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
       >>> len(init.pools), init.kv_caches["layers.0.self_attn"].pool
@@ -103,7 +103,7 @@ def init_kv_cache(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
       >>> [p.nbytes for p in pools], views["layers.2.mixer"].pool

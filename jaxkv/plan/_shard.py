@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 from jaxkv._config import RunnerConfig
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
-from jaxkv.cache._allocate import zeros
-from jaxkv.cache._grouping import align_hybrid_block_size
-from jaxkv.cache._make_plan import make_plan
-from jaxkv.cache._plan import KVCachePlan
+from jaxkv.plan._allocate import zeros
+from jaxkv.plan._grouping import align_hybrid_block_size
+from jaxkv.plan._make_plan import make_plan
+from jaxkv.plan._plan import KVCachePlan
 
 
 def local_kv_heads(num_kv_heads: int, tensor_parallel: int) -> int:
@@ -42,7 +42,7 @@ def local_kv_heads(num_kv_heads: int, tensor_parallel: int) -> int:
 
     Example:
       >>> import jaxkv
-      >>> jaxkv.cache.local_kv_heads(8, 4), jaxkv.cache.local_kv_heads(2, 8)
+      >>> jaxkv.plan.local_kv_heads(8, 4), jaxkv.plan.local_kv_heads(2, 8)
       (2, 1)
     """
     if num_kv_heads % tensor_parallel == 0:
@@ -92,7 +92,7 @@ def local_runner_config(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config(num_kv_heads=4, num_heads=8)
-      >>> local = jaxkv.cache.local_runner_config(cfg, tensor_parallel=2)
+      >>> local = jaxkv.plan.local_runner_config(cfg, tensor_parallel=2)
       >>> local.layer("layers.0.self_attn").spec.num_kv_heads
       2
       >>> (local.layer("layers.2.mixer").spec.page_size_bytes

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Int, Shaped
 
-from jaxkv.cache import _typed as typed
-from jaxkv.cache._checks import (
+from jaxkv.kv import _typed as typed
+from jaxkv.kv._checks import (
     Pools,
     _check_dtype_supported,
     _check_view,
@@ -23,13 +23,9 @@ from jaxkv.cache._checks import (
     _device_ids,
     layer_index,
 )
-from jaxkv.cache._ops import _plan, _replace
-from jaxkv.cache._strided import (
-    from_bits,
-    gather_items,
-    scatter_items,
-)
-from jaxkv.cache._views import KVCacheView, LayerView, MambaView
+from jaxkv.kv._ops import _plan, _replace
+from jaxkv.kv._strided import from_bits, gather_items, scatter_items
+from jaxkv.plan import KVCacheView, LayerView, MambaView
 
 
 @_checks_host_ids("block_ids", view=MambaView)

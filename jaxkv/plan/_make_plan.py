@@ -8,21 +8,19 @@ from typing import NamedTuple
 
 from jaxkv._config import RunnerConfig
 from jaxkv._util import check_positive_int
-from jaxkv.cache._allocate import pool_layout
-from jaxkv.cache._bind import (
-    bind_kv_caches,
-)
-from jaxkv.cache._grouping import (
-    align_hybrid_block_size,
-    make_kv_cache_config,
-    unify_page_sizes,
-)
-from jaxkv.cache._plan import KVCachePlan
-from jaxkv.cache._pools import resolve_storage
 from jaxkv.groups import (
     init_attn_backend,
     with_kv_sharing_layers,
 )
+from jaxkv.plan._allocate import pool_layout
+from jaxkv.plan._bind import bind_kv_caches
+from jaxkv.plan._grouping import (
+    align_hybrid_block_size,
+    make_kv_cache_config,
+    unify_page_sizes,
+)
+from jaxkv.plan._plan import KVCachePlan
+from jaxkv.plan._pools import resolve_storage
 
 
 def make_plan(

@@ -23,17 +23,13 @@ from jaxkv._specs import (
     SlidingWindowSpec,
 )
 from jaxkv._util import cdiv
-from jaxkv.cache._allocate import allocate_pools
-from jaxkv.cache._bind import (
-    AttentionLayer,
-    BoundKVCaches,
-    attention_layer,
-)
-from jaxkv.cache._pools import PoolSpec
 from jaxkv.groups import (
     AttentionCGSupportInfo,
     AttentionGroup,
 )
+from jaxkv.plan._allocate import allocate_pools
+from jaxkv.plan._bind import AttentionLayer, BoundKVCaches, attention_layer
+from jaxkv.plan._pools import PoolSpec
 
 
 class LayerStack(NamedTuple):

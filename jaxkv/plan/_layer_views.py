@@ -18,22 +18,17 @@ from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv._layer_queries import get_shared_kv_cache_layers
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import AttentionSpec
-from jaxkv.cache._mixed_layouts import (
-    _align_mixed_attention_kv_cache_views,
-    _kv_first_layers_sharing_pool_with_mamba,
-)
-from jaxkv.cache._views import (
-    KVCacheView,
-    LayerView,
-    MambaView,
-    attention_view,
-)
 from jaxkv.groups import (
     AttentionGroup,
     flat_groups,
     kernel_block_sizes_by_group,
     with_kv_sharing_layers,
 )
+from jaxkv.plan._mixed_layouts import (
+    _align_mixed_attention_kv_cache_views,
+    _kv_first_layers_sharing_pool_with_mamba,
+)
+from jaxkv.plan._views import KVCacheView, LayerView, MambaView, attention_view
 
 
 def pool_index(kv_cache_config: KVCacheConfig) -> tuple[list[int], dict[int, int]]:
@@ -219,9 +214,9 @@ def build_kv_cache_views(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> views = jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
+      >>> views = jaxkv.plan.build_kv_cache_views(kv, cfg, sizes, groups)
       >>> views["layers.0.self_attn"].shape, views["layers.0.self_attn"].strides
       ((4, 2, 32, 2, 32), (4096, 2048, 64, 32, 1))
       >>> views["layers.6.self_attn"] is views["layers.3.self_attn"]

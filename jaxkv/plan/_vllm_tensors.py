@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
-from jaxkv.cache._pools import PoolSpec
-from jaxkv.cache._views import KVCacheView
-from jaxkv.cache._vllm_layout import LayerTensor, TensorLayout, layout_strides
+from jaxkv.plan._pools import PoolSpec
+from jaxkv.plan._views import KVCacheView
+from jaxkv.plan._vllm_layout import LayerTensor, TensorLayout, layout_strides
 
 _B, _H, _N = 1, 2, 3  # axes of [L, B, H, N, C]
 
@@ -136,7 +136,7 @@ def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
       >>> t.layers, t.layer_stride, t.block_stride
       (('layers.0.self_attn', 'layers.1.self_attn'), 32768, 8192)
     """  # noqa: D205
-    from jaxkv.cache._plan import KVCachePlan
+    from jaxkv.plan._plan import KVCachePlan
 
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"plan_tensors needs a KVCachePlan, got {type(plan).__name__}.")

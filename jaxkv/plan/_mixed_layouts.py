@@ -10,12 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import AttentionSpec
-from jaxkv.cache._views import (
-    KVCacheView,
-    LayerView,
-    restride_blocks_first_to_kv_first,
-)
 from jaxkv.groups import AttentionGroup, flat_groups, kernel_block_sizes_by_group
+from jaxkv.plan._views import KVCacheView, LayerView, restride_blocks_first_to_kv_first
 
 
 def _block_dim(group: AttentionGroup, k: int, cache_dtype: str) -> int:
@@ -42,7 +38,7 @@ def _kv_first_layers_sharing_pool_with_mamba(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config(attention_backend="ROCM_ATTN")
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> sorted(jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(groups, sizes, "auto", kv))
       ['layers.0.self_attn', 'layers.1.self_attn', 'layers.3.self_attn', 'layers.4.self_attn']
@@ -101,9 +97,9 @@ def _align_mixed_attention_kv_cache_views(
       ...     jaxkv.LayerConfig(name="cross", spec=jaxkv.CrossAttentionSpec(**kw),
       ...                       backend=jaxkv.get_backend("FLASH_ATTN"),
       ...                       attn_type="encoder_decoder")])
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> views = jaxkv.cache.build_kv_cache_views(kv, cfg, sizes, groups)
+      >>> views = jaxkv.plan.build_kv_cache_views(kv, cfg, sizes, groups)
       >>> views["cross"].strides  # restrided from (64, 32, 2, 2, 1)
       (32, 128, 2, 2, 1)
     """

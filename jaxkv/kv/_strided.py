@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-_CARRIERS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+from jaxkv.plan import bits_dtype, granule, split_dims
 
 _SCATTER_DIMS = lax.ScatterDimensionNumbers(
     update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
@@ -33,11 +33,6 @@ _SCATTER_DIMS = lax.ScatterDimensionNumbers(
 _GATHER_DIMS = lax.GatherDimensionNumbers(
     offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,)
 )
-
-
-def carrier_dtype(width: int) -> np.dtype:
-    """The unsigned integer dtype of `width` bytes used as a pool's word."""
-    return _CARRIERS[width]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,42 +55,6 @@ class AccessPlan:
         return len(self.loop_offsets)
 
 
-def granule(
-    offset: int,
-    shape: Sequence[int],
-    strides: Sequence[int],
-    itemsize: int,
-    indexed_dims: Sequence[int],
-) -> int:
-    """Largest byte alignment shared by every window start and length of an access."""
-    loop, window = _split_dims(shape, strides, indexed_dims)
-    window_bytes = math.prod(shape[d] for d in window) * itemsize
-    values = [offset, window_bytes]
-    values += [strides[d] * itemsize for d in (*indexed_dims, *loop) if shape[d] > 1]
-    return math.gcd(*values)
-
-
-def _split_dims(
-    shape: Sequence[int], strides: Sequence[int], indexed_dims: Sequence[int]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Splits non-indexed dims into (loop dims, window dims in physical order)."""
-    rest = [d for d in range(len(shape)) if d not in indexed_dims]
-    # Physical order: by stride, outermost first. Size-1 dims carry no address
-    # and are kept out of the window so a tie in strides cannot misplace them.
-    ordered = sorted(range(len(shape)), key=lambda d: -strides[d])
-    window: list[int] = []
-    dense = 1
-    for d in reversed(ordered):
-        if shape[d] == 1:
-            continue
-        if d in indexed_dims or strides[d] != dense:
-            break
-        window.insert(0, d)
-        dense *= shape[d]
-    loop = tuple(d for d in rest if d not in window)
-    return loop, tuple(window)
-
-
 @functools.lru_cache(maxsize=4096)
 def access_plan(
     offset: int,
@@ -115,7 +74,7 @@ def access_plan(
             f"A view at byte {offset} with shape {shape} and strides {strides} is not "
             f"aligned to the pool's {word}-byte words."
         )
-    loop, window = _split_dims(shape, strides, indexed_dims)
+    loop, window = split_dims(shape, strides, indexed_dims)
     rest = tuple(d for d in range(len(shape)) if d not in indexed_dims)
     window_elems = math.prod(shape[d] for d in window)
     # Data arrives as (n, *rest); move loop dims, then window dims, after n.
@@ -135,33 +94,6 @@ def access_plan(
         window_elems=window_elems,
         window_words=window_elems * itemsize // word,
     )
-
-
-def row_fits(
-    offset: int,
-    shape: Sequence[int],
-    strides: Sequence[int],
-    itemsize: int,
-    block_dim: int,
-    row_bytes: int,
-) -> bool:
-    """Whether a view's blocks each lie inside one row of `row_bytes` (a row
-    pool, see :func:`_starts`): the block stride a multiple or a divisor of the
-    row, and one block's bytes never crossing a row's end.
-    """  # noqa: D205
-    step = strides[block_dim] * itemsize
-    span = itemsize + itemsize * sum(
-        (n - 1) * st
-        for d, (n, st) in enumerate(zip(shape, strides, strict=True))
-        if d != block_dim
-    )
-    start = offset % row_bytes
-    if step % row_bytes == 0:
-        return start + span <= row_bytes
-    if row_bytes % step == 0:
-        per = row_bytes // step
-        return start + (min(per, shape[block_dim]) - 1) * step + span <= row_bytes
-    return False
 
 
 def _starts(
@@ -220,11 +152,6 @@ _ROW_SCATTER = lax.ScatterDimensionNumbers(
 _ROW_GATHER = lax.GatherDimensionNumbers(
     offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
 )
-
-
-def bits_dtype(dtype: np.dtype) -> np.dtype:
-    """The unsigned integer dtype as wide as `dtype`."""
-    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
 
 
 def to_bits(x: jax.Array) -> jax.Array:

@@ -20,9 +20,9 @@ from jaxkv._specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from jaxkv.cache._kernel_views import kernel_views
-from jaxkv.cache._views import KVCacheView, LayerView
 from jaxkv.groups import AttentionGroup, with_kv_sharing_layers
+from jaxkv.plan._kernel_views import kernel_views
+from jaxkv.plan._views import KVCacheView, LayerView
 
 
 class BoundKVCaches(Mapping[str, LayerView]):
@@ -109,7 +109,7 @@ def bind_kv_caches(
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
       >>> pools, views = jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
       >>> bound = jaxkv.vllm.bind_kv_caches(views, ["layers.3.self_attn",
@@ -170,7 +170,7 @@ def build_slot_mappings_by_layer(
       ...           for n in (["a", "b"], ["c"], ["d"])]
       >>> kv = jaxkv.vllm.KVCacheConfig(num_blocks=1, kv_cache_tensors=[],
       ...                          kv_cache_groups=groups)
-      >>> jaxkv.cache.build_slot_mappings_by_layer(["R0", "R1"], kv)
+      >>> jaxkv.plan.build_slot_mappings_by_layer(["R0", "R1"], kv)
       {'a': 'R0', 'b': 'R0', 'c': 'R1'}
     """
     if runner_config is not None:
@@ -278,7 +278,7 @@ def local_attention(spec: object) -> tuple[int | None, int | None]:
 
     Example:
       >>> import jaxkv
-      >>> jaxkv.cache.local_attention(jaxkv.SlidingWindowSpec(block_size=16,
+      >>> jaxkv.plan.local_attention(jaxkv.SlidingWindowSpec(block_size=16,
       ...     num_kv_heads=1, head_size=8, dtype="float32", sliding_window=32))
       (32, None)
     """  # noqa: D205

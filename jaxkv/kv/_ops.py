@@ -18,9 +18,8 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
 from jaxkv._util import checks_own_arguments
-from jaxkv.cache import _typed as typed
-from jaxkv.cache._bind import AttentionLayer, GroupSlots
-from jaxkv.cache._checks import (
+from jaxkv.kv import _typed as typed
+from jaxkv.kv._checks import (
     Pools,
     _check_dtype_supported,
     _check_view,
@@ -28,17 +27,17 @@ from jaxkv.cache._checks import (
     _device_ids,
     layer_index,
 )
-from jaxkv.cache._native_write import native_write, native_write_unfit
-from jaxkv.cache._page_layout import pallas_view_unfit
-from jaxkv.cache._pallas_write import gpu_write, tpu_write
-from jaxkv.cache._strided import (
+from jaxkv.kv._native_write import native_write, native_write_unfit
+from jaxkv.kv._page_layout import pallas_view_unfit
+from jaxkv.kv._pallas_write import gpu_write, tpu_write
+from jaxkv.kv._strided import (
     access_plan,
     from_bits,
     gather_items,
     scatter_items,
     to_bits,
 )
-from jaxkv.cache._views import KVCacheView
+from jaxkv.plan import AttentionLayer, GroupSlots, KVCacheView
 
 
 def _plan(view: KVCacheView, indexed: tuple[int, ...]):

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._native import target, unavailable_reason
-from jaxkv.cache._checks import layer_index
-from jaxkv.cache._raw_address import raw_address, raw_unfit
-from jaxkv.cache._views import KVCacheView
+from jaxkv.kv._checks import layer_index
+from jaxkv.kv._raw_address import raw_address, raw_unfit
+from jaxkv.plan import KVCacheView
 
 
 def native_write_unfit(view: KVCacheView, value: jax.Array | None) -> str | None:
@@ -31,7 +31,7 @@ def native_write_unfit(view: KVCacheView, value: jax.Array | None) -> str | None
     Example:
       >>> import jax.numpy as jnp
       >>> import jaxkv
-      >>> from jaxkv.cache._native_write import native_write_unfit
+      >>> from jaxkv.kv._native_write import native_write_unfit
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
       >>> view = plan.views["layers.0.self_attn"]
       >>> native_write_unfit(view, None)

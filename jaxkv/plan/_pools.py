@@ -12,10 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv.cache._layer_views import pool_index
-from jaxkv.cache._strided import carrier_dtype, granule, row_fits
-from jaxkv.cache._typed import is_dense, slot_shape, storage_dtype
-from jaxkv.cache._views import KVCacheView, LayerView, MambaView
+from jaxkv.plan._layer_views import pool_index
+from jaxkv.plan._storage import (
+    carrier_dtype,
+    granule,
+    is_dense,
+    row_fits,
+    slot_shape,
+    storage_dtype,
+)
+from jaxkv.plan._views import KVCacheView, LayerView, MambaView
 
 STORAGES = ("auto", "words", "typed", "stacked")
 POOL_DTYPES = ("auto", "native", "bits")
@@ -33,13 +39,13 @@ class PoolSpec:
     or more). A typed pool is an
     array of ``typed_dtype`` holding ``layers`` dense layer caches:
     ``(layers, *slot)`` when stacked, the slot itself when it holds one (see
-    :mod:`jaxkv.cache._typed`).
+    :mod:`jaxkv.kv._typed`).
 
     Example:
       >>> import jaxkv
-      >>> jaxkv.cache.PoolSpec(size_bytes=1024, word=4).shape
+      >>> jaxkv.plan.PoolSpec(size_bytes=1024, word=4).shape
       (256,)
-      >>> spec = jaxkv.cache.PoolSpec(size_bytes=2048, word=2,
+      >>> spec = jaxkv.plan.PoolSpec(size_bytes=2048, word=2,
       ...     typed_shape=(2, 4, 16, 8), typed_dtype="bfloat16", layers=2)
       >>> spec.shape, spec.dtype.name, spec.layers
       ((2, 4, 16, 8), 'bfloat16', 2)
@@ -120,9 +126,9 @@ def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
       >>> import jax, jaxkv
       >>> want = {"cpu": ("words", "bits")}.get(jax.default_backend(),
       ...                                       ("stacked", "native"))
-      >>> jaxkv.cache.resolve_storage("auto", "auto") == want
+      >>> jaxkv.plan.resolve_storage("auto", "auto") == want
       True
-      >>> jaxkv.cache.resolve_storage("typed", "native")
+      >>> jaxkv.plan.resolve_storage("typed", "native")
       ('typed', 'native')
     """
     if storage not in STORAGES:
@@ -184,9 +190,9 @@ class PoolLayout(NamedTuple):
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
-      >>> kv = jaxkv.cache.make_kv_cache_config(cfg, num_blocks=4)
+      >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> jaxkv.cache.pool_layout(kv, cfg, sizes, groups).pools[0].size_bytes
+      >>> jaxkv.plan.pool_layout(kv, cfg, sizes, groups).pools[0].size_bytes
       65536
     """
 

@@ -25,10 +25,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkv._util import kernel_operands
-from jaxkv.cache._checks import layer_index
-from jaxkv.cache._page_layout import PageLayout, page_layout
-from jaxkv.cache._strided import to_bits
-from jaxkv.cache._views import KVCacheView
+from jaxkv.kv._checks import layer_index
+from jaxkv.kv._page_layout import PageLayout, page_layout
+from jaxkv.kv._strided import to_bits
+from jaxkv.plan import KVCacheView
 
 
 class _Staged(NamedTuple):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from jaxkv.cache._views import KVCacheView
+from jaxkv.plan import KVCacheView
 
 
 def raw_unfit(view: KVCacheView) -> str | None:
@@ -18,7 +18,7 @@ def raw_unfit(view: KVCacheView) -> str | None:
     Example:
       >>> import jaxkv
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
-      >>> jaxkv.cache.raw_unfit(plan.views["layers.0.self_attn"]) is None
+      >>> jaxkv.kv.raw_unfit(plan.views["layers.0.self_attn"]) is None
       True
     """  # noqa: D205
     if view.owned is not None or view.kv_packing:
@@ -57,7 +57,7 @@ def raw_address(view: KVCacheView) -> dict[str, np.int64]:
     Example:
       >>> import jaxkv
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
-      >>> a = jaxkv.cache.raw_address(plan.views["layers.0.self_attn"])
+      >>> a = jaxkv.kv.raw_address(plan.views["layers.0.self_attn"])
       >>> int(a["token_stride"]), int(a["head_stride"]), int(a["v_offset"])
       (64, 32, 2048)
     """

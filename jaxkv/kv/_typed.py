@@ -27,51 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cache._strided import bits_dtype, from_bits, to_bits
-from jaxkv.cache._views import KVCacheView
-
-
-def physical_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """Logical dims from outermost to innermost in memory (by decreasing stride)."""
-    return tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))
-
-
-def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether the strides lay `shape` out contiguously in some axis order."""
-    acc = 1
-    for d in reversed(physical_order(shape, strides)):
-        if shape[d] == 1:
-            continue
-        if strides[d] != acc:
-            return False
-        acc *= shape[d]
-    return True
-
-
-def physical_shape(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """`shape` in physical order: the shape of one dense slot seen as an array."""
-    return tuple(int(shape[d]) for d in physical_order(shape, strides))
-
-
-def storage_dtype(dtype: np.dtype, bits: bool) -> np.dtype:
-    """The dtype a typed pool of `dtype` elements holds (`bits`: same-width uints)."""
-    return bits_dtype(dtype) if bits else np.dtype(dtype)
-
-
-def slot_shape(view: KVCacheView) -> tuple[int, ...]:
-    """The array shape of one layer slot holding `view` in a typed pool: its
-    physical shape without unit dims, or ``(N, B, 2H/p, p, D)`` for a packing
-    backend (the kernel's own shape, unit dims kept).
-    """  # noqa: D205
-    phys = physical_shape(view.shape, view.strides)
-    if view.kv_packing and len(phys) == 4 and phys == view.shape:
-        n, b, h, c = phys
-        p = view.kv_packing
-        return (n, b, 2 * h // p, p, c // 2)
-    # Unit dims (one local KV head, say) are left out: XLA:CPU gives a unit
-    # dim of a loop-carried pool a layout of its own choosing and copies the
-    # pool into it (measured under shard_map with one KV head per rank).
-    return tuple(d for d in phys if d != 1) or (1,)
+from jaxkv.kv._strided import from_bits, to_bits
+from jaxkv.plan import (
+    KVCacheView,
+    physical_order,
+    physical_shape,
+)
 
 
 def _as_slots(

@@ -1,0 +1,67 @@
+"""kv: reads and writes of K/V and Mamba states through a plan's views, inside jit.
+
+``_ops`` writes and gathers K/V (``_strided`` on word pools, ``_typed`` on
+typed pools; ``_pallas_write`` and ``_native_write`` the kernels, with
+``_page_layout`` and ``_raw_address`` describing a view to them),
+``_state_ops`` Mamba states, zeroing and whole-view reads,
+``_kernel_handoff`` a layer's cache as a kernel's array, ``_checks`` the
+host-side id and pool checks they share.
+"""
+
+from jaxkv.kv._checks import (
+    Pools,
+    any_deleted,
+    check_fits,
+    check_layer,
+    check_pools_alive,
+    layer_index,
+    validate_block_ids,
+    validate_slot_mapping,
+)
+from jaxkv.kv._kernel_handoff import (
+    kernel_cache,
+    put_kernel_cache,
+)
+from jaxkv.kv._ops import (
+    gather_kv_pages,
+    write_kv,
+)
+from jaxkv.kv._page_layout import (
+    PageLayout,
+    page_layout,
+    pallas_view_unfit,
+)
+from jaxkv.kv._raw_address import (
+    raw_address,
+    raw_unfit,
+)
+from jaxkv.kv._state_ops import (
+    read_mamba_state,
+    read_view,
+    write_mamba_state,
+    zero_blocks,
+)
+
+__all__ = [
+    "PageLayout",
+    "Pools",
+    "any_deleted",
+    "check_fits",
+    "check_layer",
+    "check_pools_alive",
+    "gather_kv_pages",
+    "kernel_cache",
+    "layer_index",
+    "page_layout",
+    "pallas_view_unfit",
+    "put_kernel_cache",
+    "raw_address",
+    "raw_unfit",
+    "read_mamba_state",
+    "read_view",
+    "validate_block_ids",
+    "validate_slot_mapping",
+    "write_kv",
+    "write_mamba_state",
+    "zero_blocks",
+]
