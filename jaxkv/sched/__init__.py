@@ -1,13 +1,14 @@
 """sched: requests, the block manager with prefix caching, the scheduler.
 
-``_request`` (a request's tokens and state) -> ``_prefix`` (block hashes,
-the longest cached prefix, the manager's prefix-cache side; ``_host_tier``:
-evicted prefix blocks kept in host memory and copied back on a hit) ->
-``_table_rows`` (block tables as arrays, a batch's slots) -> ``_manager``
-(blocks per group, vLLM's ``KVCacheManager`` semantics) -> ``_scheduled``
-(a scheduled step, its host arrays) -> ``_scheduler`` (admission, chunked
-prefill, preemption) with ``_outcomes`` (applying a step: update, async
-scheduling's advance/resolve, recompute).
+``_request`` (a request's tokens and state) -> ``_blocks`` (the block
+allocator: free queue, reference counts, cached blocks) -> ``_prefix``
+(block hashes, the longest cached prefix; ``_host_tier``: evicted prefix
+blocks kept in host memory and copied back on a hit) -> ``_table_rows``
+(block tables as arrays, a batch's slots) -> ``_manager`` (blocks per group
+and prefix hits, vLLM's ``KVCacheManager`` semantics) -> ``_scheduled`` (a
+scheduled step, its host arrays) -> ``_scheduler`` (admission, chunked
+prefill, preemption, and applying a step: update, async scheduling's
+advance/resolve, recompute).
 """  # noqa: D205
 
 from jaxkv.sched._blocks import BlockAllocator

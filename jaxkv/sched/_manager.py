@@ -21,12 +21,16 @@ from jaxkv._util import cdiv, is_int
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._host_tier import HostKVCache
-from jaxkv.sched._prefix import PrefixHits, prefix_caching_unsupported
+from jaxkv.sched._prefix import (
+    hash_token_blocks,
+    longest_cache_hit,
+    prefix_caching_unsupported,
+)
 from jaxkv.sched._request import Request
 from jaxkv.sched._table_rows import StepBlocks, TableRows
 
 
-class KVCacheManager(PrefixHits):
+class KVCacheManager:
     """Block tables for requests over one :class:`BlockAllocator`.
 
     Each request holds, per KV-cache group, one block id per ``block_size``
@@ -468,3 +472,125 @@ class KVCacheManager(PrefixHits):
             is_mamba=self.is_mamba,
             max_model_len=self.plan.runner_config.max_model_len,
         )
+
+    def _block_hashes(self, req: Request, block_size: int) -> list[bytes]:
+        """`req`'s full-block hashes for `block_size`, extended as tokens grow."""
+        per = self._hashes.setdefault(req.req_id, {})
+        have = per.setdefault(block_size, [])
+        # Placeholders of tokens still on the device are never hashed.
+        known = req.num_known_tokens
+        if known // block_size > len(have):
+            start = len(have) * block_size
+            have += hash_token_blocks(
+                req.token_range(start, known),
+                block_size,
+                parent=have[-1] if have else None,
+                salt=req.cache_salt,
+            )
+        return have
+
+    def find_cache_hit(self, req: Request) -> int:
+        """Tokens of `req` every group can take from the prefix cache (no effect).
+
+        A multiple of every group's block size, below ``len(req.tokens)`` (the
+        last token is always computed: its logits are sampled).
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hit = req.num_known_tokens - 1
+        while True:
+            agreed = hit
+            for g, spec in enumerate(self.specs):
+                bs = self.block_sizes[g]
+                hashes = self._block_hashes(req, bs)
+                k = longest_cache_hit(
+                    spec,
+                    num_blocks=min(agreed // bs, len(hashes)),
+                    is_cached=lambda j, g=g, h=hashes: self._is_cached((g, h[j])),
+                )
+                agreed = k * bs
+            if agreed == hit:
+                return hit
+            hit = agreed
+
+    def _is_cached(self, key: tuple[int, bytes]) -> bool:
+        """On the device, or in the host tier (copied back on a hit)."""
+        if self.allocator.lookup(key) is not None:
+            return True
+        return self.host is not None and key in self.host
+
+    def _hit_columns(self, g: int, num_tokens: int) -> list[int]:
+        """Columns group `g` reuses for a hit of `num_tokens` (others null)."""
+        bs = self.block_sizes[g]
+        k = num_tokens // bs
+        if k == 0:
+            return []
+        if self.is_mamba[g]:
+            return [k - 1]
+        spec = self.specs[g]
+        first = 0 if spec is None else get_num_skipped_tokens(spec, num_tokens) // bs
+        return list(range(first, k))
+
+    def _hit_tables(
+        self, req: Request, num_cached: int
+    ) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int, bytes]]] | None:
+        """``(tables, hit blocks, host hits)`` per group of a cache hit of
+        `num_cached` tokens, or ``None`` while a hit block's Mamba state is
+        still pending. Host hits are ``(group, column, hash)`` of blocks only
+        the host tier holds (their column is 0 until a block is allocated).
+        """  # noqa: D205
+        tables: list[list[int]] = []
+        hits: list[list[int]] = [[] for _ in self.block_sizes]
+        from_host: list[tuple[int, int, bytes]] = []
+        for g, bs in enumerate(self.block_sizes):
+            hashes = self._block_hashes(req, bs)
+            table = [0] * (num_cached // bs)
+            for j in self._hit_columns(g, num_cached):
+                block = self.allocator.lookup((g, hashes[j]))
+                if (
+                    block is None
+                    and self.host is not None
+                    and (g, hashes[j]) in (self.host)
+                ):
+                    from_host.append((g, j, hashes[j]))
+                    continue
+                if block is None:
+                    raise ValueError(
+                        f"allocate: num_cached={num_cached} is not a cache hit of "
+                        f"request {req.req_id!r} (group {g}, block {j})."
+                    )
+                if block in self._pending_states:
+                    return None
+                table[j] = block
+                hits[g].append(block)
+            tables.append(table)
+        return tables, hits, from_host
+
+    def _register(
+        self,
+        req: Request,
+        tables: list[list[int]],
+        registered: list[int],
+        n: int,
+    ) -> None:
+        """Caches the blocks that are full once `req`'s first `n` tokens are in."""
+        for g, table in enumerate(tables):
+            bs = self.block_sizes[g]
+            full = n // bs
+            if full <= registered[g]:
+                continue
+            hashes = self._block_hashes(req, bs)
+            if self.is_mamba[g]:
+                # Only a step ending on a block boundary leaves in that block
+                # the state after exactly its tokens.
+                cols = [full - 1] if n % bs == 0 else []
+            else:
+                cols = range(registered[g], full)
+            for j in cols:
+                block = table[j]
+                if block and self.allocator.key_of(block) is None:
+                    self.allocator.cache(block, key=(g, hashes[j]))
+                    self._uncommitted.setdefault(req.req_id, []).append(block)
+                    if self.is_mamba[g]:
+                        self._pending_states.add(block)
+            registered[g] = full
