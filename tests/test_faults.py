@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxkv
 import jaxkv.demo
-import jaxkv.serve._pipeline as loop_module
+import jaxkv.serve._loop as loop_module
 
 
 class Fault(Exception):
