@@ -4,6 +4,8 @@ Pallas kernels run in Pallas's interpret modes here (Triton's and the TPU's),
 the native kernel compiled for this CPU.
 """  # noqa: D205
 
+import os
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,10 @@ _QUICK = {
 }
 
 
+# CI's 64-bit pass (JAXKV_QUICK=1) checks index dtypes on the quick cases only.
+_ALL_GPU = os.environ.get("JAXKV_QUICK") != "1"
+
+
 def _matrix(cases, implementations):
     return [
         pytest.param(
@@ -30,7 +36,7 @@ def _matrix(cases, implementations):
             impl,
             id=f"{case.name}-{impl}",
             marks=()
-            if impl == "pallas_gpu" or case.name in _QUICK
+            if (impl == "pallas_gpu" and _ALL_GPU) or case.name in _QUICK
             else (pytest.mark.slow,),
         )
         for case in cases

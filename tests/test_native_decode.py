@@ -407,6 +407,7 @@ def test_native_by_name_inside_shard_map_on_several_devices():
     assert "shard_map equal: True" in out, out
 
 
+@pytest.mark.slow  # two fresh builds of the library (about 20 s)
 def test_the_library_is_built_once_and_cached(tmp_path):
     code = """
         import time
