@@ -97,8 +97,8 @@ inline v8 Sum8x8(const v8* x) {
 // Keeps a loaded vector in a register. Without it GCC folds the load into
 // every multiply-add that uses the value (a memory operand each), so a
 // value used G times is loaded G times and the loop waits on its loads:
-// on the 2-core Zen 4 VM the whole kernel went 1.65 -> 1.34 ms (hot
-// harness, one thread) with the values pinned.
+// pinning the values made the whole kernel faster in the C++ harness
+// (benchmarks/README.md).
 inline void InRegister(v8& x) {
 #if defined(__x86_64__) && defined(__AVX__)
   __asm__("" : "+v"(x));
@@ -156,8 +156,8 @@ inline float ScaleAndMax8(float* s, int64_t n, float scale) {
 // s[g * stride + i] = q_g . k_i for the G query heads of one KV head and
 // M = 1 or 2 consecutive keys (k_i at k + i * token_stride): each query load
 // serves both keys, each key load all G heads, so two keys at a time are
-// bound by the multiply-adds, not the loads (hot harness, one thread: the
-// whole kernel 1.34 -> 1.06 ms). One accumulator per key and head, summed
+// bound by the multiply-adds, not the loads (measured in the C++ harness,
+// benchmarks/README.md). One accumulator per key and head, summed
 // over D in the same order for M = 1 and 2: a key's score does not depend
 // on whether it was paired.
 template <int G, int M, typename E>
@@ -235,10 +235,9 @@ constexpr bool kPrefetch = true;
 // heads outermost is one range per head, not a sweep over every page
 // between them.
 //
-// Measured on the 2-core Zen 4 VM (C++ harness over this file, 32 x 512,
-// fp32, 2 threads, pool in L3), with the kernel's other changes of that
-// commit: one token's lines per key scored, into L1 1.44-1.49 ms; into L2
-// 1.17 ms; spread over keys and value chunks 0.99 ms (1.07 before it).
+// Measured in the C++ harness over this file (benchmarks/README.md): asking
+// for lines into L2 beat L1, and spreading them over the keys and value
+// chunks beat asking for one token's lines per key scored.
 struct Lines {
   const char* p = nullptr;    // next line to ask for
   const char* end = nullptr;  // end of the current head's range

@@ -89,10 +89,9 @@ def paged_attention(
         broadcast multiply and a sum that XLA fuses with the page gather, so
         no gathered chunk is written out), or ``"auto"``: ``"reduce"`` on
         CPU for rows of more than one query token, ``"dot"`` otherwise.
-        Measured on XLA:CPU (``benchmarks/bench_attention.py``): a mixed
-        batch of 884 tokens in rows of 16 takes 26-39 ms reduced against
-        60-83 ms as dots, while a decode batch (rows of 1) takes about twice
-        as long reduced.
+        On XLA:CPU a mixed batch in rows of 16 runs faster reduced than as
+        dots, and a decode batch (rows of 1) slower
+        (``benchmarks/bench_attention.py``; figures in its README).
       implementation: Which kernel runs the call (after
         ``jax.nn.dot_product_attention``); every one gives the XLA path's
         result up to float rounding (:data:`IMPLEMENTATIONS`):

@@ -75,13 +75,10 @@ CONTRACTIONS = ("auto", "dot", "reduce")
 def auto_pages_per_chunk() -> int:
     """Pages per chunk that ``pages_per_chunk=None`` means on this platform.
 
-    4 on CPU, 64 elsewhere. Measured: on XLA:CPU the page gather costs about
-    1 ns per element (``benchmarks/bench_attention.py``, ``bench_serve.py``),
-    so chunks past a row's context cost more than the loop's trips (a
-    16-request decode at context 33 over 6 pages: 0.72-0.82 ms a step with 4
-    pages per chunk, 0.95-1.0 ms with all 6 in one pass; decode 32 x 512
-    is level from 2 to 8 and slower past); on an H200, decode 256 x 4096 in
-    bf16 took 2.28 ms with 64 pages per chunk against 3.97 ms with 4.
+    4 on CPU, 64 elsewhere: on XLA:CPU the page gather dominates, so chunks
+    past a row's context cost more than the loop's trips, while on a GPU
+    few large chunks beat many small ones (``benchmarks/bench_attention.py``,
+    ``bench_serve.py``; figures in ``benchmarks/README.md``).
 
     Example:
       >>> import jax

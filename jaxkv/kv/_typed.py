@@ -13,9 +13,10 @@ layer index may be a traced value (``lax.scan`` over layers).
 
 The pool holds either the view's dtype (``native``) or the unsigned integers
 of the same width (``bits``): XLA:CPU converts a bf16 scatter through float32
-over the whole pool (measured: 29 ms against 0.1 ms for the same uint16
-scatter of 256 tokens into a 64 MiB pool), so on CPU narrow floats are
-stored as bits; on accelerators the native dtype is what kernels read.
+over the whole pool (a cost of the pool's size, where the same uint16
+scatter costs the tokens': ``benchmarks/bench_kv_write.py``), so on CPU
+narrow floats are stored as bits; on accelerators the native dtype is what
+kernels read.
 """
 
 from __future__ import annotations
