@@ -112,7 +112,7 @@ def run(args) -> dict:
 
     # Naive: every field padded on the host and transferred on its own, the
     # logits indices padded and transferred with their two counts.
-    layout = builder.layout(desc)
+    layout = builder.capacity(desc)
     # The naive side arms fast prefill too, with the same staged indices.
     host_inputs = {
         k: v for k, v in inputs.items() if k not in ("logits_indices", "cu_num_logits")

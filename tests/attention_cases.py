@@ -36,7 +36,7 @@ class Case:
     name: str
     layout: str = "fused"
     dtype: str = "float32"
-    pool_dtype: str = "native"  # "bits": the pool holds the floats' bits
+    pool_dtype: str = "element"  # "bits": the pool holds the floats' bits
     kv_heads: int = 2
     q_heads: int = 4
     head: int = 16

@@ -134,11 +134,11 @@ def hybrid_cases(draw) -> Case:
 
 def plan(case: Case, **plan_kw):
     """(groups, sizes, pools, views, bound) with every split group slot-mapped;
-    `plan_kw` go to ``pool_layout``."""
+    `plan_kw` go to ``planned_pools``."""
     groups, _, sizes = jaxkv.vllm.init_attn_backend(
         case.kv, case.cfg, maps_slot_mapping=True
     )
-    pool_specs, views = jaxkv.plan.pool_layout(
+    pool_specs, views = jaxkv.plan.planned_pools(
         case.kv, case.cfg, sizes, groups, **plan_kw
     )
     names = [layer.name for layer in case.cfg.layers]

@@ -19,7 +19,7 @@ NO_EXAMPLE = {
     "KVCacheLayout",
     "CompileMode",
     "token_requests_and_positions",
-    "pool_layout",
+    "planned_pools",
     "unpack_step",
     "pack_step",
     "shape_struct",

@@ -100,7 +100,7 @@ def test_sampled_tokens_are_padded_only_up_to_the_request_capacity():
     )
     plan = jaxkv.make_plan(cfg, num_blocks=16)
     inputs = jaxkv.StepMetadataBuilder(plan, model_inputs=True).abstract_inputs()
-    assert sorted((x.layout.max_tokens, x.layout.num_samples) for x in inputs) == [
+    assert sorted((x.capacity.max_tokens, x.capacity.num_samples) for x in inputs) == [
         (4, 4),
         (16, 4),
         (64, 4),

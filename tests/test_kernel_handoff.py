@@ -36,7 +36,7 @@ def _plan(dtype, storage="typed", backend="RPA_V3"):
         dtype=dtype,
         attention_backend=backend,
     )
-    plan = jaxkv.make_plan(cfg, num_blocks=N, storage=storage, pool_dtype="native")
+    plan = jaxkv.make_plan(cfg, num_blocks=N, storage=storage, pool_dtype="element")
     view = plan.views[NAME]
     assert isinstance(view, jaxkv.KVCacheView)
     return plan, view

@@ -15,7 +15,7 @@ import jaxkv
 _KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
-def _stacked(dtype="bfloat16", layers=4, pool_dtype="native"):
+def _stacked(dtype="bfloat16", layers=4, pool_dtype="element"):
     cfg = jaxkv.llama_like_config(
         num_layers=layers, num_kv_heads=2, head_size=64, dtype=dtype, block_size=16
     )
@@ -86,7 +86,7 @@ def _pool_ops(text, pool_shape):
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize(
     ("tokens", "pool_dtype"),
-    [(8, "native"), (4, "bits")],  # prefill tiles of 16 / decode rows of 1
+    [(8, "element"), (4, "bits")],  # prefill tiles of 16 / decode rows of 1
 )
 def test_a_stacked_layer_scan_hands_each_kernel_the_pool_itself(
     platform, tokens, pool_dtype

@@ -17,7 +17,7 @@ from tests.strategies import EXPECTED_ERRORS, hybrid_cases, plan
 
 def _views(cfg, kv, **kw) -> tuple[Any, dict[str, Any]]:
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg, **kw)
-    return jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
+    return jaxkv.plan.planned_pools(kv, cfg, sizes, groups)
 
 
 def _one_layer(backend) -> Any:
@@ -67,7 +67,7 @@ def test_v3_page_aligned_when_sharing_with_mamba():
     assert jaxkv.vllm._kv_first_layers_sharing_pool_with_mamba(
         groups, sizes, "auto", kv
     ) == {"attn"}
-    v: Any = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)[1]["attn"]
+    v: Any = jaxkv.plan.planned_pools(kv, cfg, sizes, groups)[1]["attn"]
     assert v.strides == (16384, 32768, 1024, 128, 1)
     assert v.byte_address((0, 3, 0, 0, 0)) == 196608
     assert v.byte_address((1, 3, 0, 0, 0)) == 229376
@@ -253,7 +253,7 @@ def test_kernel_split_views_and_packed_kernel_view():
     )
     kv = single_group_config(["a"], s, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg16)
-    views: dict[str, Any] = jaxkv.plan.pool_layout(kv, cfg16, sizes, groups)[1]
+    views: dict[str, Any] = jaxkv.plan.planned_pools(kv, cfg16, sizes, groups)[1]
     assert views["a"].shape == (8, 2, 16, 1, 8)
     assert views["a"].block_stride_bytes == 1024
     bound: Any = jaxkv.vllm.bind_kv_caches(views, ["a", "b"], kv, cfg16, groups)
@@ -273,14 +273,14 @@ def test_kernel_split_views_and_packed_kernel_view():
         ],
     )
     groups, _, sizes = jaxkv.vllm.init_attn_backend(packed, cfg16)
-    views = jaxkv.plan.pool_layout(packed, cfg16, sizes, groups)[1]
+    views = jaxkv.plan.planned_pools(packed, cfg16, sizes, groups)[1]
     assert views["a"].shape == (4, 2, 32, 1, 8)
     with pytest.raises(ValueError, match="slot mappings are not mapped"):
         jaxkv.vllm.bind_kv_caches(views, ["a"], packed, cfg16, groups)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(
         packed, cfg16, maps_slot_mapping=True
     )
-    views = jaxkv.plan.pool_layout(packed, cfg16, sizes, groups)[1]
+    views = jaxkv.plan.planned_pools(packed, cfg16, sizes, groups)[1]
     kview: Any = jaxkv.vllm.bind_kv_caches(views, ["a", "b"], packed, cfg16, groups)[
         "b"
     ]
@@ -296,7 +296,7 @@ def test_planning_compiles_nothing():
     with count_compiles() as compiles:
         kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=64, packed=True)
         groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-        jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
+        jaxkv.plan.planned_pools(kv, cfg, sizes, groups)
     assert compiles == []
 
 
@@ -304,7 +304,7 @@ def test_carrier_word_choice():
     cfg = jaxkv.tiny_hybrid_config()
     kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    pools, _ = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
+    pools, _ = jaxkv.plan.planned_pools(kv, cfg, sizes, groups)
     assert [p.word for p in pools] == [4, 4]
     odd = jaxkv.FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=3, dtype="float8_e4m3fn"

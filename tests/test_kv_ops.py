@@ -89,7 +89,7 @@ def test_row_pools_hold_packed_and_hybrid_pools():
         cfg = jaxkv.tiny_hybrid_config()
         kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=6, packed=packed)
         groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-        specs, _ = jaxkv.plan.pool_layout(kv, cfg, sizes, groups, max_flat_words=0)
+        specs, _ = jaxkv.plan.planned_pools(kv, cfg, sizes, groups, max_flat_words=0)
         assert all(p.rows == 6 for p in specs), specs
         assert all(p.shape == (6, p.size_bytes // p.word // 6) for p in specs)
 

@@ -249,7 +249,7 @@ def test_reduction_matches_loop_reference(batch, pad):
 
 
 def test_pack_unpack_round_trip_and_padding():
-    layout = jaxkv.step.StepLayout(
+    layout = jaxkv.step.StepCapacity(
         max_reqs=4, max_tokens=8, block_table_widths=(3, 2), max_mm_ranges=1
     )
     packed = jaxkv.step.pack_step(
@@ -277,7 +277,7 @@ def test_pack_unpack_round_trip_and_padding():
     assert f.request_causal.tolist() == [True] * 4
     assert f.token_ids is None
     assert f.sample_idx is None
-    with pytest.raises(ValueError, match="does not fit the layout's capacity"):
+    with pytest.raises(ValueError, match="does not fit the step's capacity"):
         jaxkv.step.pack_step(
             layout,
             query_start_loc=np.array([0, 9]),
@@ -353,7 +353,7 @@ def test_vllm_signature_and_packed_step_give_the_same_records():
     kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
     n = len(groups)
-    layout = jaxkv.step.StepLayout(
+    layout = jaxkv.step.StepCapacity(
         max_reqs=4, max_tokens=8, block_table_widths=(2,) * n, max_mm_ranges=1
     )
     qsl, seq = np.array([0, 4, 5]), np.array([6, 9])
@@ -412,7 +412,7 @@ def test_vllm_signature_and_packed_step_give_the_same_records():
 
 
 def test_packed_multimodal_ranges_keep_every_range_of_a_request():
-    layout = jaxkv.step.StepLayout(
+    layout = jaxkv.step.StepCapacity(
         max_reqs=3, max_tokens=8, block_table_widths=(1,), max_mm_ranges=3
     )
     packed = jaxkv.step.pack_step(

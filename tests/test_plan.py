@@ -29,7 +29,7 @@ def test_plan_matches_the_seed_functions():
     plan = jaxkv.make_plan(cfg, num_blocks=8)
     kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
     groups, info, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    pools, views = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
+    pools, views = jaxkv.plan.planned_pools(kv, cfg, sizes, groups)
     bound = jaxkv.vllm.bind_kv_caches(
         views, [layer.name for layer in cfg.layers], kv, cfg, groups
     )
@@ -123,7 +123,7 @@ def test_equal_bindings_are_equal_and_hash_equal():
     cfg = jaxkv.tiny_hybrid_config()
     kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
     groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-    _, views = jaxkv.plan.pool_layout(kv, cfg, sizes, groups)
+    _, views = jaxkv.plan.planned_pools(kv, cfg, sizes, groups)
     names = [layer.name for layer in cfg.layers]
     a = jaxkv.vllm.bind_kv_caches(views, names, kv, cfg, groups)
     b = jaxkv.vllm.bind_kv_caches(views, list(reversed(names)), kv, cfg, groups)

@@ -44,8 +44,8 @@ def test_one_rank_packs_what_one_device_packs_and_stages_the_same_indices(sharde
     assert ranks.plan == sharded.local
     a = one.prepare(step)
     b = ranks.prepare_ranks([step])
-    assert b.packed.shape == (1, a.layout.size)
-    assert b.layout == a.layout
+    assert b.packed.shape == (1, a.capacity.size)
+    assert b.capacity == a.capacity
     np.testing.assert_array_equal(np.asarray(b.packed)[0], np.asarray(a.packed))
     # The prompt's last token is sampled; fast prefill armed on both paths.
     assert a.fast_prefill is not None
@@ -164,7 +164,7 @@ assert mixed.fast_prefill is not None
 assert np.asarray(mixed.fast_prefill.num_logits_indices).tolist() == [2, 1]
 one = jaxkv.StepMetadataBuilder(sp.local, model_inputs=True)
 alone = one.prepare(steps[0])
-assert inputs.layout == alone.layout, (inputs.layout, alone.layout)
+assert inputs.capacity == alone.capacity, (inputs.capacity, alone.capacity)
 packed = np.asarray(inputs.packed)
 assert (packed[0] == np.asarray(alone.packed)).all()
 f = inputs.fast_prefill
@@ -177,7 +177,7 @@ fine = jaxkv.shard_plan(dataclasses.replace(CFG, token_buckets=(2, 4, 8, 16)),
                         mesh=sp.mesh, num_blocks=16)
 b = jaxkv.StepMetadataBuilder(fine, model_inputs=True)
 fewer = b.prepare_ranks(_steps(fine.local, [[[1, 2]], [[3, 4], [5, 6, 7], [8]]]))
-assert fewer.layout.num_samples == 4, fewer.layout
+assert fewer.capacity.num_samples == 4, fewer.capacity
 width = np.asarray(fewer.fast_prefill.logits_indices_padded).shape
 assert width[0] == 2 and width[1] > 2, width
 assert fewer.program[1] == width[1], (fewer.program, width)

@@ -59,7 +59,7 @@ def test_typed_and_stacked_pools_hold_what_word_pools_hold(backend, dtype):
         num_layers=3, dtype=dtype, attention_backend=backend, block_size=32
     )
     want, _ = _ops(jaxkv.make_plan(cfg, num_blocks=6, storage="words"), dtype)
-    for storage, pool_dtype in [("typed", "native"), ("stacked", "bits")]:
+    for storage, pool_dtype in [("typed", "element"), ("stacked", "bits")]:
         plan = jaxkv.make_plan(
             cfg, num_blocks=6, storage=storage, pool_dtype=pool_dtype
         )

@@ -11,7 +11,7 @@ decreasing stride), so every access is a reshape of the pool to
 size), no carrier words (a kernel gets the cache array it expects), and the
 layer index may be a traced value (``lax.scan`` over layers).
 
-The pool holds either the view's dtype (``native``) or the unsigned integers
+The pool holds either the view's dtype (``element``) or the unsigned integers
 of the same width (``bits``): XLA:CPU converts a bf16 scatter through float32
 over the whole pool (a cost of the pool's size, where the same uint16
 scatter costs the tokens': ``benchmarks/bench_kv_write.py``), so on CPU

@@ -14,7 +14,7 @@ from jaxkv.plan._allocate import (
     KVCacheInit,
     allocate_pools,
     init_kv_cache,
-    pool_layout,
+    planned_pools,
 )
 from jaxkv.plan._bind import (
     AttentionLayer,
@@ -47,7 +47,7 @@ from jaxkv.plan._plan import (
     LayerStack,
 )
 from jaxkv.plan._pools import (
-    PoolLayout,
+    PlannedPools,
     PoolSpec,
     resolve_storage,
 )
@@ -101,7 +101,7 @@ __all__ = [
     "LayerTensor",
     "LayerView",
     "MambaView",
-    "PoolLayout",
+    "PlannedPools",
     "PoolSpec",
     "ShardedPlan",
     "TensorLayout",
@@ -128,7 +128,7 @@ __all__ = [
     "physical_order",
     "physical_shape",
     "plan_tensors",
-    "pool_layout",
+    "planned_pools",
     "resolve_layout",
     "resolve_storage",
     "row_fits",

@@ -1,5 +1,5 @@
 """Pools made: zero-initialised arrays under jit (one program per pool shape), and
-vLLM's ``init_kv_cache`` and ``pool_layout`` over them.
+vLLM's ``init_kv_cache`` and ``planned_pools`` over them.
 """  # noqa: D205
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxkv._kv_cache_config import KVCacheConfig
 from jaxkv.groups import AttentionGroup, check_kernel_block_sizes
 from jaxkv.plan._kernel_views import kernel_views
 from jaxkv.plan._layer_views import build_kv_cache_views
-from jaxkv.plan._pools import PoolLayout, PoolSpec, plan_pools
+from jaxkv.plan._pools import PlannedPools, PoolSpec, plan_pools
 from jaxkv.plan._views import LayerView
 
 
@@ -94,7 +94,7 @@ def init_kv_cache(
       storage: ``"words"`` (the seeds' flat carrier-word pools, the default
         here), ``"typed"``, ``"stacked"`` or ``"auto"`` (see :func:`plan_pools`
         and :func:`resolve_storage`).
-      pool_dtype: For typed pools: ``"native"``, ``"bits"`` or ``"auto"``.
+      pool_dtype: For typed pools: ``"element"``, ``"bits"`` or ``"auto"``.
 
     Returns:
       ``(pools, kv_caches)`` (a :class:`KVCacheInit`): the pool arrays and
@@ -109,7 +109,7 @@ def init_kv_cache(
       >>> [p.nbytes for p in pools], views["layers.2.mixer"].pool
       ([65536, 65536], 0)
     """
-    pools, views = pool_layout(
+    pools, views = planned_pools(
         kv_cache_config,
         vllm_config,
         kernel_block_sizes,
@@ -120,7 +120,7 @@ def init_kv_cache(
     return KVCacheInit(pools=allocate_pools(pools, sharding), kv_caches=views)
 
 
-def pool_layout(
+def planned_pools(
     kv_cache_config: KVCacheConfig,
     runner_config: RunnerConfig,
     kernel_block_sizes: Sequence[int],
@@ -129,7 +129,7 @@ def pool_layout(
     storage: str = "words",
     pool_dtype: str = "auto",
     max_flat_words: int = 2**31,
-) -> PoolLayout:
+) -> PlannedPools:
     """The pools and views :func:`init_kv_cache` would create, allocating nothing.
 
     `storage`, `pool_dtype` and `max_flat_words` are as in :func:`plan_pools`.

@@ -12,7 +12,7 @@ from jaxkv.groups import (
     init_attn_backend,
     with_kv_sharing_layers,
 )
-from jaxkv.plan._allocate import pool_layout
+from jaxkv.plan._allocate import planned_pools
 from jaxkv.plan._bind import bind_kv_caches
 from jaxkv.plan._grouping import (
     align_hybrid_block_size,
@@ -65,7 +65,7 @@ def make_plan(
         cannot hold (Mamba state, padded or packed pages, mixed dtypes) stay
         words. ``"auto"`` (default): ``"words"`` on CPU, ``"stacked"`` on
         accelerators (:func:`resolve_storage`).
-      pool_dtype: What typed pools hold: ``"native"`` (the cache dtype) or
+      pool_dtype: What typed pools hold: ``"element"`` (the cache dtype) or
         ``"bits"`` (unsigned integers of its width; XLA:CPU scatters narrow
         floats through float32 over the whole pool). ``"auto"`` (default):
         bits for floats narrower than 4 bytes on CPU, native otherwise.
@@ -140,7 +140,7 @@ def _build_plan(
     groups, info, sizes = init_attn_backend(
         kv, runner_config, maps_slot_mapping=maps_slot_mapping
     )
-    pools, views = pool_layout(
+    pools, views = planned_pools(
         kv, runner_config, sizes, groups, storage=storage, pool_dtype=pool_dtype
     )
     bound = bind_kv_caches(

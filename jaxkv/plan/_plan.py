@@ -77,7 +77,7 @@ class KVCachePlan:
       views: Every cached layer's view (KV-sharing layers alias their target's).
       storage: How pools are stored (resolved: ``"words"``, ``"typed"`` or
         ``"stacked"``; see :func:`make_plan`).
-      pool_dtype: ``"native"`` or ``"bits"`` (typed pools of narrow floats).
+      pool_dtype: ``"element"`` or ``"bits"`` (typed pools of narrow floats).
 
     Example:
       >>> import jaxkv

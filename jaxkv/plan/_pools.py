@@ -24,7 +24,7 @@ from jaxkv.plan._storage import (
 from jaxkv.plan._views import KVCacheView, LayerView, MambaView
 
 STORAGES = ("auto", "words", "typed", "stacked")
-POOL_DTYPES = ("auto", "native", "bits")
+POOL_DTYPES = ("auto", "element", "bits")
 
 
 @jax.tree_util.register_static
@@ -116,7 +116,7 @@ def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
     integer ones; every seed layout) and ``"stacked"`` elsewhere (typed,
     layer-stacked pools: what kernels and layer scans read).
     ``pool_dtype="auto"`` is ``"bits"`` on CPU (XLA:CPU converts narrow-float
-    scatters through float32 over the whole pool) and ``"native"`` elsewhere;
+    scatters through float32 over the whole pool) and ``"element"`` elsewhere;
     on CPU it applies to floats narrower than 4 bytes only.
 
     Raises:
@@ -125,11 +125,11 @@ def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
     Example:
       >>> import jax, jaxkv
       >>> want = {"cpu": ("words", "bits")}.get(jax.default_backend(),
-      ...                                       ("stacked", "native"))
+      ...                                       ("stacked", "element"))
       >>> jaxkv.plan.resolve_storage("auto", "auto") == want
       True
-      >>> jaxkv.plan.resolve_storage("typed", "native")
-      ('typed', 'native')
+      >>> jaxkv.plan.resolve_storage("typed", "element")
+      ('typed', 'element')
     """
     if storage not in STORAGES:
         raise ValueError(f"storage={storage!r}, expected one of {STORAGES}.")
@@ -139,12 +139,12 @@ def resolve_storage(storage: str, pool_dtype: str) -> tuple[str, str]:
     if storage == "auto":
         storage = "words" if cpu else "stacked"
     if pool_dtype == "auto":
-        pool_dtype = "bits" if cpu else "native"
+        pool_dtype = "bits" if cpu else "element"
     return storage, pool_dtype
 
 
 def _stores_bits(dtype: np.dtype, pool_dtype: str) -> bool:
-    if pool_dtype == "native":
+    if pool_dtype == "element":
         return False
     if jax.default_backend() != "cpu":
         return True
@@ -184,15 +184,15 @@ def _signature(view: KVCacheView) -> tuple[Any, ...]:
     return (view.shape, view.strides, view.dtype, view.axes, view.head_size)
 
 
-class PoolLayout(NamedTuple):
-    """What :func:`pool_layout` and :func:`plan_pools` return.
+class PlannedPools(NamedTuple):
+    """What :func:`planned_pools` and :func:`plan_pools` return.
 
     Example:
       >>> import jaxkv
       >>> cfg = jaxkv.tiny_hybrid_config()
       >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
       >>> groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> jaxkv.plan.pool_layout(kv, cfg, sizes, groups).pools[0].size_bytes
+      >>> jaxkv.plan.planned_pools(kv, cfg, sizes, groups).pools[0].size_bytes
       65536
     """
 
@@ -211,7 +211,7 @@ def plan_pools(
     storage: str = "words",
     pool_dtype: str = "auto",
     max_flat_words: int = 2**31,
-) -> PoolLayout:
+) -> PlannedPools:
     """Chooses each pool's storage and stamps it on the views.
 
     A word pool's word is the widest of 4, 2, 1 bytes dividing the pool size
@@ -296,7 +296,7 @@ def plan_pools(
                 view, new, words[view.pool], layer, sizes[view.pool]
             )
         out[name] = stamped[id(view)]
-    return PoolLayout(pools=tuple(pools), views=out)
+    return PlannedPools(pools=tuple(pools), views=out)
 
 
 def _typed_pool(view: KVCacheView, dtype: np.dtype, pool_dtype: str) -> dict[str, Any]:

@@ -430,10 +430,10 @@ class ServingLoop:
         for i, inputs in enumerate(todo):
             if progress is not None and i:
                 progress(i, len(todo))
-            seeds = self._abstract_seeds((*ranks, inputs.layout.num_samples), rows)
+            seeds = self._abstract_seeds((*ranks, inputs.capacity.num_samples), rows)
             self.programs.compile(inputs.program, pools, params, inputs, seeds, prev)
         for key, inputs in self._decode_inputs().items():
-            seeds = self._abstract_seeds((inputs.layout.num_samples,), rows)
+            seeds = self._abstract_seeds((inputs.capacity.num_samples,), rows)
             self.decode_programs.compile(key, pools, params, inputs, seeds, prev)
         for sched in self.schedulers:  # the ranks share the programs
             if sched.manager.host is not None:
@@ -468,7 +468,7 @@ class ServingLoop:
             inputs = self.builder.prepare(arrays, validate=False)
             key = self._decode_key(inputs)
             if key not in out:
-                shape = (self.decode_steps, inputs.layout.size)
+                shape = (self.decode_steps, inputs.capacity.size)
                 out[key] = dataclasses.replace(
                     jax.tree.map(
                         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
@@ -693,7 +693,7 @@ class ServingLoop:
             inputs = self.builder.prepare(steps[0])
         else:
             inputs = self.builder.prepare_ranks(steps)
-        seeds = self._seeds(steps, inputs.layout.num_samples)
+        seeds = self._seeds(steps, inputs.capacity.num_samples)
         if self.sharded is None:
             seeds = jax.tree.map(lambda x: x[0], seeds)
         else:
@@ -762,7 +762,7 @@ class ServingLoop:
         inputs = decode_step_inputs(
             first, num_reqs=step.num_reqs, step_slots=step.step_slots or []
         )
-        seeds = self._seeds([step], first.layout.num_samples)
+        seeds = self._seeds([step], first.capacity.num_samples)
         seeds = jax.tree.map(lambda x: x[0], seeds)
         self._flush_host_tiers()
         self.pools, tokens, logits, last = self.decode_programs(

@@ -31,7 +31,7 @@ from jaxkv.step._fast_prefill import (
     FastPrefillHelper,
     stage_logits_indices,
 )
-from jaxkv.step._packing import StepFields, StepLayout, pack_step, unpack_step
+from jaxkv.step._packing import StepCapacity, StepFields, pack_step, unpack_step
 from jaxkv.step._programs import Programs
 from jaxkv.step._reduced_metadata import (
     make_kv_sharing_fast_prefill_common_attn_metadata,
@@ -53,9 +53,9 @@ __all__ = [
     "FastPrefillHelper",
     "Programs",
     "StepArrays",
+    "StepCapacity",
     "StepFields",
     "StepInputs",
-    "StepLayout",
     "StepMetadataBuilder",
     "build_attn_metadata",
     "build_attn_metadata_from_step",

@@ -70,12 +70,12 @@ def build_attn_metadata_from_step(
       >>> cfg = jaxkv.tiny_hybrid_config(kv_sharing_fast_prefill=False)
       >>> kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
       >>> groups, _, _ = jaxkv.vllm.init_attn_backend(kv, cfg)
-      >>> layout = jaxkv.step.StepLayout(max_reqs=2, max_tokens=8,
+      >>> capacity = jaxkv.step.StepCapacity(max_reqs=2, max_tokens=8,
       ...                           block_table_widths=(1,) * 3)
-      >>> packed = jaxkv.step.pack_step(layout, query_start_loc=np.array([0, 3]),
+      >>> packed = jaxkv.step.pack_step(capacity, query_start_loc=np.array([0, 3]),
       ...     seq_lens=np.array([3]), positions=np.arange(3),
       ...     block_tables=[np.array([[1]])] * 3, slot_mappings=[np.arange(32, 35)] * 3)
-      >>> fields = jaxkv.step.unpack_step(jnp.asarray(packed), layout)
+      >>> fields = jaxkv.step.unpack_step(jnp.asarray(packed), capacity)
       >>> meta = jaxkv.step.build_attn_metadata_from_step(groups, fields, kv)
       >>> meta["layers.1.self_attn"].slot_mapping.tolist()
       [32, 33, 34, -1, -1, -1, -1, -1]

@@ -17,7 +17,7 @@ from jaxkv._util import check_positive_int
 class CompileMode(enum.Enum):
     """How a step runs: the counterpart of vLLM's ``CUDAGraphMode``.
 
-    ``FULL``: the whole step is one executable whose attention metadata layout
+    ``FULL``: the whole step is one executable whose attention metadata capacity
     is fixed by the bucket. ``PIECEWISE``: the step is bucketed but attention
     planning may vary (the fast-prefill branch is only taken here). ``NONE``:
     no bucket (before warm-up, or a batch above the largest bucket).

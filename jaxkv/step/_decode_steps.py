@@ -33,26 +33,26 @@ def decode_step_inputs(
       step_slots: Per KV-cache group ``(num_steps, num_reqs)`` slots.
 
     Returns:
-      The inputs with a ``(num_steps, layout.size)`` packed buffer.
+      The inputs with a ``(num_steps, capacity.size)`` packed buffer.
 
     Raises:
       ValueError: If the slots are not one ``(num_steps, num_reqs)`` array per
-        group of the layout, or the layout packs no model inputs.
+        group of the capacity, or the capacity packs no model inputs.
 
     Example:
       >>> import numpy as np
       >>> import jaxkv
-      >>> from jaxkv.step import StepLayout, pack_step, decode_step_inputs
-      >>> layout = StepLayout(max_reqs=2, max_tokens=2, block_table_widths=(2,),
+      >>> from jaxkv.step import StepCapacity, pack_step, decode_step_inputs
+      >>> capacity = StepCapacity(max_reqs=2, max_tokens=2, block_table_widths=(2,),
       ...                     num_samples=2)
-      >>> packed = pack_step(layout, query_start_loc=np.array([0, 1]),
+      >>> packed = pack_step(capacity, query_start_loc=np.array([0, 1]),
       ...     seq_lens=np.array([5]), positions=np.array([4]),
       ...     block_tables=[np.array([[1, 2]])], slot_mappings=[np.array([20])],
       ...     token_ids=np.array([9]), sample_idx=np.array([0]))
-      >>> inputs = jaxkv.StepInputs(packed=packed, fast_prefill=None, layout=layout)
+      >>> inputs = jaxkv.StepInputs(packed=packed, fast_prefill=None, capacity=capacity)
       >>> out = decode_step_inputs(inputs, num_reqs=1,
       ...                          step_slots=[np.array([[20], [21], [-1]])])
-      >>> off = layout.offsets()
+      >>> off = capacity.offsets()
       >>> [int(row[off["positions"][0]]) for row in out.packed]
       [4, 5, 6]
       >>> [int(row[off["token_ids"][0]]) for row in out.packed]
@@ -61,16 +61,16 @@ def decode_step_inputs(
       ...  for row in out.packed]  # the longest context grows with the rest
       [(5, 5), (6, 6), (7, 7)]
     """  # noqa: D205
-    layout = inputs.layout
-    groups = len(layout.block_table_widths)
-    if not layout.num_samples:
+    capacity = inputs.capacity
+    groups = len(capacity.block_table_widths)
+    if not capacity.num_samples:
         raise ValueError(
-            "decode_step_inputs: the layout packs no model inputs (a builder made "
+            "decode_step_inputs: the capacity packs no model inputs (a builder made "
             "with model_inputs=True)."
         )
     if len(step_slots) != groups:
         raise ValueError(
-            f"decode_step_inputs: {len(step_slots)} slot arrays for the layout's "
+            f"decode_step_inputs: {len(step_slots)} slot arrays for the capacity's "
             f"{groups} KV-cache groups."
         )
     num_steps = int(np.shape(step_slots[0])[0]) if groups else 1
@@ -81,12 +81,12 @@ def decode_step_inputs(
                 f"expected ({num_steps}, {num_reqs})."
             )
     first = np.asarray(inputs.packed)
-    if first.shape != (layout.size,):
+    if first.shape != (capacity.size,):
         raise ValueError(
             f"decode_step_inputs: inputs.packed.shape={first.shape}, expected one "
-            f"step's ({layout.size},)."
+            f"step's ({capacity.size},)."
         )
-    off = layout.offsets()
+    off = capacity.offsets()
     packed = np.repeat(first[None], num_steps, axis=0)
     ahead = np.arange(num_steps, dtype=np.int32)[:, None]
     n = num_reqs

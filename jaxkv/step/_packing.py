@@ -14,7 +14,7 @@ import numpy as np
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepLayout:
+class StepCapacity:
     """Capacities of a step and where each host field sits in the packed buffer.
 
     One int32 host buffer holds every per-step field of every group, so a step
@@ -30,9 +30,9 @@ class StepLayout:
 
     Example:
       >>> import jaxkv
-      >>> from jaxkv.step import StepLayout
-      >>> layout = StepLayout(max_reqs=4, max_tokens=8, block_table_widths=(2,))
-      >>> layout.size
+      >>> from jaxkv.step import StepCapacity
+      >>> capacity = StepCapacity(max_reqs=4, max_tokens=8, block_table_widths=(2,))
+      >>> capacity.size
       61
     """
 
@@ -87,7 +87,7 @@ class StepLayout:
 
 
 def pack_step(
-    layout: StepLayout,
+    capacity: StepCapacity,
     *,
     query_start_loc: np.ndarray,
     seq_lens: np.ndarray,
@@ -109,7 +109,7 @@ def pack_step(
     block tables with the null block ``0``.
 
     Args:
-      layout: The capacities.
+      capacity: The capacities.
       query_start_loc: ``(num_reqs + 1,)`` cumulative query lengths.
       seq_lens: ``(num_reqs,)`` context lengths after this step.
       positions: ``(num_tokens,)`` token positions.
@@ -121,9 +121,9 @@ def pack_step(
         :func:`compute_mm_prefix_ranges`.
       request_causal: ``(num_reqs,)`` bools, ``False`` for a request that
         attends to its whole context (default all ``True``).
-      token_ids: ``(num_tokens,)`` model inputs (layouts with ``num_samples``).
+      token_ids: ``(num_tokens,)`` model inputs (capacities with ``num_samples``).
       sample_idx: Token indices whose logits are sampled; padded with the last.
-      out: A preallocated buffer of ``layout.size`` int32 to fill (reused across
+      out: A preallocated buffer of ``capacity.size`` int32 to fill (reused across
         steps to avoid allocation).
 
     Returns:
@@ -135,22 +135,21 @@ def pack_step(
     qsl = np.asarray(query_start_loc, np.int64)
     num_reqs = qsl.size - 1
     num_tokens = int(qsl[-1])
-    if num_reqs > layout.max_reqs or num_tokens > layout.max_tokens:
+    if num_reqs > capacity.max_reqs or num_tokens > capacity.max_tokens:
         raise ValueError(
             f"A step of {num_reqs} requests and {num_tokens} tokens does not fit the "
-            f"layout's capacity ({layout.max_reqs} requests, "
-            f"{layout.max_tokens} tokens)."
+            f"step's capacity ({capacity.max_reqs} requests, "
+            f"{capacity.max_tokens} tokens)."
         )
-    if len(block_tables) != len(layout.block_table_widths) or len(slot_mappings) != len(
-        layout.block_table_widths
-    ):
+    groups = len(capacity.block_table_widths)
+    if len(block_tables) != groups or len(slot_mappings) != groups:
         raise ValueError(
-            f"Expected {len(layout.block_table_widths)} block tables and slot mappings "
+            f"Expected {groups} block tables and slot mappings "
             f"(one per KV-cache group), got {len(block_tables)} and "
             f"{len(slot_mappings)}."
         )
-    buf = np.zeros(layout.size, np.int32) if out is None else out
-    offs = layout.offsets()
+    buf = np.zeros(capacity.size, np.int32) if out is None else out
+    offs = capacity.offsets()
 
     def put(name: str, values: np.ndarray, fill: int = 0) -> None:
         off, shape = offs[name]
@@ -172,12 +171,12 @@ def pack_step(
     put("is_prefilling", q_lens > 1 if is_prefilling is None else is_prefilling)
     # Padding tokens belong to no request: max_reqs, what the searchsorted
     # of build_attn_metadata gives over the padded query_start_loc.
-    put("token_to_req", np.repeat(np.arange(num_reqs), q_lens), fill=layout.max_reqs)
+    put("token_to_req", np.repeat(np.arange(num_reqs), q_lens), fill=capacity.max_reqs)
     put(
         "encoder_seq_lens",
         np.zeros(num_reqs) if encoder_seq_lens is None else encoder_seq_lens,
     )
-    ranges, counts = _mm_ranges(layout, num_reqs, mm_prefix_ranges or {})
+    ranges, counts = _mm_ranges(capacity, num_reqs, mm_prefix_ranges or {})
     put("mm_prefix_ranges", ranges)
     put("mm_num_ranges", counts)
     put(
@@ -188,7 +187,7 @@ def pack_step(
     for g, (table, slots) in enumerate(zip(block_tables, slot_mappings, strict=True)):
         put(f"block_table.{g}", table)
         put(f"slot_mapping.{g}", slots, fill=-1)
-    if layout.num_samples:
+    if capacity.num_samples:
         put("token_ids", np.zeros(0, np.int32) if token_ids is None else token_ids)
         samples = (
             np.zeros(0, np.int32) if sample_idx is None else np.asarray(sample_idx)
@@ -198,18 +197,18 @@ def pack_step(
 
 
 def _mm_ranges(
-    layout: StepLayout,
+    capacity: StepCapacity,
     num_reqs: int,
     mm_prefix_ranges: Mapping[int, Sequence[tuple[int, int]]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ranges (num_reqs, max_mm_ranges, 2), counts (num_reqs,))``."""
-    ranges = np.zeros((num_reqs, layout.max_mm_ranges, 2), np.int32)
+    ranges = np.zeros((num_reqs, capacity.max_mm_ranges, 2), np.int32)
     counts = np.zeros(num_reqs, np.int32)
     for req, rs in mm_prefix_ranges.items():
-        if len(rs) > layout.max_mm_ranges:
+        if len(rs) > capacity.max_mm_ranges:
             raise ValueError(
-                f"Request {req} has {len(rs)} multimodal ranges; the layout holds "
-                f"{layout.max_mm_ranges}."
+                f"Request {req} has {len(rs)} multimodal ranges; the capacity holds "
+                f"{capacity.max_mm_ranges}."
             )
         counts[req] = len(rs)
         if rs:
@@ -244,7 +243,7 @@ def _mm_ranges(
 class StepFields:
     """One step's fields on the device, by name: what :func:`unpack_step` gives.
 
-    A pytree of arrays sized by the :class:`StepLayout` (padding included);
+    A pytree of arrays sized by the :class:`StepCapacity` (padding included);
     :func:`build_attn_metadata_from_step` turns it into every layer's
     metadata. Counts are int32 scalars; ``is_prefilling`` and
     ``request_causal`` are booleans.
@@ -271,12 +270,12 @@ class StepFields:
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
-      >>> from jaxkv.step import StepLayout, pack_step, unpack_step
-      >>> layout = StepLayout(max_reqs=2, max_tokens=4, block_table_widths=(1,))
-      >>> packed = pack_step(layout, query_start_loc=np.array([0, 3]),
+      >>> from jaxkv.step import StepCapacity, pack_step, unpack_step
+      >>> capacity = StepCapacity(max_reqs=2, max_tokens=4, block_table_widths=(1,))
+      >>> packed = pack_step(capacity, query_start_loc=np.array([0, 3]),
       ...     seq_lens=np.array([3]), positions=np.arange(3),
       ...     block_tables=[np.array([[1]])], slot_mappings=[np.arange(3)])
-      >>> f = unpack_step(jnp.asarray(packed), layout)
+      >>> f = unpack_step(jnp.asarray(packed), capacity)
       >>> int(f.num_tokens), f.slot_mappings[0].tolist(), f.is_prefilling.tolist()
       (3, [0, 1, 2, -1], [True, False])
     """
@@ -301,13 +300,13 @@ class StepFields:
 
     @classmethod
     def of_layout_fields(
-        cls, arrays: Mapping[str, jax.Array], layout: StepLayout
+        cls, arrays: Mapping[str, jax.Array], capacity: StepCapacity
     ) -> StepFields:
-        """The record of arrays named as :meth:`StepLayout.fields` names them
+        """The record of arrays named as :meth:`StepCapacity.fields` names them
         (``"block_table.0"``, ...), each of its field's shape.
         """  # noqa: D205
         raw = dict(arrays)
-        groups = range(len(layout.block_table_widths))
+        groups = range(len(capacity.block_table_widths))
         return cls(
             block_tables=tuple(raw.pop(f"block_table.{g}") for g in groups),
             slot_mappings=tuple(raw.pop(f"slot_mapping.{g}") for g in groups),
@@ -317,7 +316,7 @@ class StepFields:
         )
 
 
-def unpack_step(packed: jax.Array, layout: StepLayout) -> StepFields:
+def unpack_step(packed: jax.Array, capacity: StepCapacity) -> StepFields:
     """Slices a packed step buffer into its named fields (jittable; static slices).
 
     Empty fields (no multimodal ranges, say) are fresh zero-size arrays, not
@@ -325,11 +324,11 @@ def unpack_step(packed: jax.Array, layout: StepLayout) -> StepFields:
     axis, JAX refuses to reshape a zero-size sharded slice.
     """
     raw = {}
-    for name, (off, shape) in layout.offsets().items():
+    for name, (off, shape) in capacity.offsets().items():
         size = math.prod(shape)
         raw[name] = (
             packed[off : off + size].reshape(shape)
             if size
             else jnp.zeros(shape, packed.dtype)
         )
-    return StepFields.of_layout_fields(raw, layout)
+    return StepFields.of_layout_fields(raw, capacity)

@@ -12,7 +12,7 @@ class Programs:
     """Compiles a function ahead of time per program and runs the right one.
 
     A *program* is a hashable key that determines the compiled code: for a step,
-    its packed layout and fast-prefill padding (two buckets that give the same
+    its packed capacity and fast-prefill padding (two buckets that give the same
     program share one executable). :meth:`compile` lowers and compiles from
     ``jax.ShapeDtypeStruct`` arguments, allocating nothing; :meth:`__call__`
     runs the compiled executable of a key, or falls back to ``jax.jit`` (which

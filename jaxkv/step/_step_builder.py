@@ -29,7 +29,7 @@ from jaxkv.step._attn_metadata import build_attn_metadata_from_step
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode
 from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._fast_prefill import FastPrefillBatchMetadata, FastPrefillHelper
-from jaxkv.step._packing import StepLayout, pack_step, unpack_step
+from jaxkv.step._packing import StepCapacity, pack_step, unpack_step
 from jaxkv.step._programs import Programs
 from jaxkv.step._step_inputs import StepArrays, StepInputs
 from jaxkv.step._validate import validate_step
@@ -176,7 +176,7 @@ class StepMetadataBuilder:
         """
         return build_attn_metadata_from_step(
             self.plan.attn_groups,
-            unpack_step(inputs.packed, inputs.layout),
+            unpack_step(inputs.packed, inputs.capacity),
             self.plan.kv_cache_config,
             causal=self.causal,
             fast_prefill=inputs.fast_prefill,
@@ -196,8 +196,8 @@ class StepMetadataBuilder:
                 "StepMetadataBuilder.model_inputs_of: the builder packs no model "
                 "inputs; make it with model_inputs=True."
             )
-        fields = unpack_step(inputs.packed, inputs.layout)
-        # model_inputs=True layouts hold both (num_samples > 0).
+        fields = unpack_step(inputs.packed, inputs.capacity)
+        # model_inputs=True capacities hold both (num_samples > 0).
         token_ids = cast(jax.Array, fields.token_ids)
         sample = (
             cast(jax.Array, fields.sample_idx)
@@ -230,7 +230,7 @@ class StepMetadataBuilder:
                 else [0]
             )
             for p in samples:
-                layout = self.layout(desc, p)
+                capacity = self.capacity(desc, p)
                 paddings: list[int | None] = [None]
                 if helper is not None and desc.cg_mode == CompileMode.PIECEWISE:
                     # Model inputs: the sampled tokens are the staged indices.
@@ -241,11 +241,11 @@ class StepMetadataBuilder:
                     )
                 for q in paddings:
                     inputs = StepInputs(
-                        packed=_abstract((layout.size,), self.rows, self.num_ranks),
+                        packed=_abstract((capacity.size,), self.rows, self.num_ranks),
                         fast_prefill=None
                         if q is None
                         else _abstract_fast_prefill(q, self.rows, self.num_ranks),
-                        layout=layout,
+                        capacity=capacity,
                     )
                     out.setdefault(inputs.program, inputs)
         return list(out.values())
@@ -286,9 +286,9 @@ class StepMetadataBuilder:
                 out[name] = record
         return out
 
-    def layout(self, desc: BatchDescriptor, num_samples: int = 0) -> StepLayout:
-        """The packed layout of a descriptor's capacities."""
-        return StepLayout(
+    def capacity(self, desc: BatchDescriptor, num_samples: int = 0) -> StepCapacity:
+        """The step capacity a bucket descriptor gives (what its buffer holds)."""
+        return StepCapacity(
             max_reqs=desc.num_reqs,
             max_tokens=desc.num_tokens,
             block_table_widths=self.plan.block_table_widths,
@@ -391,11 +391,11 @@ class StepMetadataBuilder:
         n = 0 if arrays.logits_indices is None else len(arrays.logits_indices)
         if fp is not None:
             num_samples = int(fp.logits_indices_padded.shape[0])
-        layout = self.layout(desc, self._num_samples(n, num_samples, desc))
+        capacity = self.capacity(desc, self._num_samples(n, num_samples, desc))
         return StepInputs(
-            packed=cast(Any, self._pack(layout, arrays)),
+            packed=cast(Any, self._pack(capacity, arrays)),
             fast_prefill=fp,
-            layout=layout,
+            capacity=capacity,
             desc=desc,
             query_start_loc_cpu=np.asarray(arrays.query_start_loc),
             cu_num_logits_cpu=None if fp is None else np.asarray(arrays.cu_num_logits),
@@ -463,12 +463,12 @@ class StepMetadataBuilder:
                 batch_desc=desc,
                 padding=padding,
             )
-        layout = self.layout(desc, num_samples)
-        packed = np.stack([self._pack(layout, a) for a in steps])
+        capacity = self.capacity(desc, num_samples)
+        packed = np.stack([self._pack(capacity, a) for a in steps])
         return StepInputs(
             packed=jax.device_put(packed, self.rows),
             fast_prefill=fp,
-            layout=layout,
+            capacity=capacity,
             desc=desc,
         )
 
@@ -503,12 +503,12 @@ class StepMetadataBuilder:
             uniform_token_count=uniform,
         )
 
-    def _pack(self, layout: StepLayout, arrays: StepArrays) -> np.ndarray:
+    def _pack(self, capacity: StepCapacity, arrays: StepArrays) -> np.ndarray:
         # A fresh buffer per step: on CPU a transferred NumPy array may be
         # aliased zero-copy, so a reused buffer could change a step in flight.
         li = arrays.logits_indices
         return pack_step(
-            layout,
+            capacity,
             query_start_loc=np.asarray(arrays.query_start_loc),
             seq_lens=arrays.seq_lens,
             positions=arrays.positions,
@@ -520,7 +520,7 @@ class StepMetadataBuilder:
             request_causal=arrays.request_causal,
             token_ids=arrays.token_ids,
             sample_idx=np.zeros(0, np.int32) if li is None else li,
-            out=np.empty(layout.size, np.int32),
+            out=np.empty(capacity.size, np.int32),
         )
 
     def _num_samples(

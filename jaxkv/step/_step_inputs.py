@@ -17,7 +17,7 @@ from jaxtyping import Array, Int
 from jaxkv._util import host_field, pytree_dataclass, static_field
 from jaxkv.step._buckets import BatchDescriptor
 from jaxkv.step._fast_prefill import FastPrefillBatchMetadata
-from jaxkv.step._packing import StepLayout
+from jaxkv.step._packing import StepCapacity
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -90,7 +90,7 @@ class StepInputs:
     """The device inputs of one step: the argument of a jitted step function.
 
     Its leaves are the packed buffer and the staged fast-prefill indices; its
-    layout is static (it picks the compiled program); the bucket and the host
+    capacity is static (it picks the compiled program); the bucket and the host
     copies ride along outside the leaves (``None`` inside jit).
 
     On a builder of ``R`` data-parallel ranks (:meth:`StepMetadataBuilder.
@@ -98,9 +98,9 @@ class StepInputs:
     axis; inside ``shard_map`` :meth:`local` is the rank's own step.
 
     Attributes:
-      packed: ``(layout.size,)`` int32, every per-step field of every group.
+      packed: ``(capacity.size,)`` int32, every per-step field of every group.
       fast_prefill: Staged fast-prefill inputs, or ``None`` when not armed.
-      layout: Capacities and field offsets (static).
+      capacity: Capacities and field offsets (static).
       desc: The bucket the step was dispatched to (host only).
       query_start_loc_cpu: Host copy of the (unpadded) query start locations
         (one rank's step only).
@@ -111,27 +111,27 @@ class StepInputs:
     Example:
       >>> import numpy as np
       >>> import jaxkv
-      >>> from jaxkv.step import StepLayout
-      >>> layout = StepLayout(max_reqs=2, max_tokens=4, block_table_widths=(1,))
-      >>> inputs = jaxkv.StepInputs(packed=np.zeros(layout.size, np.int32),
-      ...                           fast_prefill=None, layout=layout)
-      >>> inputs.program == (layout, None)
+      >>> from jaxkv.step import StepCapacity
+      >>> capacity = StepCapacity(max_reqs=2, max_tokens=4, block_table_widths=(1,))
+      >>> inputs = jaxkv.StepInputs(packed=np.zeros(capacity.size, np.int32),
+      ...                           fast_prefill=None, capacity=capacity)
+      >>> inputs.program == (capacity, None)
       True
     """
 
     packed: Int[Array, " size"]
     fast_prefill: FastPrefillBatchMetadata | None
-    layout: StepLayout = static_field()
+    capacity: StepCapacity = static_field()
     desc: BatchDescriptor | None = host_field()
     query_start_loc_cpu: np.ndarray | None = host_field()
     cu_num_logits_cpu: np.ndarray | None = host_field()
 
     @property
-    def program(self) -> tuple[StepLayout, int | None]:
-        """What determines the compiled code: the layout and fast-prefill padding."""
+    def program(self) -> tuple[StepCapacity, int | None]:
+        """What determines the compiled code: the capacity and fast-prefill padding."""
         fp = self.fast_prefill
         return (
-            self.layout,
+            self.capacity,
             None if fp is None else int(fp.logits_indices_padded.shape[-1]),
         )
 
@@ -143,11 +143,11 @@ class StepInputs:
         Example:
           >>> import numpy as np
           >>> import jaxkv
-          >>> from jaxkv.step import StepLayout
-          >>> layout = StepLayout(max_reqs=1, max_tokens=2, block_table_widths=(1,))
-          >>> rows = jaxkv.StepInputs(packed=np.zeros((1, layout.size), np.int32),
-          ...                         fast_prefill=None, layout=layout)
-          >>> rows.local().packed.shape == (layout.size,)
+          >>> from jaxkv.step import StepCapacity
+          >>> capacity = StepCapacity(max_reqs=1, max_tokens=2, block_table_widths=(1,))
+          >>> rows = jaxkv.StepInputs(packed=np.zeros((1, capacity.size), np.int32),
+          ...                         fast_prefill=None, capacity=capacity)
+          >>> rows.local().packed.shape == (capacity.size,)
           True
         """  # noqa: D205
         row: Any = jax.tree.map(lambda x: x[0], self)
