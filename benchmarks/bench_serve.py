@@ -155,7 +155,7 @@ def run(args: Any) -> dict[str, Any]:
         """Median wall time of a steady decode step and median device time of
         the steps they dispatched.
         """  # noqa: D205
-        loop.overlap = overlap
+        loop.set_overlap(overlap)
         loop.reset()
         reqs = requests()
         for r in reqs:
@@ -194,7 +194,7 @@ def run(args: Any) -> dict[str, Any]:
         the device's time for the same blocks, per iteration. With overlap,
         each block is dispatched before the one in flight is read.
         """  # noqa: D205
-        multi.overlap = overlap
+        multi.set_overlap(overlap)
         multi.reset()
         reqs = requests()
         for r in reqs:

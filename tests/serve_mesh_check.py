@@ -177,7 +177,7 @@ def check(arg, want, want_logits):
             {"enable_prefix_caching": True},
         ]
         for reset in resets:
-            loop.overlap = overlap
+            loop.set_overlap(overlap)
             loop.reset(**reset)
             with jaxkv.count_compilations() as compiles:
                 reqs = loop.run(requests())

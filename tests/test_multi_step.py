@@ -386,7 +386,7 @@ def test_overlap_may_change_between_any_two_steps(model, decode_steps):
     flips_seen_in_flight = 0
     for first, second in [(1, 3), (2, 4), (3, 7), (5, 6)]:
         loop.reset()
-        loop.overlap = True
+        loop.set_overlap(True)
         outs = []
         for seed in (3, 4):
             reqs = _requests(shared=16, seed=seed, new=11)
@@ -396,7 +396,7 @@ def test_overlap_may_change_between_any_two_steps(model, decode_steps):
             while loop.has_unfinished:
                 if n in (first, second):
                     flips_seen_in_flight += bool(loop._pipeline)
-                    loop.overlap = not loop.overlap
+                    loop.set_overlap(not loop.overlap)
                 loop.step()
                 n += 1
             outs += [list(r.output) for r in reqs]
@@ -414,7 +414,7 @@ def test_overlap_cannot_change_from_on_token_inside_run(model):
     base = [list(r.output) for r in loop.run(_requests(seed=3))]
 
     def flip(req, token):
-        loop.overlap = False
+        loop.set_overlap(False)
 
     loop.reset()
     reqs = _requests(seed=3)

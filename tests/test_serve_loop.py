@@ -268,7 +268,7 @@ def test_tokens_stream_as_they_are_sampled(served):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overlap):
     loop = served["loop"]
-    loop.overlap = overlap
+    loop.set_overlap(overlap)
     loop.reset()
     # Without overlap update() applies a step; with it resolve() does.
     method = "resolve" if overlap else "update"
@@ -289,7 +289,7 @@ def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overla
         assert loop.resume() == "applied"
         loop.run()
     finally:
-        loop.overlap = True
+        loop.set_overlap(True)
     assert [r.output for r in requests] == [r.output for r in served["requests"]]
 
 
@@ -335,7 +335,7 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
     stops = tuple({r.output[2] for r in served["requests"]})  # hit mid-run
 
     def serve(overlap, **reset):
-        loop.overlap = overlap
+        loop.set_overlap(overlap)
         loop.reset(**reset)
         reqs = _requests(shared=16, seed=3, new=9)
         for r in reqs:
@@ -364,7 +364,7 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
                     np.stack(ahead_logits[k]), np.stack(sync_logits[k]), atol=1e-5
                 )
     finally:
-        loop.overlap = True
+        loop.set_overlap(True)
 
 
 def test_bad_arguments_are_named():

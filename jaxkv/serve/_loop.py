@@ -286,9 +286,15 @@ class ServingLoop:
 
     @property
     def overlap(self) -> bool:
-        """Whether the next step is scheduled while one runs (see the class).
+        """Whether the next step is scheduled while one runs (see the class);
+        change it with :meth:`set_overlap`.
+        """  # noqa: D205
+        return self._overlap
 
-        May be changed between any two calls (not from ``on_token`` inside
+    def set_overlap(self, value: bool) -> None:
+        """Sets :attr:`overlap`, finishing what is in flight first.
+
+        Allowed between any two calls (not from ``on_token`` inside
         ``run()``: RuntimeError): what is in flight is finished first under
         the mode it was dispatched in (:meth:`resume`: its tokens are
         applied, and requests it finishes are finished), so outputs stay
@@ -315,25 +321,21 @@ class ServingLoop:
           >>> loop.submit(r)
           True
           >>> _ = loop.step()                   # dispatched, not read yet
-          >>> loop.overlap = False              # it is read first
+          >>> loop.set_overlap(False)           # it is read first
           >>> r.output
           [3]
           >>> _ = loop.run()
           >>> r.output
           [3, 3, 3]
         """
-        return self._overlap
-
-    @overlap.setter
-    def overlap(self, value: bool) -> None:
         value = bool(value)
         if value == self._overlap:
             return
         if self._on_token is not None:
             raise RuntimeError(
-                "ServingLoop.overlap: cannot change inside run() (from on_token, "
-                "while a step's tokens are being applied); change it between "
-                "step() calls or runs."
+                "ServingLoop.set_overlap: cannot change inside run() (from "
+                "on_token, while a step's tokens are being applied); change it "
+                "between step() calls or runs."
             )
         self.resume()
         self._overlap = value
