@@ -548,6 +548,10 @@ class Scheduler:
             if token is not None and len(req.output) == outputs:
                 req.output.append(token)
             self.manager.commit(req)
+        return self._close_applied(step, live)
+
+    def _close_applied(self, step: ScheduledStep, live: list[Request]) -> list[Request]:
+        """Finishes the requests of `live` the step completed; marks it applied."""
         finished = [req for req in live if req.finished]
         for req in finished:
             self.finish(req)
@@ -605,12 +609,7 @@ class Scheduler:
             _record(step, k, req, taken)
             self.manager.register_computed(req)
             self.manager.commit(req)
-        finished = [req for req in live if req.finished]
-        for req in finished:
-            self.finish(req)
-        self._applied = step
-        self._applying = None
-        return finished
+        return self._close_applied(step, live)
 
     def advance_decode(self, step: ScheduledStep) -> None:
         """Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
