@@ -48,6 +48,7 @@ from jaxkv.attention import (
     token_requests_and_positions,
 )
 from jaxkv.kv import (
+    copy_blocks,
     gather_kv_pages,
     kernel_cache,
     put_kernel_cache,
@@ -132,6 +133,7 @@ __all__ = [
     "UniformTypeKVCacheSpecs",
     "attention",
     "count_compilations",
+    "copy_blocks",
     "gather_kv_pages",
     "get_backend",
     "groups",

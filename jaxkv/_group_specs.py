@@ -8,7 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from jaxkv._specs import KVCacheSpec, draft_field, spec_dataclass
+from jaxkv._specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    draft_field,
+    spec_dataclass,
+)
 from jaxkv._util import (
     check_positive_int,
 )
@@ -52,6 +59,36 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 )
         # A tuple of pairs keeps the wrapper hashable and ordered.
         object.__setattr__(self, "kv_cache_specs", _FrozenSpecMap(items))
+
+    @classmethod
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
+        """One spec for layers of one attention type and one block size, or None.
+
+        vLLM's ``from_specs``: "one type" means layers that need the same token
+        slots: the same spec class, and for sliding-window and chunked layers
+        the same window or chunk (Mamba layers: the same page).
+
+        Example:
+          >>> import jaxkv
+          >>> kw = dict(block_size=16, num_kv_heads=2, dtype="float32")
+          >>> a = jaxkv.FullAttentionSpec(head_size=64, **kw)
+          >>> b = jaxkv.FullAttentionSpec(head_size=128, **kw)
+          >>> jaxkv.UniformTypeKVCacheSpecs.from_specs({"l1": a, "l2": b}).page_size_bytes
+          49152
+          >>> w = jaxkv.SlidingWindowSpec(head_size=64, sliding_window=1, **kw)
+          >>> jaxkv.UniformTypeKVCacheSpecs.from_specs({"l1": a, "l2": w}) is None
+          True
+        """  # noqa: E501
+        values = list(kv_cache_specs.values())
+        if not values or any(isinstance(s, cls) for s in values):
+            return None
+        if len({s.block_size for s in values}) > 1:
+            return None
+        if len({_type_key(s) for s in values}) > 1:
+            return None
+        return cls(block_size=values[0].block_size, kv_cache_specs=kv_cache_specs)
 
     def for_layer(self, layer_name: str) -> KVCacheSpec:
         """The per-layer spec of `layer_name`."""
@@ -137,6 +174,17 @@ class _FrozenSpecMap(Mapping[str, KVCacheSpec]):
 
     def __repr__(self) -> str:
         return repr(self._dict)
+
+
+def _type_key(spec: KVCacheSpec) -> tuple[object, ...]:
+    """What "one attention type" means for :class:`UniformTypeKVCacheSpecs`."""
+    if isinstance(spec, SlidingWindowSpec):
+        return (type(spec), spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return (type(spec), spec.attention_chunk_size)
+    if not isinstance(spec, AttentionSpec):  # Mamba and raw pages: one page
+        return (type(spec), spec.page_size_bytes)
+    return (type(spec),)
 
 
 def layer_spec(spec: KVCacheSpec, layer_name: str) -> KVCacheSpec:

@@ -1,6 +1,13 @@
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # pictures render headless
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (pytest -n auto): each worker's XLA runs on one
+    # thread, so workers do not contend for the cores.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    ).strip()
 
 import jax
 from hypothesis import settings

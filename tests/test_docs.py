@@ -51,7 +51,15 @@ print("ran", len(blocks))
 """
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)])
+@pytest.mark.parametrize(
+    "page",
+    [
+        # The mesh page starts a JAX of 8 devices (about 10 s): the slow pass.
+        pytest.param(p, marks=pytest.mark.slow) if p in MESH_PAGES else p
+        for p in PAGES
+        if _blocks(p)
+    ],
+)
 def test_every_python_block_runs(page, capsys):
     if page in MESH_PAGES:
         env = {

@@ -9,6 +9,8 @@ import pytest
 from jaxkv.sched._scheduler import MAX_REJECTED_KEPT
 from tests.helpers import load_benchmark
 
+pytestmark = pytest.mark.slow  # 4,500 requests (about 10 s): the slow pass
+
 
 @pytest.mark.parametrize(
     "argv",

@@ -407,24 +407,6 @@ def test_native_by_name_inside_shard_map_on_several_devices():
     assert "shard_map equal: True" in out, out
 
 
-@pytest.mark.slow  # two fresh builds of the library (about 20 s)
-def test_the_library_is_built_once_and_cached(tmp_path):
-    code = """
-        import time
-        from jaxkv import _native
-        t = time.perf_counter()
-        path = _native.build()
-        print(path, time.perf_counter() - t)
-    """
-    first = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
-    second = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
-    assert first[0] == second[0]
-    assert first[0].startswith(str(tmp_path))
-    assert float(second[1]) < 0.5  # found, not compiled again
-    name = os.path.basename(first[0])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".sha256"]
-
-
 _CACHED = """
     import warnings
     from jaxkv import _native
@@ -448,9 +430,25 @@ _CACHED = """
 
 
 @pytest.mark.slow  # three builds of the library (about 20 s each on 2 cores)
-def test_a_truncated_or_foreign_cached_library_never_crashes_a_process(tmp_path):
-    code = "from jaxkv import _native; print(_native.build())"
-    lib = Path(_run(code, JAXKV_CACHE_DIR=str(tmp_path)).strip())
+def test_the_library_is_cached_and_a_truncated_or_foreign_one_never_crashes(tmp_path):
+    """Built once, then found (not compiled again); a truncated cached library
+    or one without its record is rebuilt; a foreign one is refused by name.
+    """  # noqa: D205
+    code = """
+        import time
+        from jaxkv import _native
+        t = time.perf_counter()
+        path = _native.build()
+        print(path, time.perf_counter() - t)
+    """
+    first = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
+    second = _run(code, JAXKV_CACHE_DIR=str(tmp_path)).split()
+    assert first[0] == second[0]
+    assert first[0].startswith(str(tmp_path))
+    assert float(second[1]) < 0.5  # found, not compiled again
+    name = os.path.basename(first[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".sha256"]
+    lib = Path(first[0])
     record = lib.with_name(lib.name + ".sha256")
     good = lib.read_bytes()
     # Truncated (a build cut short, a full disk): loading it would SIGBUS.
@@ -489,6 +487,7 @@ def test_a_truncated_or_foreign_cached_library_never_crashes_a_process(tmp_path)
     assert "default ok" in out, out
 
 
+@pytest.mark.slow  # builds the kernels with AddressSanitizer (10-15 s)
 def test_the_kernel_reads_no_byte_outside_the_pool_or_table_under_asan(tmp_path):
     # tests/native_decode_bounds_check.cc runs rows with page ids outside the
     # pool, key ranges past the table and from before 0 on buffers of exactly

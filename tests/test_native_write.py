@@ -236,6 +236,7 @@ def test_a_vmapped_write_equals_xla():
     assert native.any()
 
 
+@pytest.mark.slow  # builds the kernels with AddressSanitizer (10-15 s)
 def test_the_write_kernel_touches_no_byte_outside_the_pool_under_asan(tmp_path):
     # tests/native_write_bounds_check.cc calls the kernel on a heap block of exactly
     # the pool's bytes with bad layer and token slots; AddressSanitizer aborts

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# Five notebooks end to end (about 17 s): the slow pass; the library paths they
+# run are the unit tests' too.
+pytestmark = pytest.mark.slow
+
 NOTEBOOKS = sorted(
     (Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")
 )

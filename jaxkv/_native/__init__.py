@@ -151,10 +151,11 @@ def build() -> Path:
         fd, tmp_record = tempfile.mkstemp(dir=out_dir, suffix=".sha256.tmp")
         with os.fdopen(fd, "w") as f:
             f.write(record)
-        # The library first, then its record: a reader in between finds no
-        # matching record and rebuilds rather than loading it.
-        os.replace(tmp, lib)
+        # The record first, then the library: a reader in between finds no
+        # library and builds its own (processes building at once, test
+        # workers among them, never see a library without its record).
         os.replace(tmp_record, _record_of(lib))
+        os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -24,10 +24,17 @@ from jaxkv.plan._bind import (
     build_slot_mappings_by_layer,
     local_attention,
 )
+from jaxkv.plan._capacity import (
+    get_max_concurrency_for_kv_cache_config,
+    max_memory_usage_bytes,
+)
 from jaxkv.plan._grouping import (
     HybridBlockAlignment,
     align_hybrid_block_size,
+    get_kv_cache_groups,
+    is_kv_cache_spec_uniform,
     make_kv_cache_config,
+    merge_specs,
     unify_page_sizes,
 )
 from jaxkv.plan._layer_views import (
@@ -106,6 +113,9 @@ __all__ = [
     "ShardedPlan",
     "TensorLayout",
     "align_hybrid_block_size",
+    "get_kv_cache_groups",
+    "get_max_concurrency_for_kv_cache_config",
+    "is_kv_cache_spec_uniform",
     "allocate_layer_tensors",
     "allocate_pools",
     "bind_kv_caches",
@@ -124,6 +134,8 @@ __all__ = [
     "local_kv_heads",
     "local_runner_config",
     "make_kv_cache_config",
+    "max_memory_usage_bytes",
+    "merge_specs",
     "make_plan",
     "physical_order",
     "physical_shape",

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 
 from jaxkv._backends import AttentionBackend, MultipleOf
 from jaxkv._config import RunnerConfig
+from jaxkv._group_specs import UniformTypeKVCacheSpecs
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from jaxkv._layer_queries import get_kv_cache_spec
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     AttentionSpec,
     EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
     KVCacheSpec,
     MLAAttentionSpec,
 )
@@ -22,28 +25,41 @@ from jaxkv._util import cdiv, check_positive_int
 def make_kv_cache_config(
     runner_config: RunnerConfig, num_blocks: int, *, packed: bool = False
 ) -> KVCacheConfig:
-    """Plans groups and pools the way vLLM's hybrid allocator does.
+    """Plans groups and pools the way vLLM's hybrid allocator does (vLLM 0.32).
 
-    Layers with equal specs form groups of ``n`` layers, ``n`` being the smallest
-    number of layers of any spec; pool ``i`` is shared by the ``i``-th layer of
-    every group, so a hybrid model has no memory per layer type, only per pool.
-    With a single spec every layer gets its own pool in one group. Encoder-only
-    layers get a group and no memory.
+    - One spec (or specs that merge: full-attention layers differing only in
+      ``sliding_window`` / ``attention_chunk_size``): one group, every layer
+      its own pool.
+    - One attention type whose pages differ (head sizes 128 and 64, say): one
+      group of :class:`UniformTypeKVCacheSpecs`, every layer its own pool of
+      its own page (``get_kv_cache_groups``' uniform-type case).
+    - Several types with equal pages: the layers of each spec are dealt into
+      groups of ``n`` layers, ``layers[i::num_groups]`` to group ``i`` (so
+      pipeline stages pad evenly), ``n`` being the smallest layer count of any
+      spec, or the largest when that is below 1.5 times the smallest (12
+      sliding + 13 full layers pad to 13 + 13: 2 groups, not 3). Pool ``i`` is
+      shared by the ``i``-th layer of every group, so a hybrid model has no
+      memory per layer type, only per pool.
+
+    Encoder-only layers get a group and no memory. A model without cache
+    layers (attention-free) gets no pools and 1 block, as vLLM's.
 
     Args:
       runner_config: The runner configuration.
       num_blocks: Blocks per pool.
       packed: Pack the pools block-outermost into one backing (block ``b`` of
-        pool ``i`` at ``b*block_stride + i*P``) instead of one array per pool.
+        pool ``i`` at ``b*block_stride + offset_i``) instead of one array per
+        pool.
 
     Returns:
       The KV-cache configuration (without KV-sharing layers; see
       :func:`with_kv_sharing_layers`).
 
     Raises:
-      ValueError: If several specs have different page sizes (pad the smaller
-        pages with ``page_size_padded``, or align a hybrid model with
-        :func:`align_hybrid_block_size`), or the model has no cache layer.
+      ValueError: If several types have different page sizes (pad the smaller
+        pages with ``page_size_padded``, plan with :func:`make_plan`, which
+        unifies attention pages, or align a hybrid model with
+        :func:`align_hybrid_block_size`).
 
     Example:
       >>> import jaxkv
@@ -54,68 +70,193 @@ def make_kv_cache_config(
       [('layers.0.self_attn', 'layers.1.self_attn', 'layers.2.mixer'), ('layers.3.self_attn', 'layers.4.self_attn', 'layers.5.mixer')]
     """  # noqa: E501
     check_positive_int("make_kv_cache_config", "num_blocks", num_blocks)
-    by_spec: dict[KVCacheSpec, list[str]] = {}
+    specs: dict[str, KVCacheSpec] = {}
     encoder_only: dict[KVCacheSpec, list[str]] = {}
     for name, spec in get_kv_cache_spec(runner_config).items():
-        target = encoder_only if isinstance(spec, EncoderOnlyAttentionSpec) else by_spec
-        target.setdefault(spec, []).append(name)
-    if not by_spec:
-        raise ValueError(
-            "make_kv_cache_config: the model has no layer with a KV cache."
-        )
-    pages = {spec.page_size_bytes for spec in by_spec}
-    if len(pages) > 1:
-        detail = ", ".join(
-            f"{names[0]}: {s.page_size_bytes}" for s, names in by_spec.items()
-        )
-        raise ValueError(
-            "make_kv_cache_config: hybrid layers must have equal page sizes, got "
-            f"{detail}; plan with make_plan, which unifies attention pages "
-            "(unify_page_sizes), set page_size_padded on the smaller pages, or "
-            "plan with make_plan(..., align_hybrid=True) (align_hybrid_block_size)."
-        )
-    page = pages.pop()
-    if len(by_spec) == 1:
-        ((spec, names),) = by_spec.items()
-        groups = [(spec, names)]
-        columns = [[name] for name in names]
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            encoder_only.setdefault(spec, []).append(name)
+        else:
+            specs[name] = spec
+    extra = tuple(
+        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
+        for s, n in encoder_only.items()
+    )
+    if not specs:
+        return KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=extra)
+    groups = _groups(specs)
+    if len(groups) == 1 and isinstance(groups[0][0], UniformTypeKVCacheSpecs):
+        uniform = groups[0][0]
+        columns = [[name] for name in uniform.kv_cache_specs]
+        pages = [s.page_size_bytes for s in uniform.kv_cache_specs.values()]
     else:
-        size = min(len(names) for names in by_spec.values())
-        groups = [
-            (spec, names[i : i + size])
-            for spec, names in by_spec.items()
-            for i in range(0, len(names), size)
-        ]
+        pages_of = {s.page_size_bytes for s, _ in groups}
+        if len(pages_of) > 1:
+            detail = ", ".join(f"{n[0]}: {s.page_size_bytes}" for s, n in groups)
+            raise ValueError(
+                "make_kv_cache_config: hybrid layers must have equal page sizes, "
+                f"got {detail}; plan with make_plan, which unifies attention pages "
+                "(unify_page_sizes), set page_size_padded on the smaller pages, or "
+                "plan with make_plan(..., align_hybrid=True) "
+                "(align_hybrid_block_size)."
+            )
+        size = max(len(names) for _, names in groups)
         columns = [
             [names[i] for _, names in groups if i < len(names)] for i in range(size)
         ]
+        pages = [pages_of.pop()] * size
     if packed:
-        stride = len(columns) * page
+        stride = sum(pages)
+        offsets = [sum(pages[:i]) for i in range(len(pages))]
         tensors = [
             KVCacheTensor(
                 size=num_blocks * stride,
                 shared_by=tuple(c),
-                offset=i * page,
+                offset=offset,
                 block_stride=stride,
             )
-            for i, c in enumerate(columns)
+            for offset, c in zip(offsets, columns, strict=True)
         ]
     else:
         tensors = [
-            KVCacheTensor(size=num_blocks * page, shared_by=tuple(c)) for c in columns
+            KVCacheTensor(size=num_blocks * page, shared_by=tuple(c))
+            for page, c in zip(pages, columns, strict=True)
         ]
-    group_specs = [
+    group_specs = tuple(
         KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s) for s, n in groups
-    ]
-    group_specs += [
-        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
-        for s, n in encoder_only.items()
-    ]
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tuple(tensors),
-        kv_cache_groups=tuple(group_specs),
+        kv_cache_groups=group_specs + extra,
     )
+
+
+def get_kv_cache_groups(
+    kv_cache_spec: Mapping[str, KVCacheSpec],
+) -> list[KVCacheGroupSpec]:
+    """The groups of ``layer -> spec`` in vLLM 0.32's order (``get_kv_cache_groups``,
+    hybrid KV-cache manager on, no pages to unify).
+
+    Args:
+      kv_cache_spec: Every cache layer's spec, in model order (no encoder-only
+        layer; empty for an attention-free model).
+
+    Returns:
+      One group per spec and layers: one merged spec; or one
+      :class:`UniformTypeKVCacheSpecs` over layers of one type whose pages
+      differ; or, for several types, each spec's layers dealt into groups of
+      one size (see :func:`make_kv_cache_config`).
+
+    Example (gpt-oss-20b with an EAGLE draft: 12 sliding, 13 full layers):
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=8, head_size=64, dtype="bfloat16")
+      >>> swa = jaxkv.SlidingWindowSpec(sliding_window=128, **kw)
+      >>> full = jaxkv.FullAttentionSpec(**kw)
+      >>> specs = {f"l{i}": swa if i % 2 == 0 and i < 24 else full for i in range(25)}
+      >>> [len(g.layer_names) for g in jaxkv.vllm.get_kv_cache_groups(specs)]
+      [12, 13]
+    """  # noqa: D205
+    return [
+        KVCacheGroupSpec(layer_names=tuple(names), kv_cache_spec=spec)
+        for spec, names in _groups(kv_cache_spec)
+    ]
+
+
+def _groups(
+    specs: Mapping[str, KVCacheSpec],
+) -> list[tuple[KVCacheSpec, list[str]]]:
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    if not by_spec:
+        return []
+    merged = merge_specs(list(by_spec))
+    if merged is not None:
+        return [(merged, list(specs))]
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    if uniform is not None:
+        return [(uniform, list(specs))]
+    buckets: list[tuple[list[KVCacheSpec], list[str]]] = []
+    for spec, names in by_spec.items():
+        for bucket_specs, bucket_names in buckets:
+            if merge_specs([*bucket_specs, spec]) is not None:
+                bucket_specs.append(spec)
+                bucket_names.extend(names)
+                break
+        else:
+            buckets.append(([spec], list(names)))
+    counts = [len(names) for _, names in buckets]
+    size = min(counts)
+    if max(counts) < size * 1.5:
+        size = max(counts)
+    groups: list[tuple[KVCacheSpec, list[str]]] = []
+    for _, names in buckets:
+        num_groups = cdiv(len(names), size)
+        for i in range(num_groups):
+            members = names[i::num_groups]
+            spec = merge_specs([specs[n] for n in members])
+            if spec is None:  # pragma: no cover - a bucket's specs merge
+                raise AssertionError(members)
+            groups.append((spec, members))
+    return groups
+
+
+def merge_specs(specs: Sequence[KVCacheSpec]) -> KVCacheSpec | None:
+    """One spec for layers that can share a group (vLLM's ``type(spec).merge``).
+
+    Equal specs merge to the first. Full-attention specs that differ only in
+    ``sliding_window`` or ``attention_chunk_size`` (layers allocated as full
+    attention) merge when each of the two has at most one value and not both
+    are set. Anything else does not merge.
+
+    Returns:
+      The merged spec, or None.
+
+    Example:
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+      >>> a = jaxkv.FullAttentionSpec(**kw)
+      >>> b = jaxkv.FullAttentionSpec(sliding_window=64, **kw)
+      >>> jaxkv.vllm.merge_specs([a, b]).sliding_window
+      64
+      >>> jaxkv.vllm.merge_specs([a, jaxkv.SlidingWindowSpec(sliding_window=64, **kw)])
+    """
+    first = specs[0]
+    if all(spec == first for spec in specs[1:]):
+        return first
+    if not all(type(spec) is FullAttentionSpec for spec in specs):
+        return None
+    full = [s for s in specs if isinstance(s, FullAttentionSpec)]
+    windows = {s.sliding_window for s in full} - {None}
+    chunks = {s.attention_chunk_size for s in full} - {None}
+    if len(windows) > 1 or len(chunks) > 1 or (windows and chunks):
+        return None
+    merged = dataclasses.replace(
+        full[0],
+        sliding_window=next(iter(windows), None),
+        attention_chunk_size=next(iter(chunks), None),
+    )
+    plain = dataclasses.replace(merged, sliding_window=None, attention_chunk_size=None)
+    if any(
+        dataclasses.replace(s, sliding_window=None, attention_chunk_size=None) != plain
+        for s in full
+    ):
+        return None
+    return merged
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: Mapping[str, KVCacheSpec]) -> bool:
+    """Whether every layer's spec merges into one (vLLM's check for one group).
+
+    Example:
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=32, head_size=64, dtype="float32")
+      >>> jaxkv.vllm.is_kv_cache_spec_uniform({
+      ...     "l1": jaxkv.FullAttentionSpec(**kw),
+      ...     "l2": jaxkv.FullAttentionSpec(sliding_window=1, **kw)})
+      True
+    """
+    return not kv_cache_spec or merge_specs(list(kv_cache_spec.values())) is not None
 
 
 def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
@@ -161,6 +302,15 @@ def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
     pages = {spec.page_size_bytes for spec in specs}
     if len(pages) <= 1:
         return runner_config
+    by_layer = {
+        layer.name: layer.spec
+        for layer in runner_config.layers
+        if layer.spec is not None
+        and not isinstance(layer.spec, EncoderOnlyAttentionSpec)
+    }
+    one_group = UniformTypeKVCacheSpecs.from_specs(by_layer) is not None
+    if one_group or merge_specs(list(specs)) is not None:
+        return runner_config  # one group (vLLM tries these before unifying)
     attn_pages = [s.page_size_bytes for s in specs if isinstance(s, AttentionSpec)]
     top = max(pages)
     if not attn_pages or max(attn_pages) < top:

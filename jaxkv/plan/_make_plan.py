@@ -71,7 +71,8 @@ def make_plan(
         bits for floats narrower than 4 bytes on CPU, native otherwise.
 
     Returns:
-      The plan.
+      The plan. A model without cache layers (attention-free) gets vLLM's
+      empty config: 1 block and no pools, whatever was asked for.
 
     Raises:
       ValueError: If neither or both of `num_blocks` and `memory_bytes` are
@@ -92,6 +93,15 @@ def make_plan(
     if align_hybrid:
         runner_config = align_hybrid_block_size(runner_config).runner_config
     runner_config = unify_page_sizes(runner_config)
+    if not make_kv_cache_config(runner_config, 1).kv_cache_tensors:
+        check_positive_int(
+            "make_plan",
+            "num_blocks" if memory_bytes is None else "memory_bytes",
+            num_blocks if memory_bytes is None else memory_bytes,
+        )
+        return _build_plan(
+            runner_config, 1, packed, maps_slot_mapping, storage, pool_dtype
+        )
     if memory_bytes is not None:
         num_blocks = kv_cache_budget(
             runner_config,

@@ -30,6 +30,7 @@ from jaxkv.groups import (
 from jaxkv.plan._allocate import allocate_pools
 from jaxkv.plan._bind import AttentionLayer, BoundKVCaches, attention_layer
 from jaxkv.plan._pools import PoolSpec
+from jaxkv.plan._views import KVCacheView
 
 
 class LayerStack(NamedTuple):
@@ -184,6 +185,30 @@ class KVCachePlan:
         return attention_layer(
             self.views, self.runner_config, name, group=self.group_of(name)
         )
+
+    def owning_layers(self) -> list[tuple[int, str, AttentionGroup | None]]:
+        """``(KV-cache group, layer, attention group)`` of every layer owning its
+        view, in group order (KV-sharing layers read their target's view and
+        are left out; the attention group is ``None`` for a Mamba layer).
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+          >>> [(g, name) for g, name, _ in plan.owning_layers()][:3]
+          [(0, 'layers.0.self_attn'), (0, 'layers.3.self_attn'), (1, 'layers.1.self_attn')]
+        """  # noqa: D205, E501
+        seen: set[int] = set()
+        out: list[tuple[int, str, AttentionGroup | None]] = []
+        for g, groups in enumerate(self.attn_groups):
+            for group in groups:
+                for name in group.layer_names:
+                    view = self.views[name]
+                    if id(view) in seen:
+                        continue
+                    seen.add(id(view))
+                    attn = group if isinstance(view, KVCacheView) else None
+                    out.append((g, name, attn))
+        return out
 
     def group_of(self, name: str) -> int | None:
         """The KV-cache group whose metadata layer `name` reads (its target's

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxkv.kv import gather_kv_pages
 from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
-from jaxkv.transfer._requests import LayerKV, RequestKV, owning_layers
+from jaxkv.transfer._requests import LayerKV, RequestKV
 
 
 def _payload(kv: RequestKV) -> list[Any]:
@@ -120,7 +120,7 @@ def _shapes(plan: KVCachePlan, n: int, sharding: Any) -> list[tuple[str, Any]]:
     """``(what, ShapeDtypeStruct)`` of the payload of `n` tokens for `plan`."""
     pools = jax.eval_shape(plan.allocate)
     out: list[tuple[str, Any]] = []
-    layers = owning_layers(plan)
+    layers = plan.owning_layers()
     for name in sorted(nm for _, nm, g in layers if g is not None):
         view = plan.views[name]
         if not isinstance(view, KVCacheView):  # pragma: no cover

@@ -80,23 +80,6 @@ class RequestKV:
     states: Mapping[str, tuple[jax.Array, ...]]
 
 
-def owning_layers(plan: KVCachePlan) -> list[tuple[int, str, AttentionGroup | None]]:
-    """``(kv-cache group, layer, attention group)`` of every layer owning its
-    view (KV-sharing layers read their target's and are left out).
-    """  # noqa: D205
-    seen: set[int] = set()
-    out = []
-    for g, groups in enumerate(plan.attn_groups):
-        for group in groups:
-            for name in group.layer_names:
-                view = plan.views[name]
-                if id(view) in seen:
-                    continue
-                seen.add(id(view))
-                out.append((g, name, group if isinstance(view, KVCacheView) else None))
-    return out
-
-
 def _checked_ids(
     plan: KVCachePlan, block_ids: Sequence[Sequence[int]], num_tokens: object, fn: str
 ) -> tuple[list[np.ndarray], int]:
@@ -274,7 +257,7 @@ def export_request(
     tables, n = _checked_ids(plan, block_ids, num_tokens, "export_request")
     attention: dict[str, LayerKV] = {}
     states: dict[str, tuple[jax.Array, ...]] = {}
-    for g, name, group in owning_layers(plan):
+    for g, name, group in plan.owning_layers():
         view = plan.views[name]
         ids, bs = tables[g], plan.block_sizes[g]
         if isinstance(view, MambaView):
@@ -414,7 +397,7 @@ def import_request(
       True
     """
     tables, n = _checked_ids(plan, block_ids, kv.num_tokens, "import_request")
-    layers = owning_layers(plan)
+    layers = plan.owning_layers()
     mine = {name for _, name, _ in layers}
     theirs = set(kv.attention) | set(kv.states)
     if mine != theirs:

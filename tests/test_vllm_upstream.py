@@ -1,0 +1,450 @@
+"""vLLM's own tests of the functions jaxkv ports, case for case.
+
+Each test names the upstream test it translates
+(``tests/v1/core/test_kv_cache_utils.py`` in vLLM's repository), with the
+same inputs and expected numbers. vLLM's helpers are kept:
+``new_kv_cache_spec`` is a full-attention layer of 2 KV heads of 64 in float32
+with blocks of 16 tokens (16 KiB per block), ``new_sliding_window_spec`` the
+same with a window of 1. jaxkv's config names pools by the layers sharing
+them (``KVCacheTensor.shared_by``, vLLM 0.32's ``shared_by``); vLLM's newest
+tests describe the same memory as per-layer strided views, so the pools are
+compared as sets of layers.
+
+Not ported, and why:
+
+- ``disable_hybrid_kv_cache_manager`` (one group for every attention type):
+  jaxkv has no option for it yet.
+- ``num_gpu_blocks_override``: jaxkv takes ``num_blocks`` directly
+  (``make_plan(num_blocks=...)``).
+- Block hashing, ``FreeKVCacheBlockQueue``, prefix-cache stats and KV events:
+  jaxkv's block manager is checked against vLLM's real one trace for trace
+  (``benchmarks/vllm_parity.py``); lookahead slots (``test_allocate_with_
+  lookahead``) come with speculative decoding in the scheduler.
+- HiSparse host pools, DCP, kpool tails, GLM-5-style Mamba slot sharing,
+  packed cross-layer blocks, ``estimate_max_model_len`` of a Hugging Face model
+  and the multi-worker ``get_kv_cache_configs``: CUDA-only features, or
+  capabilities jaxkv does not have yet (multi-worker configs, compressed MLA).
+"""
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.vllm import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    get_kv_cache_groups,
+    get_max_concurrency_for_kv_cache_config,
+    is_kv_cache_spec_uniform,
+    merge_specs,
+)
+
+MEM_PER_BLOCK_PER_LAYER = 16 * 2 * 64 * 4 * 2
+
+
+def new_kv_cache_spec(block_size=16, num_kv_heads=2, head_size=64, **kw):
+    return jaxkv.FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype="float32",
+        **kw,
+    )
+
+
+def new_sliding_window_spec(
+    block_size=16, num_kv_heads=2, head_size=64, sliding_window=1
+):
+    return jaxkv.SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype="float32",
+        sliding_window=sliding_window,
+    )
+
+
+def _config(specs, max_model_len=256):
+    return jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(name=n, spec=s, backend=jaxkv.get_backend("JAX_PAGED"))
+            for n, s in specs.items()
+        ],
+        max_model_len=max_model_len,
+    )
+
+
+def _planned(specs, memory):
+    """vLLM's ``get_kv_cache_configs(vllm_config, [specs], [memory])[0]``."""
+    plan = jaxkv.make_plan(_config(specs), memory_bytes=memory)
+    return plan.kv_cache_config
+
+
+def _groups(kv):
+    return [(list(g.layer_names), g.kv_cache_spec) for g in kv.kv_cache_groups]
+
+
+def _pools(kv):
+    return [set(t.shared_by) for t in kv.kv_cache_tensors]
+
+
+def _layers(n, spec, start=1):
+    return {f"layer_{i}": spec for i in range(start, start + n)}
+
+
+# test_get_kv_cache_config_one_worker ------------------------------------------
+
+
+def test_one_worker_all_full_attention_is_one_group():
+    kv = _planned(_layers(2, new_kv_cache_spec()), MEM_PER_BLOCK_PER_LAYER * 2 * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [(["layer_1", "layer_2"], new_kv_cache_spec())]
+    assert _pools(kv) == [{"layer_1"}, {"layer_2"}]
+
+
+def test_one_worker_all_sliding_window_is_one_group():
+    specs = _layers(2, new_sliding_window_spec())
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 2 * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [(["layer_1", "layer_2"], new_sliding_window_spec())]
+
+
+def test_one_worker_full_and_sliding_share_one_pool():
+    specs = {"layer_1": new_kv_cache_spec(), "layer_2": new_sliding_window_spec()}
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 2 * 32)
+    assert kv.num_blocks == 64
+    assert _groups(kv) == [
+        (["layer_1"], new_kv_cache_spec()),
+        (["layer_2"], new_sliding_window_spec()),
+    ]
+    assert _pools(kv) == [{"layer_1", "layer_2"}]
+    assert [t.size for t in kv.kv_cache_tensors] == [MEM_PER_BLOCK_PER_LAYER * 64]
+
+
+def test_one_worker_two_full_four_sliding_interleave_the_groups():
+    specs = {
+        **_layers(2, new_kv_cache_spec()),
+        **_layers(4, new_sliding_window_spec(), 3),
+    }
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 2 * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [
+        (["layer_1", "layer_2"], new_kv_cache_spec()),
+        (["layer_3", "layer_5"], new_sliding_window_spec()),
+        (["layer_4", "layer_6"], new_sliding_window_spec()),
+    ]
+    assert _pools(kv) == [
+        {"layer_1", "layer_3", "layer_4"},
+        {"layer_2", "layer_5", "layer_6"},
+    ]
+
+
+def test_one_worker_three_full_seven_sliding_pad_to_nine():
+    specs = {
+        **_layers(3, new_kv_cache_spec()),
+        **_layers(7, new_sliding_window_spec(), 4),
+    }
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 3 * 32)
+    assert kv.num_blocks == 32
+    assert [names for names, _ in _groups(kv)] == [
+        ["layer_1", "layer_2", "layer_3"],
+        ["layer_4", "layer_7", "layer_10"],
+        ["layer_5", "layer_8"],
+        ["layer_6", "layer_9"],
+    ]
+    assert _pools(kv) == [
+        {"layer_1", "layer_4", "layer_5", "layer_6"},
+        {"layer_2", "layer_7", "layer_8", "layer_9"},
+        {"layer_3", "layer_10"},
+    ]
+
+
+def test_one_worker_six_full_five_sliding_pad_to_two_groups_gpt_oss_eagle():
+    """gpt-oss + EAGLE: 6 full and 5 sliding layers are 2 groups of 6 (the 1.5x
+    rule), 6 pools, 32 blocks; consecutive chunks of 5 would give 3 groups, 5
+    pools and 38 blocks from the same memory.
+    """  # noqa: D205
+    specs = {
+        **_layers(6, new_kv_cache_spec()),
+        **_layers(5, new_sliding_window_spec(), 7),
+    }
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 6 * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [
+        ([f"layer_{i}" for i in range(1, 7)], new_kv_cache_spec()),
+        ([f"layer_{i}" for i in range(7, 12)], new_sliding_window_spec()),
+    ]
+    assert len(kv.kv_cache_tensors) == 6
+    assert _pools(kv)[-1] == {"layer_6"}  # the padding layer of the sliding group
+
+
+def test_one_worker_mixed_head_sizes_of_one_type_are_one_uniform_type_group():
+    specs = {
+        "layer_1": new_kv_cache_spec(head_size=128),
+        "layer_2": new_kv_cache_spec(head_size=64),
+    }
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 3 * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [
+        (
+            ["layer_1", "layer_2"],
+            jaxkv.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs),
+        )
+    ]
+    assert [(t.shared_by, t.size) for t in kv.kv_cache_tensors] == [
+        (("layer_1",), MEM_PER_BLOCK_PER_LAYER * 2 * 32),
+        (("layer_2",), MEM_PER_BLOCK_PER_LAYER * 32),
+    ]
+
+
+def test_one_worker_different_types_and_head_sizes_align_by_block_size():
+    specs = {
+        "layer_1": new_kv_cache_spec(head_size=64),
+        "layer_2": new_sliding_window_spec(head_size=32),
+    }
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 32)
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [
+        (["layer_1"], new_kv_cache_spec(head_size=64)),
+        (["layer_2"], new_sliding_window_spec(head_size=32, block_size=32)),
+    ]
+
+
+def test_one_worker_pages_that_do_not_divide_are_padded():
+    swa = new_sliding_window_spec(head_size=96)
+    specs = {"layer_1": new_kv_cache_spec(head_size=64), "layer_2": swa}
+    kv = _planned(specs, MEM_PER_BLOCK_PER_LAYER * 2 * 32)
+    assert kv.num_blocks == 42
+    assert _groups(kv) == [
+        (
+            ["layer_1"],
+            new_kv_cache_spec(head_size=64, page_size_padded=swa.page_size_bytes),
+        ),
+        (["layer_2"], swa),
+    ]
+    assert [t.size for t in kv.kv_cache_tensors] == [swa.page_size_bytes * 42]
+
+
+# test_get_kv_cache_configs_attention_free -------------------------------------
+
+
+def test_an_attention_free_model_has_one_block_and_nothing_else():
+    cfg = jaxkv.RunnerConfig(layers=[], max_model_len=16)
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
+    assert kv == KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=())
+    assert get_kv_cache_groups({}) == []
+    plan = jaxkv.make_plan(cfg, memory_bytes=0 + 1)
+    assert plan.num_blocks == 1
+    assert plan.pools == ()
+
+
+# test_generate_uniform_type_kv_cache_specs ------------------------------------
+
+
+def test_generate_uniform_type_kv_cache_specs():
+    from_specs = jaxkv.UniformTypeKVCacheSpecs.from_specs
+    specs = {
+        "layer_1": new_kv_cache_spec(),
+        "layer_2": new_kv_cache_spec(head_size=128),
+    }
+    assert from_specs(specs) == jaxkv.UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs=specs
+    )
+    full, swa = new_kv_cache_spec(), new_sliding_window_spec(sliding_window=1)
+    assert from_specs({"layer_1": full, "layer_2": swa}) is None
+    assert from_specs({"layer_1": swa, "layer_2": full}) is None
+    specs = {
+        "layer_1": new_sliding_window_spec(sliding_window=1),
+        "layer_2": new_sliding_window_spec(sliding_window=1, head_size=128),
+    }
+    assert from_specs(specs) == jaxkv.UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs=specs
+    )
+    specs = {
+        "layer_1": new_kv_cache_spec(block_size=16),
+        "layer_2": new_kv_cache_spec(block_size=32),
+    }
+    assert from_specs(specs) is None
+
+
+# test_merge_kv_cache_spec ------------------------------------------------------
+
+
+def test_merge_kv_cache_spec():
+    merged = merge_specs([new_kv_cache_spec(num_kv_heads=32)] * 2)
+    assert merged == new_kv_cache_spec(num_kv_heads=32)
+    assert isinstance(merged, jaxkv.FullAttentionSpec)
+    assert merged.sliding_window is None
+    assert (
+        merge_specs(
+            [new_kv_cache_spec(num_kv_heads=32), new_kv_cache_spec(num_kv_heads=16)]
+        )
+        is None
+    )
+    full = new_kv_cache_spec(num_kv_heads=32)
+    swa = new_sliding_window_spec(num_kv_heads=32, sliding_window=1)
+    assert merge_specs([full, swa]) is None
+    assert merge_specs([swa, full]) is None
+    windows = [
+        new_kv_cache_spec(num_kv_heads=32),
+        new_kv_cache_spec(num_kv_heads=32, sliding_window=1),
+        new_kv_cache_spec(num_kv_heads=32, sliding_window=2),
+    ]
+    assert merge_specs(windows) is None
+    same = [new_kv_cache_spec(num_kv_heads=32, sliding_window=1)] * 2
+    assert merge_specs(same) == same[0]
+    with_none = [
+        new_kv_cache_spec(num_kv_heads=32, sliding_window=1),
+        new_kv_cache_spec(num_kv_heads=32, sliding_window=None),
+    ]
+    merged = merge_specs(with_none)
+    assert isinstance(merged, jaxkv.FullAttentionSpec)
+    assert merged.sliding_window == 1
+
+
+def test_full_layers_differing_only_in_window_share_a_group():
+    """vLLM merges such buckets before splitting them into groups."""
+    specs = {
+        "layer_1": new_kv_cache_spec(),
+        "layer_2": new_kv_cache_spec(sliding_window=8),
+        "layer_3": new_sliding_window_spec(),
+        "layer_4": new_sliding_window_spec(),
+    }
+    groups = get_kv_cache_groups(specs)
+    assert [g.layer_names for g in groups] == [
+        ("layer_1", "layer_2"),
+        ("layer_3", "layer_4"),
+    ]
+    assert groups[0].kv_cache_spec == new_kv_cache_spec(sliding_window=8)
+
+
+# test_is_kv_cache_spec_uniform -------------------------------------------------
+
+
+def test_is_kv_cache_spec_uniform():
+    full = new_kv_cache_spec(num_kv_heads=32)
+    assert is_kv_cache_spec_uniform({"layer_1": full, "layer_2": full})
+    windowed = new_kv_cache_spec(num_kv_heads=32, sliding_window=1)
+    assert is_kv_cache_spec_uniform({"layer_1": full, "layer_2": windowed})
+    swa1 = new_sliding_window_spec(num_kv_heads=32, sliding_window=1)
+    swa2 = new_sliding_window_spec(num_kv_heads=32, sliding_window=2)
+    assert not is_kv_cache_spec_uniform({"layer_1": full, "layer_2": swa1})
+    assert is_kv_cache_spec_uniform({"layer_1": swa1, "layer_2": swa1})
+    assert not is_kv_cache_spec_uniform({"layer_1": swa1, "layer_2": swa2})
+
+
+# test_get_max_concurrency_for_kv_cache_config ----------------------------------
+
+
+def test_get_max_concurrency_for_kv_cache_config():
+    kw: dict[str, Any] = dict(
+        block_size=16, num_kv_heads=32, head_size=128, dtype="float16"
+    )
+    full = jaxkv.FullAttentionSpec(**kw)
+    swa = jaxkv.SlidingWindowSpec(sliding_window=1024, **kw)
+
+    def concurrency(num_blocks, *groups):
+        cfg = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=(),
+            kv_cache_groups=tuple(
+                KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
+                for n, s in groups
+            ),
+        )
+        return get_max_concurrency_for_kv_cache_config(
+            cfg, max_model_len=16384, max_num_batched_tokens=1024
+        )
+
+    names = [f"layer_{i}" for i in range(32)]
+    more = [f"layer_{i}" for i in range(32, 64)]
+    assert concurrency(int(1024 * 1.5), (names, full)) == 1.5
+    assert concurrency(129 * 3, (names, swa)) == 3
+    assert concurrency((1024 + 129) * 3, (names, full), (more, swa)) == 3
+    assert concurrency(1153 * 3, (names, full), (["layer_32", "layer_33"], swa)) == 3
+    uniform = jaxkv.UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs={f"layer_{i}": full for i in range(4)}
+    )
+    four = [f"layer_{i}" for i in range(4)]
+    assert concurrency(1153 * 3, (four, uniform), (["layer_4", "layer_5"], swa)) == 3
+
+
+# A uniform-type group serves: each layer reads its own pool through its view --
+
+
+def test_layers_of_a_uniform_type_group_attend_over_their_own_pools():
+    """Head sizes 64 and 32 in one group: each layer's paged attention over a
+    32-token prompt equals dense causal attention of its own K/V.
+    """  # noqa: D205
+    kw: dict[str, Any] = dict(block_size=16, num_kv_heads=2, dtype="float32")
+    specs = {
+        "wide": jaxkv.FullAttentionSpec(head_size=64, **kw),
+        "narrow": jaxkv.FullAttentionSpec(head_size=32, **kw),
+    }
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(
+                name=n, spec=s, backend=jaxkv.get_backend("JAX_PAGED"), num_heads=4
+            )
+            for n, s in specs.items()
+        ],
+        max_model_len=64,
+        token_buckets=(32,),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    assert len(plan.kv_cache_config.kv_cache_groups) == 1
+    layers = [plan.attention_layer(n) for n in specs]
+    builder = jaxkv.StepMetadataBuilder(plan)
+    scheduler = jaxkv.Scheduler(plan)
+    scheduler.add_request(jaxkv.Request("a", prompt=list(range(32)), max_new_tokens=1))
+    inputs = builder.prepare(scheduler.schedule())
+    rng = np.random.default_rng(0)
+    qkv = {
+        n: [
+            rng.standard_normal((32, h, s.head_size)).astype("float32")
+            for h in (4, 2, 2)
+        ]
+        for n, s in specs.items()
+    }
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(pools, inputs, qkv):
+        meta = builder.metadata(inputs)
+        out = {}
+        for layer in layers:
+            q, k, v = qkv[layer.name]
+            pools = jaxkv.write_kv(pools, layer, k, v, meta[layer.name])
+            out[layer.name] = jaxkv.paged_attention(
+                q, pools, layer, meta[layer.name], scale=0.125
+            )
+        return pools, out
+
+    pools, out = step(plan.allocate(), inputs, qkv)
+    for name, (q, k, v) in qkv.items():
+        k = np.repeat(k, 2, axis=1)
+        v = np.repeat(v, 2, axis=1)
+        logits = np.einsum("qhd,khd->hqk", q, k) * 0.125
+        logits = np.where(np.tril(np.ones((32, 32), bool)), logits, -np.inf)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        want = np.einsum("hqk,khd->qhd", weights, v)
+        np.testing.assert_allclose(
+            np.asarray(out[name])[:32], want, rtol=2e-5, atol=2e-5
+        )
+    del pools
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_spec_count_pads_at_most_one_group_per_type(size):
+    """The group size is the smallest count, or the largest when below 1.5x."""
+    full, swa = new_kv_cache_spec(), new_sliding_window_spec()
+    specs = {**_layers(size, full), **_layers(2 * size + 1, swa, size + 1)}
+    groups = get_kv_cache_groups(specs)
+    lengths = [len(g.layer_names) for g in groups]
+    assert lengths[0] == size
+    assert sum(lengths) == 3 * size + 1
+    assert max(lengths) == size
