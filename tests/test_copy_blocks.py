@@ -68,8 +68,12 @@ CASES = {
             "JAX_PAGED_KV_FIRST",
             "FLASHINFER",
         )
-        for storage in ("words", "typed", "stacked")
-        for dtype in ("float32", "bfloat16")
+        for storage, dtype in (
+            ("words", "float32"),
+            ("words", "bfloat16"),
+            ("typed", "bfloat16"),
+            ("stacked", "float32"),
+        )
     },
 }
 
