@@ -90,6 +90,8 @@ from jaxkv.plan import (
     _kv_first_layers_sharing_pool_with_mamba,
     allocate_layer_tensors,
     bind_kv_caches,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
     get_kv_cache_groups,
     get_max_concurrency_for_kv_cache_config,
     hnc_shape,
@@ -102,6 +104,7 @@ from jaxkv.plan import (
     plan_tensors,
     resolve_layout,
     tensor_views,
+    unify_hybrid_kv_cache_specs,
     unify_page_sizes,
 )
 from jaxkv.step import (
@@ -157,6 +160,8 @@ __all__ = [
     "compute_mm_prefix_ranges",
     "create_fast_prefill_custom_backend",
     "get_attn_cg_support",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_configs",
     "get_kv_cache_groups",
     "get_kv_cache_spec",
     "get_kv_sharing_fast_prefill_eligible_layers",
@@ -179,5 +184,6 @@ __all__ = [
     "resolve_layout",
     "select_common_block_size",
     "tensor_views",
+    "unify_hybrid_kv_cache_specs",
     "unify_page_sizes",
 ]

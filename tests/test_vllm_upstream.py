@@ -12,8 +12,6 @@ compared as sets of layers.
 
 Not ported, and why:
 
-- ``disable_hybrid_kv_cache_manager`` (one group for every attention type):
-  jaxkv has no option for it yet.
 - ``num_gpu_blocks_override``: jaxkv takes ``num_blocks`` directly
   (``make_plan(num_blocks=...)``).
 - Block hashing, ``FreeKVCacheBlockQueue``, prefix-cache stats and KV events:
@@ -21,9 +19,8 @@ Not ported, and why:
   (``benchmarks/vllm_parity.py``); lookahead slots (``test_allocate_with_
   lookahead``) come with speculative decoding in the scheduler.
 - HiSparse host pools, DCP, kpool tails, GLM-5-style Mamba slot sharing,
-  packed cross-layer blocks, ``estimate_max_model_len`` of a Hugging Face model
-  and the multi-worker ``get_kv_cache_configs``: CUDA-only features, or
-  capabilities jaxkv does not have yet (multi-worker configs, compressed MLA).
+  packed cross-layer blocks, ``estimate_max_model_len`` of a Hugging Face model:
+  CUDA-only features, or capabilities jaxkv does not have yet (compressed MLA).
 """
 
 import functools
@@ -37,6 +34,7 @@ import jaxkv
 from jaxkv.vllm import (
     KVCacheConfig,
     KVCacheGroupSpec,
+    get_kv_cache_configs,
     get_kv_cache_groups,
     get_max_concurrency_for_kv_cache_config,
     is_kv_cache_spec_uniform,
@@ -448,3 +446,157 @@ def test_every_spec_count_pads_at_most_one_group_per_type(size):
     assert lengths[0] == size
     assert sum(lengths) == 3 * size + 1
     assert max(lengths) == size
+
+
+# test_get_kv_cache_config_one_worker, disable_hybrid_kv_cache_manager ---------
+
+
+def test_one_worker_full_and_sliding_without_the_hybrid_manager_is_one_full_group():
+    specs = {"layer_1": new_kv_cache_spec(), "layer_2": new_sliding_window_spec()}
+    (kv,) = get_kv_cache_configs(
+        [specs],
+        [MEM_PER_BLOCK_PER_LAYER * 2 * 32],
+        disable_hybrid_kv_cache_manager=True,
+    )
+    assert kv.num_blocks == 32
+    assert _groups(kv) == [
+        (["layer_1", "layer_2"], new_kv_cache_spec(sliding_window=1))
+    ]
+    assert _pools(kv) == [{"layer_1"}, {"layer_2"}]
+    assert [t.size for t in kv.kv_cache_tensors] == [MEM_PER_BLOCK_PER_LAYER * 32] * 2
+    # The same through make_kv_cache_config, and nothing converted for Mamba.
+    planned = jaxkv.plan.make_kv_cache_config(
+        _config(specs), 32, disable_hybrid_kv_cache_manager=True
+    )
+    assert _groups(planned) == _groups(kv)
+    mamba = jaxkv.MambaSpec(
+        block_size=16,
+        shapes=((2, 64), (2, 64)),
+        dtypes=("float32", "float32"),
+        page_size_padded=new_kv_cache_spec().page_size_bytes,
+    )
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager.*MambaSpec"):
+        get_kv_cache_groups(
+            {"layer_1": new_kv_cache_spec(), "layer_2": mamba},
+            disable_hybrid_kv_cache_manager=True,
+        )
+
+
+ONE_WORKER_CASES = {
+    "2 full": (_layers(2, new_kv_cache_spec()), 2 * 32),
+    "full + sliding": (
+        {"layer_1": new_kv_cache_spec(), "layer_2": new_sliding_window_spec()},
+        2 * 32,
+    ),
+    "2 full + 4 sliding": (
+        {**_layers(2, new_kv_cache_spec()), **_layers(4, new_sliding_window_spec(), 3)},
+        2 * 32,
+    ),
+    "3 full + 7 sliding": (
+        {**_layers(3, new_kv_cache_spec()), **_layers(7, new_sliding_window_spec(), 4)},
+        3 * 32,
+    ),
+    "head sizes 128 and 64": (
+        {"layer_1": new_kv_cache_spec(head_size=128), "layer_2": new_kv_cache_spec()},
+        3 * 32,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_WORKER_CASES))
+def test_one_worker_configs_equal_the_planned_config(case):
+    specs, blocks = ONE_WORKER_CASES[case]
+    memory = MEM_PER_BLOCK_PER_LAYER * blocks
+    (kv,) = get_kv_cache_configs([specs], [memory])
+    assert kv == _planned(specs, memory)
+
+
+# test_get_kv_cache_configs_multiple_workers -----------------------------------
+
+PAGE = new_kv_cache_spec().page_size_bytes
+
+
+def _tensors(kv):
+    return [(t.size, list(t.shared_by)) for t in kv.kv_cache_tensors]
+
+
+def test_multiple_workers_all_the_same():
+    specs = [_layers(2, new_kv_cache_spec()), _layers(2, new_kv_cache_spec())]
+    for memory in ([PAGE * 2 * 10] * 2, [PAGE * 2 * 10, PAGE * 2 * 20]):
+        # Different memory (tensor parallel): the smallest wins, pools shrink.
+        kvs = get_kv_cache_configs(specs, memory)
+        for kv in kvs:
+            assert kv.num_blocks == 10
+            assert _tensors(kv) == [(PAGE * 10, ["layer_1"]), (PAGE * 10, ["layer_2"])]
+            assert _groups(kv) == [(["layer_1", "layer_2"], new_kv_cache_spec())]
+
+
+def test_multiple_workers_pipeline_stages_hold_different_layers():
+    specs = [_layers(1, new_kv_cache_spec()), _layers(2, new_kv_cache_spec(), 2)]
+    kvs = get_kv_cache_configs(specs, [PAGE * 2 * 10] * 2)
+    assert [kv.num_blocks for kv in kvs] == [10, 10]
+    assert _tensors(kvs[0]) == [(PAGE * 10, ["layer_1"])]
+    assert _groups(kvs[0]) == [(["layer_1"], new_kv_cache_spec())]
+    assert _tensors(kvs[1]) == [(PAGE * 10, ["layer_2"]), (PAGE * 10, ["layer_3"])]
+    assert _groups(kvs[1]) == [(["layer_2", "layer_3"], new_kv_cache_spec())]
+
+
+def test_multiple_workers_tensor_and_pipeline_parallel():
+    stage0 = _layers(2, new_kv_cache_spec())
+    stage1 = _layers(1, new_kv_cache_spec(), 3)
+    kvs = get_kv_cache_configs([stage0, stage0, stage1, stage1], [PAGE * 2 * 10] * 4)
+    assert [kv.num_blocks for kv in kvs] == [10] * 4
+    for kv in kvs[:2]:
+        assert _tensors(kv) == [(PAGE * 10, ["layer_1"]), (PAGE * 10, ["layer_2"])]
+        assert _groups(kv) == [(["layer_1", "layer_2"], new_kv_cache_spec())]
+    for kv in kvs[2:]:
+        assert _tensors(kv) == [(PAGE * 10, ["layer_3"])]
+        assert _groups(kv) == [(["layer_3"], new_kv_cache_spec())]
+
+
+def test_multiple_workers_hybrid_stages_keep_every_group():
+    specs = [_layers(2, new_kv_cache_spec()), _layers(2, new_sliding_window_spec(), 3)]
+    kvs = get_kv_cache_configs(specs, [PAGE * 2 * 10] * 2)
+    assert [kv.num_blocks for kv in kvs] == [10, 10]
+    assert _tensors(kvs[0]) == [(PAGE * 10, ["layer_1"]), (PAGE * 10, ["layer_2"])]
+    assert _groups(kvs[0]) == [
+        (["layer_1", "layer_2"], new_kv_cache_spec()),
+        ([], new_sliding_window_spec()),
+    ]
+    assert _tensors(kvs[1]) == [(PAGE * 10, ["layer_3"]), (PAGE * 10, ["layer_4"])]
+    assert _groups(kvs[1]) == [
+        ([], new_kv_cache_spec()),
+        (["layer_3", "layer_4"], new_sliding_window_spec()),
+    ]
+
+
+def test_multiple_workers_groups_come_from_the_whole_model():
+    full, swa = new_kv_cache_spec(), new_sliding_window_spec()
+    specs = [
+        {"layer1": full, "layer2": swa, "layer3": swa},
+        {"layer4": full, "layer5": swa, "layer6": swa},
+    ]
+    kvs = get_kv_cache_configs(specs, [PAGE * 10] * 2)
+    assert [kv.num_blocks for kv in kvs] == [10, 10]
+    assert _tensors(kvs[0]) == [(PAGE * 10, ["layer1", "layer2", "layer3"])]
+    assert _groups(kvs[0]) == [(["layer1"], full), (["layer2"], swa), (["layer3"], swa)]
+    assert _tensors(kvs[1]) == [(PAGE * 10, ["layer4", "layer5", "layer6"])]
+    assert _groups(kvs[1]) == [(["layer4"], full), (["layer5"], swa), (["layer6"], swa)]
+
+
+def test_multiple_workers_refuse_conflicting_specs_and_short_memory():
+    with pytest.raises(ValueError, match="layer 'layer1' has different specs"):
+        get_kv_cache_configs(
+            [{"layer1": new_kv_cache_spec()}, {"layer1": new_sliding_window_spec()}],
+            [PAGE * 2 * 10] * 2,
+        )
+    with pytest.raises(ValueError, match="2 workers' kv_cache_specs but 1"):
+        get_kv_cache_configs([{}, {}], [PAGE])
+    with pytest.raises(ValueError, match="worker 1: .*holds no block"):
+        get_kv_cache_configs([_layers(1, new_kv_cache_spec())] * 2, [PAGE, PAGE - 1])
+    # vLLM's check_enough_kv_cache_memory: 16 tokens need 1 block of each layer.
+    specs = [_layers(2, new_kv_cache_spec())] * 2
+    kw = dict(max_model_len=16, max_num_batched_tokens=16)
+    assert get_kv_cache_configs(specs, [PAGE * 2] * 2, **kw)[1].num_blocks == 1
+    with pytest.raises(ValueError, match="worker 0 has 32767 bytes.*needs 32768"):
+        get_kv_cache_configs(specs, [PAGE * 2 - 1, PAGE * 2], **kw)

@@ -35,6 +35,7 @@ from jaxkv.plan._grouping import (
     is_kv_cache_spec_uniform,
     make_kv_cache_config,
     merge_specs,
+    unify_hybrid_kv_cache_specs,
     unify_page_sizes,
 )
 from jaxkv.plan._layer_views import (
@@ -94,6 +95,10 @@ from jaxkv.plan._vllm_tensors import (
     plan_tensors,
     tensor_views,
 )
+from jaxkv.plan._workers import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+)
 
 __all__ = [
     "AttentionLayer",
@@ -120,6 +125,8 @@ __all__ = [
     "build_kv_cache_views",
     "build_slot_mappings_by_layer",
     "carrier_dtype",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_configs",
     "get_kv_cache_groups",
     "get_max_concurrency_for_kv_cache_config",
     "granule",
@@ -149,5 +156,6 @@ __all__ = [
     "split_dims",
     "storage_dtype",
     "tensor_views",
+    "unify_hybrid_kv_cache_specs",
     "unify_page_sizes",
 ]

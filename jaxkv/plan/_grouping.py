@@ -14,16 +14,22 @@ from jaxkv._layer_queries import get_kv_cache_spec
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from jaxkv._util import cdiv, check_positive_int
 
 
 def make_kv_cache_config(
-    runner_config: RunnerConfig, num_blocks: int, *, packed: bool = False
+    runner_config: RunnerConfig,
+    num_blocks: int,
+    *,
+    packed: bool = False,
+    disable_hybrid_kv_cache_manager: bool = False,
 ) -> KVCacheConfig:
     """Plans groups and pools the way vLLM's hybrid allocator does (vLLM 0.32).
 
@@ -50,6 +56,9 @@ def make_kv_cache_config(
       packed: Pack the pools block-outermost into one backing (block ``b`` of
         pool ``i`` at ``b*block_stride + offset_i``) instead of one array per
         pool.
+      disable_hybrid_kv_cache_manager: vLLM's option of that name: sliding and
+        chunked layers beside full attention are allocated as full attention
+        (one group; see :func:`unify_hybrid_kv_cache_specs`).
 
     Returns:
       The KV-cache configuration (without KV-sharing layers; see
@@ -83,56 +92,95 @@ def make_kv_cache_config(
     )
     if not specs:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=extra)
-    groups = _groups(specs)
-    if len(groups) == 1 and isinstance(groups[0][0], UniformTypeKVCacheSpecs):
-        uniform = groups[0][0]
-        columns = [[name] for name in uniform.kv_cache_specs]
-        pages = [s.page_size_bytes for s in uniform.kv_cache_specs.values()]
-    else:
-        pages_of = {s.page_size_bytes for s, _ in groups}
-        if len(pages_of) > 1:
-            detail = ", ".join(f"{n[0]}: {s.page_size_bytes}" for s, n in groups)
-            raise ValueError(
-                "make_kv_cache_config: hybrid layers must have equal page sizes, "
-                f"got {detail}; plan with make_plan, which unifies attention pages "
-                "(unify_page_sizes), set page_size_padded on the smaller pages, or "
-                "plan with make_plan(..., align_hybrid=True) "
-                "(align_hybrid_block_size)."
-            )
-        size = max(len(names) for _, names in groups)
-        columns = [
-            [names[i] for _, names in groups if i < len(names)] for i in range(size)
-        ]
-        pages = [pages_of.pop()] * size
+    if disable_hybrid_kv_cache_manager:
+        specs = unify_hybrid_kv_cache_specs(specs)
+    groups = [
+        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
+        for s, n in _groups(specs)
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=pool_tensors(groups, num_blocks=num_blocks, packed=packed),
+        kv_cache_groups=(*groups, *extra),
+    )
+
+
+def pool_pages(
+    kv_cache_groups: Sequence[KVCacheGroupSpec],
+) -> list[tuple[int, tuple[str, ...]]]:
+    """Each pool's page in bytes and the layers sharing it, for `kv_cache_groups`.
+
+    A :class:`UniformTypeKVCacheSpecs` group: one pool per layer, of the
+    layer's own page. Otherwise every group's spec has one page and pool ``i``
+    is shared by the ``i``-th layer of every group (a group with fewer layers,
+    on a pipeline stage, say, leaves the pool to the others). Groups without
+    layers (another worker's) and encoder-only groups take no pool.
+
+    Raises:
+      ValueError: If the groups' pages differ.
+    """
+    groups = [
+        g
+        for g in kv_cache_groups
+        if g.layer_names and not isinstance(g.kv_cache_spec, EncoderOnlyAttentionSpec)
+    ]
+    if len(groups) == 1 and isinstance(
+        groups[0].kv_cache_spec, UniformTypeKVCacheSpecs
+    ):
+        specs = groups[0].kv_cache_spec.kv_cache_specs
+        return [(specs[n].page_size_bytes, (n,)) for n in groups[0].layer_names]
+    pages_of = {g.kv_cache_spec.page_size_bytes for g in groups}
+    if len(pages_of) > 1:
+        detail = ", ".join(
+            f"{g.layer_names[0]}: {g.kv_cache_spec.page_size_bytes}" for g in groups
+        )
+        raise ValueError(
+            "make_kv_cache_config: hybrid layers must have equal page sizes, "
+            f"got {detail}; plan with make_plan, which unifies attention pages "
+            "(unify_page_sizes), set page_size_padded on the smaller pages, or "
+            "plan with make_plan(..., align_hybrid=True) "
+            "(align_hybrid_block_size)."
+        )
+    size = max((len(g.layer_names) for g in groups), default=0)
+    return [
+        (
+            groups[0].kv_cache_spec.page_size_bytes,
+            tuple(g.layer_names[i] for g in groups if i < len(g.layer_names)),
+        )
+        for i in range(size)
+    ]
+
+
+def pool_tensors(
+    kv_cache_groups: Sequence[KVCacheGroupSpec], *, num_blocks: int, packed: bool
+) -> tuple[KVCacheTensor, ...]:
+    """The pools of `kv_cache_groups` at `num_blocks` (see :func:`pool_pages`).
+
+    ``packed``: one backing, block-outermost (block ``b`` of pool ``i`` at
+    ``b*block_stride + offset_i``); otherwise one array per pool.
+    """
+    pages = pool_pages(kv_cache_groups)
     if packed:
-        stride = sum(pages)
-        offsets = [sum(pages[:i]) for i in range(len(pages))]
-        tensors = [
+        stride = sum(page for page, _ in pages)
+        offsets = [sum(page for page, _ in pages[:i]) for i in range(len(pages))]
+        return tuple(
             KVCacheTensor(
                 size=num_blocks * stride,
-                shared_by=tuple(c),
+                shared_by=names,
                 offset=offset,
                 block_stride=stride,
             )
-            for offset, c in zip(offsets, columns, strict=True)
-        ]
-    else:
-        tensors = [
-            KVCacheTensor(size=num_blocks * page, shared_by=tuple(c))
-            for page, c in zip(pages, columns, strict=True)
-        ]
-    group_specs = tuple(
-        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s) for s, n in groups
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=tuple(tensors),
-        kv_cache_groups=group_specs + extra,
+            for offset, (_, names) in zip(offsets, pages, strict=True)
+        )
+    return tuple(
+        KVCacheTensor(size=num_blocks * page, shared_by=names) for page, names in pages
     )
 
 
 def get_kv_cache_groups(
     kv_cache_spec: Mapping[str, KVCacheSpec],
+    *,
+    disable_hybrid_kv_cache_manager: bool = False,
 ) -> list[KVCacheGroupSpec]:
     """The groups of ``layer -> spec`` in vLLM 0.32's order (``get_kv_cache_groups``,
     hybrid KV-cache manager on, no pages to unify).
@@ -140,6 +188,9 @@ def get_kv_cache_groups(
     Args:
       kv_cache_spec: Every cache layer's spec, in model order (no encoder-only
         layer; empty for an attention-free model).
+      disable_hybrid_kv_cache_manager: Allocate sliding and chunked layers
+        beside full attention as full attention, in one group
+        (:func:`unify_hybrid_kv_cache_specs`).
 
     Returns:
       One group per spec and layers: one merged spec; or one
@@ -156,10 +207,73 @@ def get_kv_cache_groups(
       >>> [len(g.layer_names) for g in jaxkv.vllm.get_kv_cache_groups(specs)]
       [12, 13]
     """  # noqa: D205
+    if disable_hybrid_kv_cache_manager:
+        kv_cache_spec = unify_hybrid_kv_cache_specs(kv_cache_spec)
     return [
         KVCacheGroupSpec(layer_names=tuple(names), kv_cache_spec=spec)
         for spec, names in _groups(kv_cache_spec)
     ]
+
+
+def unify_hybrid_kv_cache_specs(
+    kv_cache_spec: Mapping[str, KVCacheSpec],
+) -> dict[str, KVCacheSpec]:
+    """Every layer as one type, for vLLM's ``disable_hybrid_kv_cache_manager``.
+
+    When full attention is present, sliding-window and chunked layers become
+    :class:`FullAttentionSpec` with their ``sliding_window`` /
+    ``attention_chunk_size`` kept (the attention compute is unchanged; the
+    cache keeps every token). The input is not changed.
+
+    Returns:
+      The new ``layer -> spec`` mapping, in the same order.
+
+    Raises:
+      ValueError: If the layers still do not share one type afterwards
+        (Mamba beside attention, or MLA beside standard attention): vLLM
+        refuses these too.
+
+    Example (vLLM's worked case: one full and one sliding layer, one group):
+      >>> import jaxkv
+      >>> kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="float32")
+      >>> specs = jaxkv.vllm.unify_hybrid_kv_cache_specs({
+      ...     "layer_1": jaxkv.FullAttentionSpec(**kw),
+      ...     "layer_2": jaxkv.SlidingWindowSpec(sliding_window=1, **kw)})
+      >>> specs["layer_2"] == jaxkv.FullAttentionSpec(sliding_window=1, **kw)
+      True
+    """
+    specs = dict(kv_cache_spec)
+    if is_kv_cache_spec_uniform(specs):
+        return specs
+    if any(type(s) is FullAttentionSpec for s in specs.values()):
+        for name, spec in specs.items():
+            if not isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+                continue
+            full = FullAttentionSpec(
+                **{
+                    f.name: getattr(spec, f.name)
+                    for f in dataclasses.fields(AttentionSpec)
+                }
+            )
+            if isinstance(spec, SlidingWindowSpec):
+                full = dataclasses.replace(full, sliding_window=spec.sliding_window)
+            else:
+                full = dataclasses.replace(
+                    full, attention_chunk_size=spec.attention_chunk_size
+                )
+            specs[name] = full
+    if not (
+        is_kv_cache_spec_uniform(specs)
+        or UniformTypeKVCacheSpecs.from_specs(specs) is not None
+    ):
+        kinds = sorted({type(s).__name__ for s in specs.values()})
+        raise ValueError(
+            "disable_hybrid_kv_cache_manager: the layers' specs do not become one "
+            f"type (got {', '.join(kinds)}); only sliding-window and chunked "
+            "layers beside full attention are converted. Leave the hybrid "
+            "manager on for this model."
+        )
+    return specs
 
 
 def _groups(
