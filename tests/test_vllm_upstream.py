@@ -596,7 +596,9 @@ def test_multiple_workers_refuse_conflicting_specs_and_short_memory():
         get_kv_cache_configs([_layers(1, new_kv_cache_spec())] * 2, [PAGE, PAGE - 1])
     # vLLM's check_enough_kv_cache_memory: 16 tokens need 1 block of each layer.
     specs = [_layers(2, new_kv_cache_spec())] * 2
-    kw = dict(max_model_len=16, max_num_batched_tokens=16)
-    assert get_kv_cache_configs(specs, [PAGE * 2] * 2, **kw)[1].num_blocks == 1
+    limits = functools.partial(
+        get_kv_cache_configs, max_model_len=16, max_num_batched_tokens=16
+    )
+    assert limits(specs, [PAGE * 2] * 2)[1].num_blocks == 1
     with pytest.raises(ValueError, match="worker 0 has 32767 bytes.*needs 32768"):
-        get_kv_cache_configs(specs, [PAGE * 2 - 1, PAGE * 2], **kw)
+        limits(specs, [PAGE * 2 - 1, PAGE * 2])
