@@ -352,7 +352,12 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
         return [r.output for r in reqs], {k: list(v) for k, v in loop.logits.items()}
 
     try:
-        for reset in ({}, {"num_blocks": 14}, {"enable_prefix_caching": True}):
+        for reset in (
+            {},
+            # First-chunk admission: a small pool preempts.
+            {"num_blocks": 14, "scheduler_reserve_full_isl": False},
+            {"enable_prefix_caching": True},
+        ):
             (sync, sync_logits), (ahead, ahead_logits) = (
                 serve(False, **reset),
                 serve(True, **reset),
@@ -365,6 +370,7 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
                 )
     finally:
         loop.set_overlap(True)
+        loop.reset(scheduler_reserve_full_isl=True)
 
 
 def test_bad_arguments_are_named():

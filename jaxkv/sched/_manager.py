@@ -190,21 +190,24 @@ class KVCacheManager:
         tokens; Mamba groups two blocks (the state read and the state written).
         """
         total = 0
-        for g, spec in enumerate(self.specs):
+        for g in range(len(self.specs)):
             full = cdiv(num_tokens, self.block_sizes[g])
-            if self.is_mamba[g]:
-                total += min(full, 2)
-            elif isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
-                total += min(
-                    full, cdiv(spec.sliding_window - 1 + chunk, spec.block_size) + 1
-                )
-            elif isinstance(spec, ChunkedLocalAttentionSpec):
-                total += min(
-                    full, cdiv(spec.attention_chunk_size + chunk, spec.block_size) + 1
-                )
-            else:
-                total += full
+            cap = self._held_cap(g, chunk)
+            total += full if cap is None else min(full, cap)
         return total
+
+    def _held_cap(self, g: int, chunk: int) -> int | None:
+        """The most blocks group `g` holds for one request computing chunks of
+        `chunk` tokens (``None``: every block of the sequence).
+        """  # noqa: D205
+        spec = self.specs[g]
+        if self.is_mamba[g]:
+            return 2
+        if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+            return cdiv(spec.sliding_window - 1 + chunk, spec.block_size) + 1
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return cdiv(spec.attention_chunk_size + chunk, spec.block_size) + 1
+        return None
 
     # --- changes ----------------------------------------------------------------
 
@@ -233,7 +236,12 @@ class KVCacheManager:
             )
 
     def allocate(
-        self, req: Request, num_new_tokens: int, *, num_cached: int = 0
+        self,
+        req: Request,
+        num_new_tokens: int,
+        *,
+        num_cached: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Holds the blocks `req` needs to compute `num_new_tokens` more tokens.
 
@@ -247,10 +255,21 @@ class KVCacheManager:
         computed (registered by another request not yet committed) is refused
         for now, as vLLM defers it to the next step.
 
+        With `full_sequence_must_fit` (vLLM's admission gate, the scheduler's
+        ``scheduler_reserve_full_isl``), the blocks are held only if the free
+        blocks would hold the request's whole known sequence (``num_tokens``:
+        the prompt, and the output of a preempted request), not just this
+        chunk; windowed and Mamba groups count the blocks they hold at most.
+
         All or nothing: returns ``False`` and changes nothing when too few
         blocks are free or a hit's Mamba state is not computed yet.
         """
-        if num_new_tokens == 1 and not num_cached and type(num_new_tokens) is int:
+        if (
+            num_new_tokens == 1
+            and not num_cached
+            and not full_sequence_must_fit
+            and type(num_new_tokens) is int
+        ):
             done = self._allocate_decode(req)
             if done is not None:
                 return done
@@ -276,6 +295,14 @@ class KVCacheManager:
         )
         if need + touched_free > self.allocator.num_free:
             return False
+        if full_sequence_must_fit and req.num_tokens > end:
+            whole = len(from_host)
+            for g in range(len(tables)):
+                cols = len(self._new_columns(g, tables[g], start, req.num_tokens))
+                cap = self._held_cap(g, num_new_tokens)
+                whole += cols if cap is None else min(cols, cap)
+            if whole + touched_free > self.allocator.num_free:
+                return False
         for blocks in hits:
             self.allocator.touch(blocks)
         # Held before the allocation: its evictions offload blocks to the host,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +55,12 @@ class Request:
         has not read yet (:meth:`Scheduler.advance`, async scheduling): the
         last ``num_pending`` entries of ``output`` are placeholders
         (negative) until :meth:`Scheduler.resolve` fills them.
+      priority: With ``Scheduler(policy="priority")``, a lower value is
+        served first and preempted last (vLLM's convention).
+      arrival_time: Seconds (``time.time()`` when the request was made by
+        default); orders requests of equal priority.
+      wait_reason: Why the request was not admitted at the latest step it
+        headed the waiting queue (``None`` once admitted).
 
     Example:
       >>> import jaxkv
@@ -73,6 +81,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_pending: int = 0
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    wait_reason: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -144,6 +155,16 @@ def request_problem(req: Request, *, vocab_size: int | None) -> str | None:
         return (
             "cache_salt must be a str or None, got "
             f"{type(req.cache_salt).__name__} {req.cache_salt!r}"
+        )
+    if not isinstance(req.priority, int | np.integer) or isinstance(req.priority, bool):
+        return f"priority must be an int, got {req.priority!r}"
+    if (
+        not isinstance(req.arrival_time, int | float | np.integer | np.floating)
+        or isinstance(req.arrival_time, bool)
+        or not math.isfinite(req.arrival_time)
+    ):
+        return (
+            f"arrival_time must be a finite number of seconds, got {req.arrival_time!r}"
         )
     if req.status is not RequestStatus.WAITING or req.num_computed:
         return (

@@ -59,6 +59,16 @@ class Scheduler:
         (:class:`HostKVCache`, at ``scheduler.manager.host``; needs prefix
         caching; run ``manager.host.flush(pools)`` before each step).
       host: A host tier of your own instead (see :class:`KVCacheManager`).
+      policy: ``"fcfs"`` (default): requests are served in arrival order and
+        the latest admitted is preempted first. ``"priority"``: the waiting
+        queue is ordered by ``(priority, arrival_time)`` (lower first) and the
+        running request with the largest is preempted first, even one
+        already given tokens this step (vLLM's ``SchedulingPolicy``).
+      scheduler_reserve_full_isl: Admit a waiting request only when the free
+        blocks hold its whole prompt (after its prefix-cache hit), not just
+        its first chunk (vLLM's option of that name, on by default): no
+        request is admitted only to be preempted while its prompt is
+        prefilled. ``req.wait_reason`` says what held the head of the queue.
 
     Example:
       >>> import jaxkv
@@ -86,8 +96,16 @@ class Scheduler:
         num_blocks: int | None = None,
         host_blocks: int = 0,
         host: HostKVCache | None = None,
+        policy: str = "fcfs",
+        scheduler_reserve_full_isl: bool = True,
     ) -> None:
         """Creates the block manager; no requests yet."""
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"Scheduler: policy must be 'fcfs' or 'priority', got {policy!r}."
+            )
+        self.policy = policy
+        self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         cfg = plan.runner_config
         self.manager = KVCacheManager(
             plan,
@@ -125,6 +143,9 @@ class Scheduler:
         self._latest: ScheduledStep | None = None
         self._applying: ScheduledStep | None = None
         self._ids: set[str] = set()
+        # Admission order, the last tie-break of the priority order.
+        self._arrivals: dict[str, int] = {}
+        self._num_arrivals = 0
         # Steps advance() applied whose tokens resolve() has not filled yet.
         self._unresolved: deque[ScheduledStep] = deque()
         # With prefix caching and Mamba groups, prefill chunks end where every
@@ -218,9 +239,35 @@ class Scheduler:
         req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
         req.max_new_tokens = int(req.max_new_tokens)
         req.status = RequestStatus.WAITING
+        req.wait_reason = None
         self._ids.add(req.req_id)
-        self.waiting.append(req)
+        self._arrived(req)
+        self._enqueue(req, front=False)
         return True
+
+    def _arrived(self, req: Request) -> None:
+        self._arrivals[req.req_id] = self._num_arrivals
+        self._num_arrivals += 1
+
+    def _order(self, req: Request) -> tuple[int, float, int]:
+        """The priority order (vLLM's): priority, arrival time, then admission."""
+        return (int(req.priority), float(req.arrival_time), self._arrivals[req.req_id])
+
+    def _enqueue(self, req: Request, *, front: bool) -> None:
+        """Into the waiting queue: at the back (new) or front (preempted) for
+        FCFS, in priority order for ``policy="priority"``.
+        """  # noqa: D205
+        if self.policy == "priority":
+            key = self._order(req)
+            at = next(
+                (i for i, w in enumerate(self.waiting) if self._order(w) > key),
+                len(self.waiting),
+            )
+            self.waiting.insert(at, req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def adopt(self, req: Request, *, num_computed: int) -> list[list[int]] | None:
         """Admits `req` with its first `num_computed` tokens computed elsewhere
@@ -283,6 +330,7 @@ class Scheduler:
         self.manager.commit(req)
         req.status = RequestStatus.RUNNING
         self._ids.add(req.req_id)
+        self._arrived(req)
         self.running.append(req)
         return self.manager.blocks_of(req)
 
@@ -320,7 +368,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats["preemptions"] += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def schedule(self) -> ScheduledStep:
         """Picks this step's requests and tokens and holds their blocks.
@@ -354,7 +402,17 @@ class Scheduler:
                 i += 1
                 continue
             while not self.manager.allocate(req, n):
-                victim = self.running.pop()
+                victim = (
+                    max(self.running, key=self._order)
+                    if self.policy == "priority"
+                    else self.running[-1]
+                )
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # given tokens this step already: take them back
+                    i -= 1
+                    k = next(k for k, (r, _) in enumerate(batch) if r is victim)
+                    budget += batch.pop(k)[1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -369,9 +427,22 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.manager.find_cache_hit(req)
             n = self._chunk(req, budget, hit)
-            if not n or not self.manager.allocate(req, n, num_cached=hit):
+            if not n:
+                req.wait_reason = (
+                    f"its next block-aligned chunk does not fit the {budget} tokens "
+                    "left in this step"
+                )
+                break
+            if not self.manager.allocate(
+                req,
+                n,
+                num_cached=hit,
+                full_sequence_must_fit=self.scheduler_reserve_full_isl,
+            ):
+                req.wait_reason = self._wait_reason(req, n, hit)
                 break
             self.waiting.popleft()
+            req.wait_reason = None
             req.status = RequestStatus.RUNNING
             self.stats["cached_tokens"] += hit
             self.running.append(req)
@@ -397,6 +468,16 @@ class Scheduler:
         self.stats["prefill_tokens"] += sum(prefill)
         self._latest = scheduled_step(batch, preempted, self.manager.step_blocks(batch))
         return self._latest
+
+    def _wait_reason(self, req: Request, n: int, hit: int) -> str:
+        free = self.manager.num_free_blocks
+        if self.scheduler_reserve_full_isl and req.num_tokens > hit + n:
+            return (
+                f"its {req.num_tokens} tokens (from token {hit}) do not fit the "
+                f"{free} free blocks (full-prompt admission: "
+                "scheduler_reserve_full_isl=True)"
+            )
+        return f"its first chunk of {n} tokens does not fit the {free} free blocks"
 
     def schedule_decode(self, num_steps: int) -> ScheduledStep | None:
         """A step of `num_steps` decode iterations on the device (multi-step
@@ -977,6 +1058,7 @@ class Scheduler:
                 if req.num_pending:
                     self.running.append(req)
                     self._ids.add(req.req_id)
+                    self._arrived(req)
         self._unresolved.clear()
         for req in [*self.running, *self.waiting]:
             if req.num_pending:
@@ -988,7 +1070,7 @@ class Scheduler:
             self.manager.free(req)
             req.num_computed = 0
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self._enqueue(req, front=True)
             requeued.append(req)
         self.manager.reset_prefix_cache()
         self.stats["recomputed"] += len(requeued)
@@ -1014,6 +1096,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._ids.discard(req.req_id)
+        self._arrivals.pop(req.req_id, None)
         req.status = RequestStatus.FINISHED
 
 

@@ -126,6 +126,10 @@ class ServingLoop:
         iterations (with overlap, of the next block too) computed and
         dropped. One device only; ``1`` (the default) runs every step on its
         own.
+      policy: The schedulers' policy, ``"fcfs"`` or ``"priority"``
+        (:class:`Scheduler`; ``Request(priority=...)``).
+      scheduler_reserve_full_isl: Admit a request only when its whole prompt
+        fits the free blocks (:class:`Scheduler`; vLLM's default, on).
 
     Example:
       >>> import jax.numpy as jnp
@@ -167,6 +171,8 @@ class ServingLoop:
         per_request_sampling: bool = False,
         host_blocks: int = 0,
         decode_steps: int = 1,
+        policy: str = "fcfs",
+        scheduler_reserve_full_isl: bool = True,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         check_loop_arguments(plan, forward, sampling, param_specs)
@@ -189,10 +195,12 @@ class ServingLoop:
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
         self._width = self.builder.max_num_samples
-        self._limits = {
+        self._limits: dict[str, Any] = {
             "vocab_size": vocab_size,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
+            "policy": policy,
+            "scheduler_reserve_full_isl": scheduler_reserve_full_isl,
         }
         self.schedulers: list[Scheduler] = self._schedulers(
             enable_prefix_caching=enable_prefix_caching,
@@ -368,6 +376,7 @@ class ServingLoop:
         enable_prefix_caching: bool = False,
         num_blocks: int | None = None,
         host_blocks: int = 0,
+        scheduler_reserve_full_isl: bool | None = None,
     ) -> None:
         """New schedulers: requests, cached prefixes (the host tier's too) and
         recorded logits are forgotten; pools and compiled programs stay.
@@ -377,6 +386,8 @@ class ServingLoop:
           num_blocks: Blocks each scheduler may use (default: all of the
             pool's); fewer simulate a smaller pool without recompiling.
           host_blocks: Blocks of a new host tier (see the class).
+          scheduler_reserve_full_isl: Full-prompt admission for these and
+            later schedulers (``None``: unchanged).
 
         Raises:
           RuntimeError: Inside ``run()`` (from ``on_token``, while a step's
@@ -390,6 +401,8 @@ class ServingLoop:
             )
         check_host_blocks(self.sharded or self.plan, host_blocks, enable_prefix_caching)
         self.resume()
+        if scheduler_reserve_full_isl is not None:
+            self._limits["scheduler_reserve_full_isl"] = scheduler_reserve_full_isl
         self.schedulers = self._schedulers(
             enable_prefix_caching=enable_prefix_caching,
             num_blocks=num_blocks,
