@@ -217,7 +217,7 @@ def test_a_prefix_another_device_block_still_holds_is_not_copied_out():
     m.allocator.cache(copy, key=key)
     m.allocator.free([copy])  # freed last: evicted last
     m.allocator.allocate(m.allocator.num_free - 1)  # evicts all of a's blocks
-    m._copy_evicted()
+    m._take_evicted()
     assert m.allocator.lookup(key) == copy
     assert key not in m.host
     assert m.host.num_pending == len(m.host) == cached - 1

@@ -15,7 +15,8 @@ from jaxkv.plan import KVCacheView
 def test_core_import_loads_no_demo_libraries():
     code = (
         "import sys, jaxkv\n"
-        "print(sorted({'flax', 'optax', 'chex', 'matplotlib', 'jaxkv.demo'}"
+        "print(sorted({'flax', 'optax', 'chex', 'matplotlib', 'jaxkv.demo',"
+        " 'prometheus_client'}"
         " & set(sys.modules)))\n"
     )
     out = subprocess.run(

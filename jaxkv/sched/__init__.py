@@ -8,12 +8,23 @@ blocks kept in host memory and copied back on a hit) -> ``_table_rows``
 and prefix hits, vLLM's ``KVCacheManager`` semantics) -> ``_scheduled`` (a
 scheduled step, its host arrays) -> ``_scheduler`` (admission, chunked
 prefill, preemption, and applying a step: update, async scheduling's
-advance/resolve, recompute).
+advance/resolve, recompute); ``_events`` (vLLM's KV-cache events, which the
+manager emits) and ``_metrics`` (the scheduler's stats under vLLM's metric
+names, a Prometheus collector).
 """  # noqa: D205
 
 from jaxkv.sched._blocks import BlockAllocator
+from jaxkv.sched._events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
+from jaxkv.sched._metrics import PrefixCacheStats, PrometheusCollector, SchedulerStats
 from jaxkv.sched._prefix import (
     hash_token_blocks,
     longest_cache_hit,
@@ -25,14 +36,23 @@ from jaxkv.sched._scheduler import Scheduler
 from jaxkv.sched._table_rows import StepBlocks
 
 __all__ = [
+    "AllBlocksCleared",
     "BlockAllocator",
+    "BlockRemoved",
+    "BlockStored",
     "HostKVCache",
+    "KVCacheEvent",
     "KVCacheManager",
+    "MEDIUM_GPU",
+    "PrefixCacheStats",
+    "PrometheusCollector",
     "Request",
     "RequestStatus",
     "ScheduledStep",
     "Scheduler",
+    "SchedulerStats",
     "StepBlocks",
+    "external_block_hash",
     "hash_token_blocks",
     "longest_cache_hit",
     "prefix_caching_unsupported",

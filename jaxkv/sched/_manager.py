@@ -20,6 +20,12 @@ from jaxkv._specs import (
 from jaxkv._util import cdiv, is_int
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._blocks import BlockAllocator
+from jaxkv.sched._events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._prefix import (
     hash_token_blocks,
@@ -72,6 +78,10 @@ class KVCacheManager:
       host: A host tier of your own instead (e.g. a mesh rank's
         :class:`HostKVCache`, ``sharded=`` and ``rank=`` set); needs prefix
         caching.
+      enable_kv_cache_events: Keep vLLM's KV-cache events (``BlockStored``
+        for each block entering the prefix cache, ``BlockRemoved`` for each
+        leaving it, ``AllBlocksCleared``) for :meth:`take_events`, which a
+        KV-aware router's publisher drains after each step.
 
     Example:
       >>> import jaxkv
@@ -94,6 +104,7 @@ class KVCacheManager:
         num_blocks: int | None = None,
         host_blocks: int = 0,
         host: HostKVCache | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Reads the groups from `plan`; all blocks start free."""
         groups = plan.kv_cache_config.kv_cache_groups
@@ -149,7 +160,12 @@ class KVCacheManager:
         self.host = (
             HostKVCache(plan, num_blocks=int(host_blocks)) if host_blocks else host
         )
-        self.allocator.record_evictions = self.host is not None
+        #: Whether :meth:`take_events` reports prefix-cache changes.
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self._events: list[KVCacheEvent] = []
+        self.allocator.record_evictions = (
+            self.host is not None or self.enable_kv_cache_events
+        )
         self._tables: dict[str, list[list[int]]] = {}
         # The same tables as rows of one array per group, kept in step with
         # the lists, so a batch's block table is one gather (no per-step
@@ -318,10 +334,12 @@ class KVCacheManager:
                 for j in cols:
                     tables[g] += [0] * (j + 1 - len(tables[g]))
                     tables[g][j] = next(ids)
-            self._copy_evicted()
+            self._take_evicted()
             for (g, j, block_hash), entry in zip(from_host, claimed, strict=True):
                 tables[g][j] = block = next(ids)
                 self.allocator.cache(block, key=(g, block_hash))
+                if self.enable_kv_cache_events:
+                    self._stored(req, g, j)
                 if self.host is not None:
                     self.host.record_restore(
                         key=(g, block_hash), block=block, claimed=entry
@@ -341,16 +359,54 @@ class KVCacheManager:
             self._register(req, tables, registered, min(end, req.num_known_tokens))
         return True
 
-    def _copy_evicted(self) -> None:
-        """Records a host copy of each cached block allocation just evicted
-        whose prefix no other device block and no host entry holds.
+    def _take_evicted(self) -> None:
+        """Reports the cached blocks an allocation just evicted (an event each),
+        and records a host copy of each whose prefix no other device block and
+        no host entry holds.
         """  # noqa: D205
-        if self.host is None:
+        if not self.allocator.record_evictions:
             return
         for block, key in self.allocator.take_evicted():
-            if self.allocator.lookup(key) is None:
-                group, _ = cast(tuple[int, bytes], key)
+            group, block_hash = cast(tuple[int, bytes], key)
+            if self.enable_kv_cache_events:
+                self._events.append(
+                    BlockRemoved(block_hashes=(block_hash,), group_idx=group)
+                )
+            if self.host is not None and self.allocator.lookup(key) is None:
                 self.host.record_offload(group=group, block=block, key=key)
+
+    def _stored(self, req: Request, g: int, j: int) -> None:
+        """Reports block `j` of `req` in group `g`, just cached."""
+        bs = self.block_sizes[g]
+        hashes = self._block_hashes(req, bs)
+        self._events.append(
+            BlockStored(
+                block_hashes=(hashes[j],),
+                parent_block_hash=hashes[j - 1] if j else None,
+                token_ids=tuple(req.token_range(j * bs, (j + 1) * bs)),
+                block_size=bs,
+                group_idx=g,
+            )
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events since the last call, oldest first (vLLM's
+        ``take_events``; empty unless ``enable_kv_cache_events``).
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=1),
+          ...     num_blocks=8)
+          >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True,
+          ...     enable_kv_cache_events=True)
+          >>> r = jaxkv.Request("a", prompt=list(range(20)), max_new_tokens=1)
+          >>> m.allocate(r, 20)
+          True
+          >>> [(type(e).__name__, e.token_ids[:3]) for e in m.take_events()]
+          [('BlockStored', (0, 1, 2))]
+        """  # noqa: D205
+        out, self._events = self._events, []
+        return out
 
     def _allocate_decode(self, req: Request) -> bool | None:
         """One more token where every group has its block already.
@@ -446,6 +502,12 @@ class KVCacheManager:
         # been computed: they leave the cache (losing an entry is safe).
         for block in self._uncommitted.pop(req.req_id, ()):
             self._pending_states.discard(block)
+            key = self.allocator.key_of(block)
+            if key is not None and self.enable_kv_cache_events:
+                group, block_hash = cast(tuple[int, bytes], key)
+                self._events.append(
+                    BlockRemoved(block_hashes=(block_hash,), group_idx=group)
+                )
             self.allocator.uncache(block)
         self._registered.pop(req.req_id, None)
         self._hashes.pop(req.req_id, None)
@@ -468,7 +530,11 @@ class KVCacheManager:
         if self._tables or self.allocator.num_free != self.num_usable_blocks:
             return False
         self.allocator = BlockAllocator(self.allocator.num_blocks)
-        self.allocator.record_evictions = self.host is not None
+        self.allocator.record_evictions = (
+            self.host is not None or self.enable_kv_cache_events
+        )
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
         if self.host is not None:
             self.host.discard_pending()  # what they would copy is gone
         self._hashes.clear()
@@ -617,6 +683,8 @@ class KVCacheManager:
                 block = table[j]
                 if block and self.allocator.key_of(block) is None:
                     self.allocator.cache(block, key=(g, hashes[j]))
+                    if self.enable_kv_cache_events:
+                        self._stored(req, g, j)
                     self._uncommitted.setdefault(req.req_id, []).append(block)
                     if self.is_mamba[g]:
                         self._pending_states.add(block)

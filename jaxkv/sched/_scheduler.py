@@ -8,6 +8,7 @@ the model. Its output, a :class:`ScheduledStep`, is the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from jaxkv._util import check_positive_int, host_int_array
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
+from jaxkv.sched._metrics import PrefixCacheStats, SchedulerStats
 from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus, request_problem
 from jaxkv.sched._scheduled import ScheduledStep, scheduled_step
 
@@ -69,6 +71,8 @@ class Scheduler:
         its first chunk (vLLM's option of that name, on by default): no
         request is admitted only to be preempted while its prompt is
         prefilled. ``req.wait_reason`` says what held the head of the queue.
+      enable_kv_cache_events: The manager keeps vLLM's KV-cache events
+        (``scheduler.manager.take_events()``; see :class:`KVCacheManager`).
 
     Example:
       >>> import jaxkv
@@ -98,6 +102,7 @@ class Scheduler:
         host: HostKVCache | None = None,
         policy: str = "fcfs",
         scheduler_reserve_full_isl: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Creates the block manager; no requests yet."""
         if policy not in ("fcfs", "priority"):
@@ -113,6 +118,7 @@ class Scheduler:
             num_blocks=num_blocks,
             host_blocks=host_blocks,
             host=host,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         # Given limits are checked, never replaced by the config's (0 is not
         # "the default").
@@ -167,6 +173,12 @@ class Scheduler:
             "rejected": 0,
             "recomputed": 0,
         }
+        # Prefix-cache lookups at admission (PrefixCacheStats' fields), and
+        # the output tokens of requests already finished.
+        self._lookups = dict.fromkeys(
+            (f.name for f in dataclasses.fields(PrefixCacheStats)), 0
+        )
+        self._generated_by_finished = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -442,6 +454,8 @@ class Scheduler:
                 req.wait_reason = self._wait_reason(req, n, hit)
                 break
             self.waiting.popleft()
+            if self.manager.enable_prefix_caching:
+                self._count_lookup(req, hit)
             req.wait_reason = None
             req.status = RequestStatus.RUNNING
             self.stats["cached_tokens"] += hit
@@ -468,6 +482,48 @@ class Scheduler:
         self.stats["prefill_tokens"] += sum(prefill)
         self._latest = scheduled_step(batch, preempted, self.manager.step_blocks(batch))
         return self._latest
+
+    def _count_lookup(self, req: Request, hit: int) -> None:
+        """Counts an admission's prefix-cache lookup (vLLM's ``record``)."""
+        prefixes = ("", "preempted_") if req.num_preemptions else ("",)
+        for prefix in prefixes:
+            self._lookups[prefix + "requests"] += 1
+            self._lookups[prefix + "queries"] += req.num_tokens
+            self._lookups[prefix + "hits"] += hit
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot for monitoring (vLLM's ``Scheduler.make_stats``);
+        ``.metrics()`` names its figures as vLLM's Prometheus metrics.
+
+        Example:
+          >>> import jaxkv
+          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+          >>> s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
+          >>> for i in range(2):
+          ...     _ = s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * 70,
+          ...                                     max_new_tokens=1))
+          ...     while s.has_unfinished:
+          ...         step = s.schedule(); _ = s.update(step, [0] * len(step.sampled))
+          >>> stats = s.make_stats()
+          >>> stats.prefix_cache_stats.queries, stats.prefix_cache_stats.hits
+          (140, 64)
+          >>> stats.metrics()["vllm:generation_tokens"]
+          2.0
+        """  # noqa: D205
+        usable = self.manager.num_usable_blocks
+        live = [*self.running, *self.waiting]
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=1.0 - self.manager.num_free_blocks / usable,
+            prefix_cache_stats=PrefixCacheStats(**self._lookups),
+            num_preemptions=self.stats["preemptions"],
+            num_generation_tokens=self._generated_by_finished
+            + sum(len(r.output) - r.num_pending for r in live),
+            num_cached_prompt_tokens=self.stats["cached_tokens"],
+            num_rejected_reqs=self.stats["rejected"],
+            num_steps=self.stats["steps"],
+        )
 
     def _wait_reason(self, req: Request, n: int, hit: int) -> str:
         free = self.manager.num_free_blocks
@@ -1096,6 +1152,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._ids.discard(req.req_id)
+        if req.req_id in self._arrivals:
+            self._generated_by_finished += len(req.output) - req.num_pending
         self._arrivals.pop(req.req_id, None)
         req.status = RequestStatus.FINISHED
 

@@ -1,0 +1,180 @@
+"""KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) and
+the scheduler's stats under vLLM's metric names.
+"""  # noqa: D205
+
+from collections import Counter
+
+import numpy as np
+import prometheus_client
+import pytest
+
+import jaxkv
+from jaxkv.sched import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+def _plan(num_blocks=9, block_size=4):
+    cfg = jaxkv.llama_like_config(num_layers=1, block_size=block_size)
+    return jaxkv.make_plan(cfg, num_blocks=num_blocks)
+
+
+def _run(s, step):
+    return s.update(step, [7] * len(step.sampled))
+
+
+def test_a_stored_block_carries_its_tokens_parent_and_group():
+    s = jaxkv.Scheduler(
+        _plan(), enable_prefix_caching=True, enable_kv_cache_events=True
+    )
+    s.add_request(jaxkv.Request("a", prompt=list(range(10)), max_new_tokens=3))
+    _run(s, s.schedule())
+    events = s.manager.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored]
+    first, second = (e for e in events if isinstance(e, BlockStored))
+    hashes = jaxkv.sched.hash_token_blocks(list(range(10)), 4)
+    assert first.block_hashes == (hashes[0],)
+    assert first.parent_block_hash is None
+    assert first.token_ids == (0, 1, 2, 3)
+    assert second.block_hashes == (hashes[1],)
+    assert second.parent_block_hash == hashes[0]
+    assert second.token_ids == (4, 5, 6, 7)
+    assert (second.block_size, second.group_idx, second.medium) == (4, 0, "GPU")
+    assert s.manager.take_events() == []  # taken
+    # The third block fills with two sampled tokens: its event has them.
+    _run(s, s.schedule())
+    _run(s, s.schedule())
+    (third,) = s.manager.take_events()
+    assert isinstance(third, BlockStored)
+    assert third.token_ids == (8, 9, 7, 7)
+    assert third.parent_block_hash == hashes[1]
+
+
+def test_an_evicted_block_is_removed_and_a_reset_clears_all():
+    s = jaxkv.Scheduler(
+        _plan(num_blocks=5), enable_prefix_caching=True, enable_kv_cache_events=True
+    )
+    s.add_request(jaxkv.Request("a", prompt=list(range(9)), max_new_tokens=1))
+    while s.has_unfinished:
+        _run(s, s.schedule())
+    stored = [e for e in s.manager.take_events() if isinstance(e, BlockStored)]
+    assert len(stored) == 2
+    # 4 usable blocks: a new 13-token prompt needs all of them, evicting both.
+    s.add_request(jaxkv.Request("b", prompt=[50] * 13, max_new_tokens=1))
+    _run(s, s.schedule())
+    events = s.manager.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(
+        h for e in stored for h in e.block_hashes
+    )
+    assert all(e.group_idx == 0 for e in removed)
+    while s.has_unfinished:
+        _run(s, s.schedule())
+    s.manager.take_events()
+    assert s.manager.reset_prefix_cache()
+    assert s.manager.take_events() == [AllBlocksCleared()]
+    # Without events on, nothing is kept.
+    quiet = jaxkv.Scheduler(_plan(), enable_prefix_caching=True)
+    quiet.add_request(jaxkv.Request("a", prompt=list(range(9)), max_new_tokens=1))
+    _run(quiet, quiet.schedule())
+    assert quiet.manager.take_events() == []
+
+
+def _cached(manager):
+    """The prefix cache as a router sees it: (group, hash) -> copies."""
+    return Counter(
+        {key: len(copies) for key, copies in manager.allocator._cached.items()}
+    )
+
+
+def _replay(view, events):
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            view.clear()
+        elif isinstance(e, BlockStored):
+            view[(e.group_idx, e.block_hashes[0])] += 1
+        elif isinstance(e, BlockRemoved):
+            key = (e.group_idx, e.block_hashes[0])
+            view[key] -= 1
+            assert view[key] >= 0, key
+            if not view[key]:
+                del view[key]
+
+
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_a_router_replaying_the_events_knows_the_prefix_cache_at_every_step(model):
+    rng = np.random.default_rng(0)
+    if model == "llama":
+        plan = _plan(num_blocks=12)
+    else:
+        plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=14)
+    s = jaxkv.Scheduler(
+        plan,
+        enable_prefix_caching=True,
+        enable_kv_cache_events=True,
+        max_num_batched_tokens=24,
+        scheduler_reserve_full_isl=False,  # preemptions too
+    )
+    prefixes = [rng.integers(0, 50, 32).tolist() for _ in range(3)]
+    view: Counter = Counter()
+    made = 0
+    for _ in range(120):
+        if rng.random() < 0.4 and made < 30:
+            p = prefixes[int(rng.integers(3))][: int(rng.integers(4, 33))]
+            tail = rng.integers(0, 50, int(rng.integers(1, 10))).tolist()
+            s.add_request(jaxkv.Request(f"r{made}", prompt=p + tail, max_new_tokens=6))
+            made += 1
+        if s.has_unfinished:
+            step = s.schedule()
+            s.update(step, rng.integers(0, 50, len(step.sampled)).tolist())
+        _replay(view, s.manager.take_events())
+        assert view == _cached(s.manager)
+    assert s.stats["preemptions"] > 0
+    assert s.manager.allocator.num_evictions > 0
+
+
+def test_stats_count_lookups_tokens_and_usage():
+    s = jaxkv.Scheduler(_plan(), enable_prefix_caching=True)
+    for i in range(2):
+        s.add_request(jaxkv.Request(f"r{i}", prompt=list(range(9)), max_new_tokens=2))
+    stats = s.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_running_reqs) == (2, 0)
+    assert stats.kv_cache_usage == 0.0
+    _run(s, s.schedule())  # r0 (9 tokens, 3 blocks); r1 hits r0's 2 blocks
+    stats = s.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_running_reqs) == (0, 2)
+    assert stats.prefix_cache_stats.requests == 2
+    assert stats.prefix_cache_stats.queries == 18
+    assert stats.prefix_cache_stats.hits == 8
+    assert stats.prefix_cache_stats.hit_rate == 8 / 18
+    assert stats.kv_cache_usage == 4 / 8  # 2 shared + 1 each
+    while s.has_unfinished:
+        _run(s, s.schedule())
+    metrics = s.make_stats().metrics()
+    assert metrics == {
+        "vllm:num_requests_running": 0.0,
+        "vllm:num_requests_waiting": 0.0,
+        "vllm:kv_cache_usage_perc": 0.0,
+        "vllm:prefix_cache_queries": 18.0,
+        "vllm:prefix_cache_hits": 8.0,
+        "vllm:num_preemptions": 0.0,
+        "vllm:generation_tokens": 4.0,
+        "vllm:prompt_tokens_cached": 8.0,
+    }
+
+
+def test_the_prometheus_collector_reads_every_rank_at_each_scrape():
+    ranks = [jaxkv.Scheduler(_plan()) for _ in range(2)]
+    ranks[1].add_request(jaxkv.Request("a", prompt=[1] * 9, max_new_tokens=2))
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(jaxkv.sched.PrometheusCollector(lambda: ranks, model_name="m"))
+
+    def value(name, engine):
+        return registry.get_sample_value(name, {"model_name": "m", "engine": engine})
+
+    assert value("vllm:num_requests_waiting", "0") == 0.0
+    assert value("vllm:num_requests_waiting", "1") == 1.0
+    _run(ranks[1], ranks[1].schedule())
+    assert value("vllm:num_requests_running", "1") == 1.0
+    assert value("vllm:kv_cache_usage_perc", "1") == 3 / 8
+    assert value("vllm:num_preemptions_total", "1") == 0.0
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:generation_tokens_total{engine="1",model_name="m"} 1.0' in text
