@@ -6,9 +6,12 @@ import re
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxkv
 import jaxkv.demo
+from jaxkv._specs import get_num_skipped_tokens
 
 # --- host side: allocator, hashes, hit rules, manager --------------------------
 
@@ -89,6 +92,48 @@ def test_longest_cache_hit_rules(kind, cached, want):
         _spec(kind), num_blocks=5, is_cached=cached.__contains__
     )
     assert got == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(["full", "window", "chunk", "mamba"]),
+    size=st.integers(1, 24),
+    bs=st.sampled_from([1, 4, 16]),
+    num_blocks=st.integers(0, 40),
+    cached=st.sets(st.integers(0, 39)),
+)
+def test_longest_cache_hit_is_the_largest_valid_hit_looked_up_once(
+    kind, size, bs, num_blocks, cached
+):
+    kw = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype="float32")
+    spec = {
+        "full": None,
+        "window": jaxkv.SlidingWindowSpec(sliding_window=size, **kw),
+        "chunk": jaxkv.ChunkedLocalAttentionSpec(attention_chunk_size=size * bs, **kw),
+        "mamba": jaxkv.MambaSpec(block_size=bs, shapes=((4,),), dtypes=("float32",)),
+    }[kind]
+
+    def valid(k):
+        if kind == "mamba":
+            return k == 0 or k - 1 in cached
+        first = 0 if spec is None else get_num_skipped_tokens(spec, k * bs) // bs
+        return all(j in cached for j in range(first, k))
+
+    want = max(k for k in range(num_blocks + 1) if valid(k))
+    looked: list[int] = []
+
+    def is_cached(j):
+        looked.append(j)
+        return j in cached
+
+    got = jaxkv.sched.longest_cache_hit(
+        spec, num_blocks=num_blocks, is_cached=is_cached
+    )
+    assert got == want
+    if kind == "full":  # up to the first miss, no further
+        assert looked == list(range(min(want + 1, num_blocks)))
+    else:  # each block about once (a window's blocks again per candidate)
+        assert len(looked) <= num_blocks + size + 1
 
 
 def _plan(num_blocks=24, **kw):

@@ -68,13 +68,14 @@ def test_first_chunk_admission_admits_then_preempts():
 
 def test_full_prompt_admission_counts_the_prefix_hit_and_windows():
     # The nine-block case again, but b's first 16 tokens are a's prompt: a
-    # prefix hit on blocks a holds. b needs 2 new blocks, 3 are free.
+    # prefix hit on blocks a holds.
     s = jaxkv.Scheduler(_plan(), max_num_batched_tokens=9, enable_prefix_caching=True)
     a = jaxkv.Request("a", prompt=list(range(16)), max_new_tokens=8)
     s.add_request(a)
     _run(s, s.schedule())
     _run(s, s.schedule())
-    b = jaxkv.Request("b", prompt=list(range(16)) + [99] * 8, max_new_tokens=2)
+    # b's prompt runs 4 tokens past this chunk: 3 blocks in all, 3 free.
+    b = jaxkv.Request("b", prompt=list(range(16)) + [99] * 12, max_new_tokens=2)
     s.add_request(b)
     step = s.schedule()
     assert [(r.req_id, n) for r, n in step.batch] == [("a", 1), ("b", 8)]

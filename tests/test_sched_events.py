@@ -99,8 +99,12 @@ def _replay(view, events):
                 del view[key]
 
 
-@pytest.mark.parametrize("model", ["llama", "hybrid"])
-def test_a_router_replaying_the_events_knows_the_prefix_cache_at_every_step(model):
+@pytest.mark.parametrize(
+    ("model", "policy"), [("llama", "priority"), ("hybrid", "fcfs")]
+)
+def test_a_router_replaying_the_events_knows_the_prefix_cache_at_every_step(
+    model, policy
+):
     rng = np.random.default_rng(0)
     if model == "llama":
         plan = _plan(num_blocks=12)
@@ -112,23 +116,62 @@ def test_a_router_replaying_the_events_knows_the_prefix_cache_at_every_step(mode
         enable_kv_cache_events=True,
         max_num_batched_tokens=24,
         scheduler_reserve_full_isl=False,  # preemptions too
+        policy=policy,
     )
     prefixes = [rng.integers(0, 50, 32).tolist() for _ in range(3)]
     view: Counter = Counter()
-    made = 0
+    made = removed = 0
     for _ in range(120):
         if rng.random() < 0.4 and made < 30:
             p = prefixes[int(rng.integers(3))][: int(rng.integers(4, 33))]
             tail = rng.integers(0, 50, int(rng.integers(1, 10))).tolist()
-            s.add_request(jaxkv.Request(f"r{made}", prompt=p + tail, max_new_tokens=6))
+            req = jaxkv.Request(
+                f"r{made}", prompt=p + tail, max_new_tokens=6, priority=made % 3
+            )
+            s.add_request(req)
             made += 1
         if s.has_unfinished:
             step = s.schedule()
             s.update(step, rng.integers(0, 50, len(step.sampled)).tolist())
-        _replay(view, s.manager.take_events())
+        events = s.manager.take_events()
+        removed += sum(isinstance(e, BlockRemoved) for e in events)
+        _replay(view, events)
         assert view == _cached(s.manager)
     assert s.stats["preemptions"] > 0
     assert s.manager.allocator.num_evictions > 0
+    assert removed >= s.manager.allocator.num_evictions
+
+
+def test_a_block_registered_by_a_step_that_never_ran_is_removed():
+    # lazy (priority 9, 14 prompt tokens: 4 blocks) decodes; urgent (priority
+    # 0, 16 tokens) takes the other 4. Next step lazy's decode fills block 3,
+    # registered at once; then urgent's decode needs a block: lazy, already in
+    # the batch, is preempted, and block 3's registration (never computed) is
+    # withdrawn.
+    s = jaxkv.Scheduler(
+        _plan(),
+        enable_prefix_caching=True,
+        enable_kv_cache_events=True,
+        max_num_batched_tokens=64,
+        policy="priority",
+    )
+    lazy = jaxkv.Request("lazy", prompt=list(range(14)), max_new_tokens=8, priority=9)
+    s.add_request(lazy)
+    _run(s, s.schedule())
+    s.add_request(jaxkv.Request("urgent", prompt=[40] * 16, max_new_tokens=4))
+    _run(s, s.schedule())
+    view: Counter = Counter()
+    _replay(view, s.manager.take_events())
+    step = s.schedule()
+    assert [r.req_id for r in step.preempted] == ["lazy"]
+    events = s.manager.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved]
+    stored, removed = events
+    assert isinstance(stored, BlockStored)
+    assert stored.token_ids == (12, 13, 7, 7)
+    assert removed == BlockRemoved(block_hashes=stored.block_hashes, group_idx=0)
+    _replay(view, events)
+    assert view == _cached(s.manager)
 
 
 def test_stats_count_lookups_tokens_and_usage():

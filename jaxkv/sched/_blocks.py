@@ -55,6 +55,9 @@ class BlockAllocator:
         # key -> its blocks, first registered first (a dict as an ordered set).
         self._cached: dict[Hashable, dict[int, None]] = {}
         self.num_evictions = 0
+        #: Changes with every change of what is cached (a registration, an
+        #: eviction, a reset): equal generations, equal prefix cache.
+        self.generation = 0
         #: Keep ``(block, key)`` of each block :meth:`allocate` evicts, for
         #: :meth:`take_evicted` (a host tier copies them out first).
         self.record_evictions = False
@@ -111,6 +114,7 @@ class BlockAllocator:
         return out
 
     def _evict(self, block: int) -> None:
+        self.generation += 1
         key = self._key_of.pop(block)
         copies = self._cached[key]
         del copies[block]
@@ -187,6 +191,7 @@ class BlockAllocator:
             return
         self._cached.setdefault(key, {})[block] = None
         self._key_of[block] = key
+        self.generation += 1
 
     def uncache(self, block: int) -> None:
         """Removes `block` from the prefix cache (no effect if it is not cached)."""
@@ -201,6 +206,7 @@ class BlockAllocator:
 
     def evict_all(self) -> None:
         """Forgets every cached block (held blocks stay held)."""
+        self.generation += 1
         self._cached.clear()
         self._key_of.clear()
 

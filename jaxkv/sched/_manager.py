@@ -178,6 +178,8 @@ class KVCacheManager:
         # only at the end of that step.
         self._uncommitted: dict[str, list[int]] = {}
         self._pending_states: set[int] = set()
+        # The latest lookup: (request, (cache generation, known tokens), hit).
+        self._hit_memo: tuple[Request, tuple[int, int], int] | None = None
 
     # --- queries ----------------------------------------------------------------
 
@@ -530,6 +532,7 @@ class KVCacheManager:
         if self._tables or self.allocator.num_free != self.num_usable_blocks:
             return False
         self.allocator = BlockAllocator(self.allocator.num_blocks)
+        self._hit_memo = None
         self.allocator.record_evictions = (
             self.host is not None or self.enable_kv_cache_events
         )
@@ -590,19 +593,38 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        hit = req.num_known_tokens - 1
+        known = req.num_known_tokens
+        memo = self._hit_memo
+        if (
+            memo is not None
+            and memo[0] is req
+            and memo[1] == (self.allocator.generation, known)
+            and self.host is None
+        ):
+            return memo[2]  # the head of the queue, blocked, nothing changed
+        hit = known - 1
+        # Full attention's hit is a prefix rule: under a lower bound it is
+        # the old hit, capped; no block is looked up twice.
+        full: dict[int, int] = {}
         while True:
             agreed = hit
             for g, spec in enumerate(self.specs):
                 bs = self.block_sizes[g]
                 hashes = self._block_hashes(req, bs)
-                k = longest_cache_hit(
-                    spec,
-                    num_blocks=min(agreed // bs, len(hashes)),
-                    is_cached=lambda j, g=g, h=hashes: self._is_cached((g, h[j])),
-                )
+                bound = min(agreed // bs, len(hashes))
+                if g in full:
+                    k = min(full[g], bound)
+                else:
+                    k = longest_cache_hit(
+                        spec,
+                        num_blocks=bound,
+                        is_cached=lambda j, g=g, h=hashes: self._is_cached((g, h[j])),
+                    )
+                    if spec is None:
+                        full[g] = k
                 agreed = k * bs
             if agreed == hit:
+                self._hit_memo = (req, (self.allocator.generation, known), hit)
                 return hit
             hit = agreed
 

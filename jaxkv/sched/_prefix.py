@@ -97,19 +97,19 @@ def longest_cache_hit(
     """
     if isinstance(spec, MambaSpec):
         return next((k for k in range(num_blocks, 0, -1) if is_cached(k - 1)), 0)
-    run = 0  # cached blocks in a row ending at block k - 1
-    runs = []
-    for j in range(num_blocks):
-        run = run + 1 if is_cached(j) else 0
-        runs.append(run)
-    for k in range(num_blocks, 0, -1):
-        first = (
-            0
-            if spec is None
-            else get_num_skipped_tokens(spec, k * spec.block_size) // spec.block_size
-        )
-        if runs[k - 1] >= k - first:
+    if spec is None:  # full attention: up to the first miss
+        return next((j for j in range(num_blocks) if not is_cached(j)), num_blocks)
+    # A window: the largest k whose visible blocks [first(k), k) are cached.
+    # A miss at m rules out every k > m whose window reaches back to m, and
+    # first() never decreases, so the next candidate is k = m: each block is
+    # looked up about once, from the end (vLLM's backward scan).
+    k = num_blocks
+    while k > 0:
+        first = get_num_skipped_tokens(spec, k * spec.block_size) // spec.block_size
+        miss = next((j for j in range(k - 1, first - 1, -1) if not is_cached(j)), None)
+        if miss is None:
             return k
+        k = miss
     return 0
 
 
