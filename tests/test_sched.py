@@ -2,6 +2,7 @@
 through the demo Engine against the dense model)."""
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -105,7 +106,9 @@ def test_longest_cache_hit_rules(kind, cached, want):
 def test_longest_cache_hit_is_the_largest_valid_hit_looked_up_once(
     kind, size, bs, num_blocks, cached
 ):
-    kw = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype="float32")
+    kw: dict[str, Any] = dict(
+        block_size=bs, num_kv_heads=1, head_size=8, dtype="float32"
+    )
     spec = {
         "full": None,
         "window": jaxkv.SlidingWindowSpec(sliding_window=size, **kw),
