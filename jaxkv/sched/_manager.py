@@ -495,6 +495,21 @@ class KVCacheManager:
                 table[:keep] = [0] * keep
                 self._rows.zero(req.req_id, g, keep)
 
+    def free_beyond(self, req: Request, num_tokens: int) -> None:
+        """Gives back `req`'s attention blocks past its first `num_tokens`
+        tokens (slots of rejected draft tokens); Mamba states are kept.
+        """  # noqa: D205
+        tables = self._tables_of(req, "free_beyond")
+        for g, table in enumerate(tables):
+            if self.is_mamba[g]:
+                continue
+            keep = cdiv(num_tokens, self.block_sizes[g])
+            gone = [b for b in table[keep:] if b]
+            if gone:
+                self.allocator.free(gone[::-1])
+                self._rows.zero_from(req.req_id, g, keep)
+            del table[keep:]
+
     def free(self, req: Request) -> None:
         """Gives back every block `req` holds (finished, rejected or preempted);
         cached ones stay reusable until evicted, the last blocks first.

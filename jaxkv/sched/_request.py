@@ -61,6 +61,10 @@ class Request:
         default); orders requests of equal priority.
       wait_reason: Why the request was not admitted at the latest step it
         headed the waiting queue (``None`` once admitted).
+      spec_token_ids: Draft tokens for the next step to verify (speculative
+        decoding, vLLM's name): set them after the step that sampled the
+        request's last token; the next :meth:`Scheduler.schedule` takes as
+        many as fit and clears them.
 
     Example:
       >>> import jaxkv
@@ -84,6 +88,7 @@ class Request:
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.time)
     wait_reason: str | None = None
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

@@ -6,7 +6,7 @@ and token counts, and its host arrays (it is the :class:`StepArrays` that
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -26,6 +26,10 @@ class ScheduledStep(StepArrays):
       batch: ``(request, tokens this step)`` in batch order (decodes first);
         each request computes its tokens from ``num_computed`` on.
       preempted: Requests preempted while scheduling this step.
+      spec_token_ids: Per request id, the draft tokens this step verifies
+        (vLLM's ``scheduled_spec_decode_tokens``): the request computes its
+        last token and these, and samples at each of them (``1 + k`` logits,
+        ``cu_num_logits`` marks them).
 
     Example:
       >>> import jaxkv
@@ -38,6 +42,7 @@ class ScheduledStep(StepArrays):
 
     batch: list[tuple[Request, int]]
     preempted: list[Request]
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # Each request's (num_computed, len(output)) when the step was scheduled:
     # update() applies the step from them, so applying it again after an
     # exception midway changes nothing twice.
@@ -74,19 +79,24 @@ class ScheduledStep(StepArrays):
 
     @property
     def sampled(self) -> list[Request]:
-        """Requests whose last token this step reaches: one sampled token each,
-        in batch order.
+        """Requests whose last token this step reaches: one sampled token each
+        (``1 + k`` with ``k`` draft tokens), in batch order.
         """  # noqa: D205
+        spec = self.spec_token_ids
         return [
             r
             for (r, n), (c, o) in zip(self.batch, self._before, strict=True)
-            if c + n == len(r.prompt) + o
+            if c + n - len(spec.get(r.req_id, ())) == len(r.prompt) + o
         ]
 
 
-def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
+def sampled_token_indices(
+    batch: Sequence[tuple[Request, int]],
+    spec_token_ids: Mapping[str, Sequence[int]] | None = None,
+) -> list[int]:
     """Step-token indices whose logits are sampled: the last token of each
-    request whose chunk reaches the end of its tokens.
+    request whose chunk reaches the end of its tokens, and every token of a
+    request verifying draft tokens (`spec_token_ids`).
 
     Example:
       >>> import jaxkv
@@ -98,33 +108,43 @@ def sampled_token_indices(batch: Sequence[tuple[Request, int]]) -> list[int]:
     out, end = [], 0
     for req, n in batch:
         end += n
-        if req.num_computed + n == req.num_tokens:
-            out.append(end - 1)
+        k = len(spec_token_ids.get(req.req_id, ())) if spec_token_ids else 0
+        if req.num_computed + n - k == req.num_tokens:
+            out.extend(range(end - 1 - k, end))
     return out
 
 
 def scheduled_step(
-    batch: list[tuple[Request, int]], preempted: list[Request], blocks: StepBlocks
+    batch: list[tuple[Request, int]],
+    preempted: list[Request],
+    blocks: StepBlocks,
+    spec_token_ids: dict[str, list[int]] | None = None,
 ) -> ScheduledStep:
     """The step of `batch` (each request from its ``num_computed`` on) and its
-    host arrays, with the batch's `blocks` (:meth:`KVCacheManager.step_blocks`).
+    host arrays, with the batch's `blocks` (:meth:`KVCacheManager.step_blocks`)
+    and the draft tokens verified (`spec_token_ids`, per request id: their
+    tokens follow the request's last one).
     """  # noqa: D205
+    spec = spec_token_ids or {}
     q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
     starts = np.fromiter((r.num_computed for r, _ in batch), np.int32, len(batch))
     qsl = np.zeros(len(batch) + 1, np.int32)
     np.cumsum(q_lens, out=qsl[1:])
     num_tokens = int(qsl[-1])
-    samples = sampled_token_indices(batch)
+    samples = sampled_token_indices(batch, spec)
     token_ids: list[int] = []
     for r, n in batch:
         if n == 1:  # a decode: one token, no list
             p, c = len(r.prompt), r.num_computed
             token_ids.append(r.prompt[c] if c < p else r.output[c - p])
         else:
-            token_ids += r.token_range(r.num_computed, r.num_computed + n)
+            drafts = spec.get(r.req_id, ())
+            token_ids += r.token_range(r.num_computed, r.num_computed + n - len(drafts))
+            token_ids += drafts
     return ScheduledStep(
         batch=batch,
         preempted=preempted,
+        spec_token_ids=dict(spec),
         query_start_loc=qsl,
         seq_lens=starts + q_lens,
         # Each token's position: its request's start plus its rank in it.

@@ -16,7 +16,7 @@ from typing import cast
 
 import numpy as np
 
-from jaxkv._util import check_positive_int, host_int_array
+from jaxkv._util import check_non_negative_int, check_positive_int, host_int_array
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
@@ -73,6 +73,17 @@ class Scheduler:
         prefilled. ``req.wait_reason`` says what held the head of the queue.
       enable_kv_cache_events: The manager keeps vLLM's KV-cache events
         (``scheduler.manager.take_events()``; see :class:`KVCacheManager`).
+      num_lookahead_tokens: Slots held past each decoding request's step
+        tokens (vLLM's ``num_lookahead_tokens``: a draft model that writes its
+        own K/V there, EAGLE-style).
+
+    Speculative decoding: after a step, set ``req.spec_token_ids`` to the
+    drafts for a decoding request; the next step computes its last token and
+    as many drafts as fit (the budget, ``max_new_tokens``, ``max_model_len``)
+    and samples at each (``step.spec_token_ids`` says which; the logits come
+    ``cu_num_logits``-delimited, as vLLM's). Give :meth:`update` the tokens
+    each request accepted: the drafts your rejection sampler kept, then the
+    token it sampled after them; the slots of rejected drafts are given back.
 
     Example:
       >>> import jaxkv
@@ -103,6 +114,7 @@ class Scheduler:
         policy: str = "fcfs",
         scheduler_reserve_full_isl: bool = True,
         enable_kv_cache_events: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """Creates the block manager; no requests yet."""
         if policy not in ("fcfs", "priority"):
@@ -110,6 +122,9 @@ class Scheduler:
                 f"Scheduler: policy must be 'fcfs' or 'priority', got {policy!r}."
             )
         self.policy = policy
+        self.num_lookahead_tokens = check_non_negative_int(
+            "Scheduler", "num_lookahead_tokens", num_lookahead_tokens
+        )
         self.scheduler_reserve_full_isl = bool(scheduler_reserve_full_isl)
         cfg = plan.runner_config
         self.manager = KVCacheManager(
@@ -398,22 +413,32 @@ class Scheduler:
                 "schedule: update() of the latest step raised midway; call "
                 "update(step, tokens) again with the same step to finish it."
             )
+        self._check_drafts()
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        spec: dict[str, list[int]] = {}
         i = 0
         align = self._align
         while i < len(self.running) and budget and len(batch) < self.max_num_seqs:
             req = self.running[i]
+            decoding = req.num_computed == req.num_tokens - 1
+            drafts = self._drafts(req, budget) if decoding else []
             n = (
-                self._chunk(req, budget, req.num_computed)
+                1 + len(drafts)
+                if decoding
+                else self._chunk(req, budget, req.num_computed)
                 if align
                 else min(req.num_tokens - req.num_computed, budget)
             )
             if not n:  # an aligned chunk does not fit this step's budget
                 i += 1
                 continue
-            while not self.manager.allocate(req, n):
+            slots = n
+            if decoding and self.num_lookahead_tokens:
+                room = self.max_model_len - req.num_computed - n
+                slots += max(0, min(self.num_lookahead_tokens, room))
+            while not self.manager.allocate(req, slots):
                 victim = (
                     max(self.running, key=self._order)
                     if self.policy == "priority"
@@ -425,6 +450,7 @@ class Scheduler:
                     i -= 1
                     k = next(k for k, (r, _) in enumerate(batch) if r is victim)
                     budget += batch.pop(k)[1]
+                    spec.pop(victim.req_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -433,6 +459,8 @@ class Scheduler:
                 batch.append((req, n))
                 budget -= n
                 i += 1
+                if drafts:
+                    spec[req.req_id] = drafts
         while (
             self.waiting and budget and len(batch) < self.max_num_seqs and not preempted
         ):
@@ -480,8 +508,54 @@ class Scheduler:
             batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
         self.stats["steps"] += bool(batch)
         self.stats["prefill_tokens"] += sum(prefill)
-        self._latest = scheduled_step(batch, preempted, self.manager.step_blocks(batch))
+        for req, _ in batch:  # drafts are used once, all that fit
+            if req.num_computed == req.num_tokens - 1:
+                req.spec_token_ids = []
+        self._latest = scheduled_step(
+            batch, preempted, self.manager.step_blocks(batch), spec
+        )
         return self._latest
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The draft tokens of decoding `req` that fit this step: the token
+        budget, ``max_new_tokens`` (the last accepted token is sampled) and
+        ``max_model_len``.
+        """  # noqa: D205
+        k = min(
+            len(req.spec_token_ids),
+            budget - 1,
+            req.max_new_tokens - len(req.output) - 1,
+            self.max_model_len - req.num_tokens,
+        )
+        return [int(t) for t in req.spec_token_ids[: max(k, 0)]]
+
+    def _check_drafts(self) -> None:
+        """Refuses bad draft tokens before anything is scheduled."""
+        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        for req in self.running:
+            drafts = req.spec_token_ids
+            if not drafts:
+                continue
+            if any(self.manager.is_mamba):
+                raise ValueError(
+                    f"schedule: request {req.req_id!r} has draft tokens, but the "
+                    "model has Mamba groups, whose state cannot be rolled back "
+                    "past rejected drafts; speculative decoding needs attention "
+                    "layers only."
+                )
+            if isinstance(drafts, str | bytes) or not isinstance(drafts, Sequence):
+                raise TypeError(
+                    f"schedule: request {req.req_id!r}: spec_token_ids must be a "
+                    f"list of token ids, got {type(drafts).__name__}."
+                )
+            ids = host_int_array(
+                drafts, f"schedule: request {req.req_id!r} spec_token_ids"
+            )
+            if ids.ndim != 1 or ((ids < 0) | (ids >= top)).any():
+                raise ValueError(
+                    f"schedule: request {req.req_id!r} spec_token_ids must be token "
+                    f"ids in [0, {top}), got {list(drafts)[:8]}."
+                )
 
     def _count_lookup(self, req: Request, hit: int) -> None:
         """Counts an admission's prefix-cache lookup (vLLM's ``record``)."""
@@ -602,6 +676,7 @@ class Scheduler:
             or not running
             or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
             or any(r.num_computed != r.num_tokens - 1 for r in running)
+            or any(r.spec_token_ids for r in running)
         ):
             return None
         counts = [min(num_steps, r.max_new_tokens - len(r.output)) for r in running]
@@ -627,14 +702,17 @@ class Scheduler:
         return step
 
     def update(
-        self, step: ScheduledStep, sampled_token_ids: Sequence[int]
+        self, step: ScheduledStep, sampled_token_ids: Sequence[int | Sequence[int]]
     ) -> list[Request]:
         """Advances the step's requests; returns those that finished.
 
         Args:
           step: The step :meth:`schedule` returned, after it ran.
           sampled_token_ids: One token per request of ``step.sampled``, in
-            order.
+            order. For a request verifying drafts (``step.spec_token_ids``),
+            the tokens it accepts instead, as a list: the drafts kept (a
+            prefix of its drafts), then the token sampled after them (1 to
+            ``k + 1``); a list of one token stands for that token anywhere.
 
         Everything is checked before anything changes, so after a refused
         call (the errors below) the requests and blocks are exactly as before
@@ -663,9 +741,17 @@ class Scheduler:
                 "with update_decode()."
             )
         self._check_latest(step, "update", "schedule()")
+        if step.spec_token_ids or any(
+            isinstance(t, list | tuple) for t in sampled_token_ids
+        ):
+            return self._update_spec(
+                step, self._checked_accepted(step, sampled_token_ids)
+            )
         # Validated before anything changes: a bad token leaves every request
         # and block as it was.
-        tokens_in = self._checked_tokens("update", step, sampled_token_ids)
+        tokens_in = self._checked_tokens(
+            "update", step, cast(Sequence[int], sampled_token_ids)
+        )
         # Each entry is applied from the counts recorded when it was scheduled
         # (set, not added; a token appended once; commit() frees only what the
         # count says): if something fails midway (a fault in the manager, an
@@ -686,6 +772,76 @@ class Scheduler:
                 req.output.append(token)
             self.manager.commit(req)
         return self._close_applied(step, live)
+
+    def _update_spec(
+        self, step: ScheduledStep, accepted: list[list[int]]
+    ) -> list[Request]:
+        """:meth:`update` of a step verifying draft tokens (same guarantees)."""
+        self._applying = step
+        rows = iter(accepted)
+        live = []
+        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
+            k = len(step.spec_token_ids.get(req.req_id, ()))
+            row = next(rows) if computed + n - k == len(req.prompt) + outputs else None
+            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
+                continue
+            live.append(req)
+            if row is None:
+                req.num_computed = computed + n
+            else:
+                # K/V is right up to the last accepted draft; the token sampled
+                # after it is computed next step.
+                req.num_computed = computed + n - k + len(row) - 1
+                taken = _until_stop(req, row)[: req.max_new_tokens - outputs]
+                req.output[outputs:] = taken
+                if len(row) <= k:  # drafts rejected: their slots go back
+                    self.manager.free_beyond(
+                        req, req.num_computed + 1 + self.num_lookahead_tokens
+                    )
+            self.manager.commit(req)
+        return self._close_applied(step, live)
+
+    def _checked_accepted(
+        self, step: ScheduledStep, sampled_token_ids: Sequence[int | Sequence[int]]
+    ) -> list[list[int]]:
+        """The accepted tokens per sampling request of a step with drafts."""
+        sampled = step.sampled
+        if len(sampled_token_ids) != len(sampled):
+            raise ValueError(
+                f"update: {len(sampled)} requests sample this step "
+                f"({[r.req_id for r in sampled][:8]}), got {len(sampled_token_ids)} "
+                "entries (one per request: its accepted tokens)."
+            )
+        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
+        out = []
+        for req, entry in zip(sampled, sampled_token_ids, strict=True):
+            drafts = step.spec_token_ids.get(req.req_id, [])
+            given = [entry] if isinstance(entry, int | np.integer) else entry
+            row = (
+                host_int_array(given, f"update: request {req.req_id!r} accepted tokens")
+                if len(given)
+                else np.zeros(0, np.int64)
+            ).reshape(-1)
+            if not 1 <= row.size <= len(drafts) + 1:
+                raise ValueError(
+                    f"update: request {req.req_id!r} verified {len(drafts)} draft "
+                    f"tokens and accepts 1 to {len(drafts) + 1} tokens (the drafts "
+                    f"kept, then one sampled), got {row.size}."
+                )
+            if ((row < 0) | (row >= top)).any():
+                raise ValueError(
+                    f"update: request {req.req_id!r} accepted tokens must be in "
+                    f"[0, {top}), got {row.tolist()[:8]}."
+                )
+            kept = row[:-1].tolist()
+            if kept != drafts[: len(kept)]:
+                raise ValueError(
+                    f"update: request {req.req_id!r} accepts {kept} before its "
+                    f"sampled token, but the step computed drafts {drafts}: only a "
+                    "prefix of the drafts can be kept (their K/V is in the cache)."
+                )
+            out.append(row.tolist())
+        return out
 
     def _close_applied(self, step: ScheduledStep, live: list[Request]) -> list[Request]:
         """Finishes the requests of `live` the step completed; marks it applied."""
@@ -1013,6 +1169,11 @@ class Scheduler:
                 "device and is applied with update_decode(), not advanced."
             )
         self._check_latest(step, "advance", "schedule()")
+        if step.spec_token_ids:
+            raise ValueError(
+                "advance: the step verifies draft tokens; apply it with update() "
+                "(the accepted tokens decide the next step's inputs)."
+            )
         sampled = step.sampled
         rank = {id(r): k for k, r in enumerate(sampled)}
         for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):

@@ -79,6 +79,10 @@ class TableRows:
         """Zeroes the first `keep` columns of `req_id`'s row of group `g`."""
         self._arrays[g][self._row[req_id], :keep] = 0
 
+    def zero_from(self, req_id: str, g: int, start: int) -> None:
+        """Zeroes the columns from `start` on of `req_id`'s row of group `g`."""
+        self._arrays[g][self._row[req_id], start:] = 0
+
     def release(self, req_id: str) -> None:
         """Zeroes `req_id`'s row in every group and recycles it."""
         row = self._row.pop(req_id, None)
