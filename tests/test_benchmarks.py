@@ -46,6 +46,10 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
             "--running 4 --prompt 24 --prefix 8 --steps 3".split(),
         ),
         (
+            "bench_trace",
+            "--synthetic 60 --capacity-tokens 8192,65536 --max-output 4".split(),
+        ),
+        (
             "bench_prefix",
             "--num-requests 3 --prefix 64 --suffix 4 --max-new-tokens 2 "
             "--token-buckets 64 --num-blocks 64 --iters 1".split(),
@@ -154,6 +158,14 @@ def _offload(r):
     assert all(m["compiles"] == 0 for m in modes.values())
 
 
+def _trace(r):
+    small, large = r["runs"][0], r["runs"][1]  # block 16: 8,192 / 65,536 tokens
+    assert 0 < small["hit_ratio"] <= large["hit_ratio"] < 1
+    assert small["preemptions"] >= large["preemptions"]
+    assert r["lookup"]["lookups"] == 1  # an empty cache: the first block misses
+    assert r["lookup"]["lookups_unchanged"] == 0
+
+
 def _step_metadata(r):
     assert r["executables"] >= 1
     assert _positive(r["packed_ms"], r["naive_ms"], r["kernel_ms"])
@@ -168,6 +180,7 @@ FIGURES = {
     "bench_serve": _serve,
     "bench_sched": _sched,
     "bench_prefix": _prefix,
+    "bench_trace": _trace,
     "bench_offload": _offload,
     "bench_step_metadata": _step_metadata,
 }
