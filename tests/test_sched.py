@@ -139,6 +139,30 @@ def test_longest_cache_hit_is_the_largest_valid_hit_looked_up_once(
         assert len(looked) <= num_blocks + size + 1
 
 
+def test_a_blocked_head_of_the_queue_is_not_looked_up_again_while_nothing_changes():
+    plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=1), num_blocks=8)
+    m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+    warm = jaxkv.Request("warm", prompt=list(range(40)), max_new_tokens=1)
+    assert m.allocate(warm, 40)
+    warm.num_computed = 40
+    m.commit(warm)
+    r = jaxkv.Request("r", prompt=list(range(40)) + [7], max_new_tokens=1)
+    calls = []
+    lookup = m._is_cached
+    m._is_cached = lambda key: calls.append(key) or lookup(key)
+    assert m.find_cache_hit(r) == 32
+    assert len(calls) == 2  # blocks 0 and 1; block 2 holds the last token
+    calls.clear()
+    assert m.find_cache_hit(r) == 32
+    assert calls == []  # the cache is unchanged
+    m.free(warm)  # freed, still cached: unchanged for a lookup
+    assert m.find_cache_hit(r) == 32
+    assert calls == []
+    m.allocator.allocate(m.num_free_blocks)  # evicts: looked up again
+    assert m.find_cache_hit(r) == 0
+    assert calls
+
+
 def _plan(num_blocks=24, **kw):
     cfg = jaxkv.tiny_hybrid_config(
         block_size=16, head_size=16, num_heads=2, sliding_window=32, **kw

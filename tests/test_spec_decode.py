@@ -181,6 +181,17 @@ def test_a_verify_step_samples_every_draft_and_applies_what_is_accepted():
     assert [len([b for b in t if b]) for t in s.manager.blocks_of(r)] == [3]
 
 
+def test_a_stop_token_among_the_accepted_ends_the_request_there():
+    s, r = _running()
+    r.stop_token_ids = (2,)
+    r.spec_token_ids = [1, 2, 3]
+    step = s.schedule()
+    assert s.update(step, [[1, 2, 3, 4]]) == [r]  # 2 is a stop token
+    assert r.output == [9, 1, 2]
+    assert r.status is jaxkv.RequestStatus.FINISHED
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks
+
+
 def test_drafts_are_cut_to_the_budget_and_max_new_tokens():
     s, r = _running(budget=3)
     r.spec_token_ids = [1, 2, 3, 4]

@@ -584,6 +584,21 @@ def test_multiple_workers_groups_come_from_the_whole_model():
     assert _groups(kvs[1]) == [(["layer4"], full), (["layer5"], swa), (["layer6"], swa)]
 
 
+def test_multiple_workers_split_a_uniform_type_group_by_stage():
+    # One attention type, head sizes 128 and 64: one UniformTypeKVCacheSpecs
+    # group for the model; each stage's group names only its own layers.
+    big, small = new_kv_cache_spec(head_size=128), new_kv_cache_spec()
+    stages = [{"layer_1": big, "layer_2": small}, {"layer_3": small}]
+    kvs = get_kv_cache_configs(stages, [PAGE * 3 * 10, PAGE * 10])
+    assert [kv.num_blocks for kv in kvs] == [10, 10]
+    for kv, stage in zip(kvs, stages, strict=True):
+        (group,) = kv.kv_cache_groups
+        assert isinstance(group.kv_cache_spec, jaxkv.UniformTypeKVCacheSpecs)
+        assert dict(group.kv_cache_spec.kv_cache_specs) == stage
+    assert _tensors(kvs[0]) == [(PAGE * 2 * 10, ["layer_1"]), (PAGE * 10, ["layer_2"])]
+    assert _tensors(kvs[1]) == [(PAGE * 10, ["layer_3"])]
+
+
 def test_multiple_workers_refuse_conflicting_specs_and_short_memory():
     with pytest.raises(ValueError, match="layer 'layer1' has different specs"):
         get_kv_cache_configs(
