@@ -4,9 +4,11 @@ os.environ.setdefault("MPLBACKEND", "Agg")  # pictures render headless
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core (pytest -n auto): each worker's XLA runs on one
     # thread, so workers do not contend for the cores.
+    # (Only XLA flags: a token without "--" ends XLA's parsing of the
+    # variable, and the check scripts' subprocesses append their device count
+    # to it.)
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
     ).strip()
 
 import jax
