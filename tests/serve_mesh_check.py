@@ -173,8 +173,9 @@ def check(arg, want, want_logits):
     for overlap in (True, False):
         resets: list[dict[str, Any]] = [
             {},
-            {"num_blocks": 13},
-            {"enable_prefix_caching": True},
+            # First-chunk admission, so the small pool preempts.
+            {"num_blocks": 13, "scheduler_reserve_full_isl": False},
+            {"enable_prefix_caching": True, "scheduler_reserve_full_isl": True},
         ]
         for reset in resets:
             loop.set_overlap(overlap)
