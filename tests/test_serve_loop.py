@@ -373,6 +373,36 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
         loop.reset(scheduler_reserve_full_isl=True)
 
 
+def test_a_loop_reports_kv_cache_events_and_serves_by_priority():
+    plan, forward, windows = _model()
+    loop = jaxkv.ServingLoop(
+        plan,
+        forward,
+        _params(len(windows)),
+        vocab_size=VOCAB,
+        enable_prefix_caching=True,
+        enable_kv_cache_events=True,
+        policy="priority",
+        max_num_seqs=1,
+        overlap=False,
+    )
+    reqs = _requests(shared=16, seed=5, new=3)
+    for i, r in enumerate(reqs):
+        r.priority = -i  # the last submitted first
+    order: list[str] = []
+    loop.run(reqs, on_token=lambda r, t: order.append(r.req_id))
+    first_tokens = list(dict.fromkeys(order))
+    assert first_tokens == [r.req_id for r in reversed(reqs)]
+    m = loop.scheduler.manager
+    stored = {
+        (e.group_idx, e.block_hashes[0])
+        for e in m.take_events()
+        if isinstance(e, jaxkv.sched.BlockStored)
+    }
+    assert stored == set(m.allocator._cached)  # nothing evicted: all still cached
+    assert loop.scheduler.make_stats().prefix_cache_stats.hits > 0
+
+
 def test_bad_arguments_are_named():
     plan, forward, _ = _model()
     with pytest.raises(TypeError, match="forward must be callable"):

@@ -130,6 +130,9 @@ class ServingLoop:
         (:class:`Scheduler`; ``Request(priority=...)``).
       scheduler_reserve_full_isl: Admit a request only when its whole prompt
         fits the free blocks (:class:`Scheduler`; vLLM's default, on).
+      enable_kv_cache_events: Each scheduler's manager keeps vLLM's KV-cache
+        events for a KV-aware router (``loop.schedulers[rank].manager.
+        take_events()`` after each step; :class:`KVCacheManager`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -173,6 +176,7 @@ class ServingLoop:
         decode_steps: int = 1,
         policy: str = "fcfs",
         scheduler_reserve_full_isl: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
         check_loop_arguments(plan, forward, sampling, param_specs)
@@ -201,6 +205,7 @@ class ServingLoop:
             "max_num_seqs": max_num_seqs,
             "policy": policy,
             "scheduler_reserve_full_isl": scheduler_reserve_full_isl,
+            "enable_kv_cache_events": enable_kv_cache_events,
         }
         self.schedulers: list[Scheduler] = self._schedulers(
             enable_prefix_caching=enable_prefix_caching,
