@@ -154,7 +154,7 @@ def _jaxkv_plan(kind: str, num_blocks: int, max_model_len: int) -> jaxkv.KVCache
 
 
 def run_trace(
-    seed: int, kind: str, *, free_at_commit: bool = True
+    seed: int, kind: str, *, free_at_commit: bool = False
 ) -> tuple[bool, int, int, str]:
     """One seeded trace; returns (identical, our hits, their hits, first diff)."""
     rng = np.random.default_rng(seed)
@@ -162,7 +162,13 @@ def run_trace(
     budget = int(rng.integers(6, 17))
     max_model_len = 64
     plan = _jaxkv_plan(kind, num_blocks, max_model_len)
-    ours = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+    # Blocks no later query reads are freed at each side's next allocation
+    # (vLLM's time, jaxkv's default), or right after each step on both.
+    ours = jaxkv.KVCacheManager(
+        plan,
+        enable_prefix_caching=True,
+        free_skipped_at="commit" if free_at_commit else "allocate",
+    )
     theirs = _vllm_manager(kind, num_blocks, max_model_len)
     sched = jaxkv.Scheduler(
         plan, max_num_batched_tokens=budget, enable_prefix_caching=True
@@ -323,16 +329,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--traces", type=int, default=200)
     ap.add_argument(
-        "--vllm-frees-late",
+        "--free-at-commit",
         action="store_true",
-        help="leave vLLM freeing window and old Mamba blocks at the next allocate",
+        help="free window and old Mamba blocks right after each step on both sides",
     )
     args = ap.parse_args()
     for kind in ("full", "swa", "mamba"):
         same = ours = theirs = 0
         diffs: dict[str, int] = {}
         for seed in range(args.traces):
-            ok, a, b, d = run_trace(seed, kind, free_at_commit=not args.vllm_frees_late)
+            ok, a, b, d = run_trace(seed, kind, free_at_commit=args.free_at_commit)
             same += ok
             ours += a
             theirs += b

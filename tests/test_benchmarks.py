@@ -49,6 +49,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
             "bench_trace",
             "--synthetic 60 --capacity-tokens 8192,65536 --max-output 4".split(),
         ),
+        ("bench_free_time", ["--traces", "12"]),
         (
             "bench_prefix",
             "--num-requests 3 --prefix 64 --suffix 4 --max-new-tokens 2 "
@@ -166,6 +167,13 @@ def _trace(r):
     assert r["lookup"]["lookups_unchanged"] == 0
 
 
+def _free_time(r):
+    assert set(r) == {"swa/chunk", "swa/full", "mamba/chunk", "mamba/full"}
+    for row in r.values():
+        assert row["allocate"]["computed"] > 0
+        assert row["commit"]["computed"] > 0
+
+
 def _step_metadata(r):
     assert r["executables"] >= 1
     assert _positive(r["packed_ms"], r["naive_ms"], r["kernel_ms"])
@@ -181,6 +189,7 @@ FIGURES = {
     "bench_sched": _sched,
     "bench_prefix": _prefix,
     "bench_trace": _trace,
+    "bench_free_time": _free_time,
     "bench_offload": _offload,
     "bench_step_metadata": _step_metadata,
 }

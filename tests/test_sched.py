@@ -184,12 +184,16 @@ def _run(manager, req, n):
     manager.commit(req)
 
 
-def test_manager_frees_windows_and_old_states_and_returns_every_block():
+@pytest.mark.parametrize("free_skipped_at", ["commit", "allocate"])
+def test_manager_frees_windows_and_old_states_and_returns_every_block(free_skipped_at):
     plan = _plan()
-    m = jaxkv.KVCacheManager(plan)
+    m = jaxkv.KVCacheManager(plan, free_skipped_at=free_skipped_at)
     full, swa, mamba = _groups(plan)
     r = jaxkv.Request("r", prompt=list(range(100)), max_new_tokens=1)
     _run(m, r, 70)  # positions 0..69: 5 blocks per attention group
+    if free_skipped_at == "allocate":  # vLLM's time: kept until the next one
+        assert all(m.blocks_of(r)[swa])
+        assert m.allocate(r, 0)
     blocks = m.blocks_of(r)
     assert all(blocks[full])
     assert len(blocks[full]) == 5
@@ -202,6 +206,8 @@ def test_manager_frees_windows_and_old_states_and_returns_every_block():
     held = sum(b != 0 for g in blocks for b in g)
     assert m.num_free_blocks == 23 - held
     _run(m, r, 30)  # next chunk reads column 4, writes column 6
+    if free_skipped_at == "allocate":
+        assert m.allocate(r, 0)
     assert m.blocks_of(r)[mamba][:6] == [0] * 6
     m.free(r)
     assert m.num_free_blocks == 23
@@ -219,7 +225,7 @@ def test_manager_allocation_is_all_or_nothing():
 
 def test_prefix_hit_agrees_over_groups_and_needs_the_mamba_state():
     plan = _plan(num_blocks=40)
-    m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+    m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True, free_skipped_at="commit")
     prefix = list(range(64))
     a = jaxkv.Request("a", prompt=[*prefix, 1, 2, 3], max_new_tokens=1)
     _run(m, a, 48)  # ends on a block boundary: state after 48 kept

@@ -352,7 +352,10 @@ def test_one_request_at_a_time_hits_never_fall_as_the_pool_grows(mamba):
 # --- cause 5: jaxkv frees window blocks at commit (kept, in its favour) --------
 
 
-def test_window_blocks_are_free_right_after_the_step():
+@pytest.mark.parametrize("free_skipped_at", ["allocate", "commit"])
+def test_window_blocks_are_freed_at_the_next_allocation_or_after_the_step(
+    free_skipped_at,
+):
     swa = jaxkv.SlidingWindowSpec(
         block_size=4, num_kv_heads=1, head_size=8, dtype="float32", sliding_window=4
     )
@@ -362,15 +365,26 @@ def test_window_blocks_are_free_right_after_the_step():
         max_num_batched_tokens=32,
         token_buckets=(32,),
     )
-    m = jaxkv.KVCacheManager(jaxkv.make_plan(cfg, num_blocks=6))  # 5 usable
+    m = jaxkv.KVCacheManager(
+        jaxkv.make_plan(cfg, num_blocks=6), free_skipped_at=free_skipped_at
+    )  # 5 usable
     a = jaxkv.Request("a", prompt=list(range(13)), max_new_tokens=1)
     _run(m, a, 12)
-    # From position 12 a query sees keys > 8: blocks 0 and 1 are given back at
-    # commit (vLLM: at a's next allocate_slots, so 2 free instead of 4 here).
-    assert m.blocks_of(a) == [[0, 0, m.blocks_of(a)[0][2]]]
-    assert m.num_free_blocks == 4
     b = jaxkv.Request("b", prompt=list(range(100, 116)), max_new_tokens=1)
-    assert m.allocate(b, 16)  # 4 blocks: admitted (vLLM refuses it here)
+    # From position 12 a query sees keys > 8: blocks 0 and 1 are not needed.
+    if free_skipped_at == "allocate":
+        # vLLM's time: given back at a's next allocate_slots; 2 blocks free
+        # now, so b (4 blocks) is refused, as vLLM refuses it.
+        assert m.num_free_blocks == 2
+        assert not m.allocate(b, 16)
+        assert m.allocate(a, 1)
+        assert m.blocks_of(a)[0][:2] == [0, 0]
+        assert m.num_free_blocks == 4 - 1  # a's 13th token took a block
+    else:
+        # Right after the step: 4 blocks free, and b is admitted.
+        assert m.blocks_of(a) == [[0, 0, m.blocks_of(a)[0][2]]]
+        assert m.num_free_blocks == 4
+        assert m.allocate(b, 16)
 
 
 def test_a_chunk_that_cannot_reach_a_block_boundary_waits():

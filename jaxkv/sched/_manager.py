@@ -78,6 +78,11 @@ class KVCacheManager:
       host: A host tier of your own instead (e.g. a mesh rank's
         :class:`HostKVCache`, ``sharded=`` and ``rank=`` set); needs prefix
         caching.
+      free_skipped_at: When blocks no later query reads (out of a window,
+        Mamba states before the last) are freed: ``"allocate"`` (default), at
+        the request's next allocation, vLLM's time; ``"commit"``, right after
+        the step. vLLM's time keeps more prefix hits: blocks freed later are
+        evicted later (``benchmarks/bench_free_time.py``).
       enable_kv_cache_events: Keep vLLM's KV-cache events (``BlockStored``
         for each block entering the prefix cache, ``BlockRemoved`` for each
         leaving it, ``AllBlocksCleared``) for :meth:`take_events`, which a
@@ -105,8 +110,14 @@ class KVCacheManager:
         host_blocks: int = 0,
         host: HostKVCache | None = None,
         enable_kv_cache_events: bool = False,
+        free_skipped_at: str = "allocate",
     ) -> None:
         """Reads the groups from `plan`; all blocks start free."""
+        if free_skipped_at not in ("allocate", "commit"):
+            raise ValueError(
+                "KVCacheManager: free_skipped_at must be 'allocate' or 'commit', "
+                f"got {free_skipped_at!r}."
+            )
         groups = plan.kv_cache_config.kv_cache_groups
         self.plan = plan
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
@@ -160,6 +171,7 @@ class KVCacheManager:
         self.host = (
             HostKVCache(plan, num_blocks=int(host_blocks)) if host_blocks else host
         )
+        self.free_skipped_at = free_skipped_at
         #: Whether :meth:`take_events` reports prefix-cache changes.
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self._events: list[KVCacheEvent] = []
@@ -282,6 +294,10 @@ class KVCacheManager:
         All or nothing: returns ``False`` and changes nothing when too few
         blocks are free or a hit's Mamba state is not computed yet.
         """
+        if self.free_skipped_at == "allocate" and not num_cached:
+            held = self._tables.get(req.req_id)
+            if held is not None:  # vLLM's remove_skipped_blocks, at allocation
+                self._free_skipped(req, held, req.num_computed)
         if (
             num_new_tokens == 1
             and not num_cached
@@ -470,15 +486,20 @@ class KVCacheManager:
         states it computed as ready for hits; ``req.num_computed`` must already
         count the step's tokens.
 
-        vLLM frees these blocks at the request's next ``allocate_slots``; jaxkv
-        frees them as soon as the step ran, so they are free for the next
-        step's admissions.
+        With ``free_skipped_at="commit"`` it also frees what no later query
+        reads, as soon as the step ran; by default that waits for the
+        request's next allocation, as vLLM's ``allocate_slots``.
         """  # noqa: D205
         tables = self._tables_of(req, "commit")
         n = req.num_computed
         if self._uncommitted:
             for block in self._uncommitted.pop(req.req_id, ()):
                 self._pending_states.discard(block)
+        if self.free_skipped_at == "commit":
+            self._free_skipped(req, tables, n)
+
+    def _free_skipped(self, req: Request, tables: list[list[int]], n: int) -> None:
+        """Frees the blocks of `req` no query after its first `n` tokens reads."""
         for g in self._freeing_groups:
             table = tables[g]
             bs = self.block_sizes[g]
