@@ -188,3 +188,29 @@ def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
             num_blocks=4,
             layout=L.LBNHC,
         )
+
+
+def test_a_view_with_heads_before_tokens_is_refused_strides_say_the_order():
+    # vLLM's create_kv_cache_views gives [B, H, N, C]; jaxkv's views keep the
+    # logical (block, token, head, dim) and put heads outer through strides,
+    # so a hand-made view in vLLM's axis order is refused, not misread.
+    with pytest.raises(ValueError, match="put 'head' before 'token'"):
+        jaxkv.KVCacheView(
+            pool=0,
+            offset=0,
+            shape=(4, 2, 16, 8),
+            strides=(256, 128, 8, 1),
+            dtype="float32",
+            axes=("block", "head", "token", "dim"),
+        )
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=4, dtype="float32"
+    )
+    t = jaxkv.vllm.LayerTensor(
+        size=4 * 1024, layers=("l0",), layer_stride=4096, block_stride=1024
+    )
+    v = jaxkv.vllm.tensor_views(
+        t, spec, num_blocks=4, layout=jaxkv.vllm.TensorLayout.LBHNC
+    )["l0"]
+    assert v.axes == ("block", "token", "head", "dim")
+    assert v.strides[v.dim("head")] > v.strides[v.dim("token")]  # heads outer

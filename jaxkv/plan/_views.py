@@ -89,6 +89,17 @@ class KVCacheView:
             )
         if "block" not in self.axes:
             raise ValueError(f"KVCacheView axes {self.axes} have no 'block' axis.")
+        if (
+            "token" in self.axes
+            and "head" in self.axes
+            and self.axes.index("head") < self.axes.index("token")
+        ):
+            raise ValueError(
+                f"KVCacheView axes {self.axes} put 'head' before 'token'; jaxkv "
+                "reads and writes take the logical order (..., token, head, dim) "
+                "and any physical order as strides (heads outer: a head stride "
+                "larger than the token stride, as vLLM's LBHNC)."
+            )
 
     @property
     def itemsize(self) -> int:
