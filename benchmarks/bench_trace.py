@@ -171,125 +171,210 @@ def replay_jaxkv(records, *, block_size, num_blocks, budget, max_output, step_ms
     }
 
 
-def replay_vllm(records, *, block_size, num_blocks, budget, max_output, step_ms):
-    """vLLM's KVCacheManager under the same policy; host time of its calls."""
-    import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.request import Request
+class _JaxkvManager:
+    """jaxkv's KVCacheManager behind the calls the shared driver makes."""
 
-    init_none_hash(sha256)
-    spec = FullAttentionSpec(
-        block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-    )
-    page = spec.page_size_bytes
+    def __init__(self, block_size, num_blocks, max_len, budget):
+        plan = _plan(block_size, num_blocks, max_len, budget)
+        self.m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+        self.num_evictions = lambda: self.m.allocator.num_evictions
+
+    def request(self, rid, prompt, new):
+        return jaxkv.Request(rid, prompt=prompt, max_new_tokens=new)
+
+    def step_starts(self):
+        pass
+
+    def hit(self, req):
+        return self.m.find_cache_hit(req), None
+
+    def admit(self, req, n, hit, _blocks):
+        return self.m.allocate(req, n, num_cached=hit, full_sequence_must_fit=True)
+
+    def allocate(self, req, n):
+        return self.m.allocate(req, n)
+
+    def computed(self, req):
+        return req.num_computed
+
+    def set_computed(self, req, n):
+        req.num_computed = n
+
+    def ran(self, req, n, sample):
+        req.num_computed += n
+        self.m.commit(req)
+        if sample:
+            req.output.append(7)
+        return len(req.output) >= req.max_new_tokens
+
+    def free(self, req):
+        self.m.free(req)
+
+
+class _VllmManager:
+    """vLLM 0.32's KVCacheManager behind the same calls."""
+
+    def __init__(self, block_size, num_blocks, max_len, budget):
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        spec = FullAttentionSpec(
+            block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        )
+        page = spec.page_size_bytes
+        self.m = KVCacheManager(
+            KVCacheConfig(
+                num_blocks=num_blocks,
+                kv_cache_tensors=[
+                    KVCacheTensor(
+                        size=num_blocks * page,
+                        layers=["attn"],
+                        layer_stride=num_blocks * page,
+                        block_stride=page,
+                    )
+                ],
+                kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
+            ),
+            max_model_len=max_len,
+            scheduler_block_size=block_size,
+            hash_block_size=block_size,
+            enable_caching=True,
+        )
+        hasher = get_request_block_hasher(block_size, sha256)
+        self._make = lambda rid, prompt, new: Request(
+            rid, prompt, SamplingParams(max_tokens=new), None, block_hasher=hasher
+        )
+        self.num_evictions = lambda: None
+
+    def request(self, rid, prompt, new):
+        return self._make(rid, prompt, new)
+
+    def step_starts(self):
+        self.m.new_step_starts()
+
+    def hit(self, req):
+        blocks, hit, _ = self.m.get_computed_blocks(req)
+        return hit, blocks
+
+    def admit(self, req, n, hit, blocks):
+        got = self.m.allocate_slots(
+            req,
+            n,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            full_sequence_must_fit=True,
+        )
+        return got is not None
+
+    def allocate(self, req, n):
+        return self.m.allocate_slots(req, n) is not None
+
+    def computed(self, req):
+        return req.num_computed_tokens
+
+    def set_computed(self, req, n):
+        req.num_computed_tokens = n
+
+    def ran(self, req, n, sample):
+        req.num_computed_tokens += n
+        if sample:
+            req.append_output_token_ids(7)
+        return len(req.output_token_ids) >= req.max_tokens
+
+    def free(self, req):
+        self.m.free(req)
+
+
+def replay_manager(
+    side, records, *, block_size, num_blocks, budget, max_output, step_ms
+):
+    """One block manager (``"jaxkv"`` or ``"vllm"``) under one FCFS policy:
+    the token budget, chunked prefill, full-prompt admission, preemption of
+    the last running request. Host time of each step, arrivals (request
+    objects, vLLM's prompt hashing) included.
+    """  # noqa: D205
     max_len = max(int(r["input_length"]) for r in records) + max_output
-    mgr = KVCacheManager(
-        KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=num_blocks * page,
-                    layers=["attn"],
-                    layer_stride=num_blocks * page,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-        ),
-        max_model_len=max_len,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=True,
-    )
-    hasher = get_request_block_hasher(block_size, sha256)
+    cls = _JaxkvManager if side == "jaxkv" else _VllmManager
+    mgr = cls(block_size, num_blocks, max_len, budget)
     pending = deque(_arrivals(records, max_output))
     waiting: deque = deque()
     running: list = []
-    new_tokens: dict[str, int] = {}
     clock, steps, preemptions, hits, admitted_prompt = 0.0, [], 0, 0, 0
     while pending or waiting or running:
+        t = time.perf_counter()
         while pending and pending[0][0] <= clock:
             _, rid, prompt, new = pending.popleft()
-            waiting.append(
-                Request(
-                    rid,
-                    prompt,
-                    SamplingParams(max_tokens=new),
-                    None,
-                    block_hasher=hasher,
-                )
-            )
-            new_tokens[rid] = new
+            waiting.append((mgr.request(rid, prompt, new), len(prompt)))
             admitted_prompt += len(prompt)
         if not waiting and not running:
             if pending:
                 clock = pending[0][0]
             continue
-        t = time.perf_counter()
-        mgr.new_step_starts()
+        mgr.step_starts()
         left, batch, preempted = budget, [], False
         i = 0
         while i < len(running) and left:
-            req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, left)
-            while mgr.allocate_slots(req, n) is None:
+            req, size = running[i]
+            n = min(size + _outputs(mgr, req) - mgr.computed(req), left)
+            while not mgr.allocate(req, n):
                 victim = running.pop()
-                mgr.free(victim)
-                victim.num_computed_tokens = 0
+                mgr.free(victim[0])
+                mgr.set_computed(victim[0], 0)
                 waiting.appendleft(victim)
                 preemptions += 1
                 preempted = True
-                if victim is req:
+                if victim[0] is req:
                     break
             else:
-                batch.append((req, n))
+                batch.append((req, size, n))
                 left -= n
                 i += 1
         while waiting and left and not preempted:
-            req = waiting[0]
-            blocks, hit = mgr.get_computed_blocks(req)
-            n = min(req.num_tokens - hit, left)
-            got = mgr.allocate_slots(
-                req,
-                n,
-                num_new_computed_tokens=hit,
-                new_computed_blocks=blocks,
-                full_sequence_must_fit=True,
-            )
-            if got is None:
+            req, size = waiting[0]
+            hit, blocks = mgr.hit(req)
+            n = min(size + _outputs(mgr, req) - hit, left)
+            if not mgr.admit(req, n, hit, blocks):
                 break
-            req.num_computed_tokens = hit
+            mgr.set_computed(req, hit)
             hits += hit
             waiting.popleft()
-            running.append(req)
-            batch.append((req, n))
+            running.append((req, size))
+            batch.append((req, size, n))
             left -= n
-        for req, n in batch:
-            end = req.num_computed_tokens + n == req.num_tokens
-            req.num_computed_tokens += n
-            if end:
-                req.append_output_token_ids(7)
-                if len(req.output_token_ids) >= new_tokens[req.request_id]:
-                    running.remove(req)
-                    mgr.free(req)
+        for req, size, n in batch:
+            end = mgr.computed(req) + n == size + _outputs(mgr, req)
+            if mgr.ran(req, n, end) and end:
+                running.remove((req, size))
+                mgr.free(req)
         steps.append(time.perf_counter() - t)
         clock += step_ms
     return {
         "hit_ratio": hits / max(admitted_prompt, 1),
         "preemptions": preemptions,
-        "evictions": None,
+        "evictions": mgr.num_evictions(),
         "rejected": 0,
         "steps": steps,
     }
+
+
+def _outputs(mgr, req) -> int:
+    return (
+        len(req.output) if isinstance(mgr, _JaxkvManager) else len(req.output_token_ids)
+    )
 
 
 def _row(name, res, num_requests):
@@ -375,9 +460,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 max_output=args.max_output,
                 step_ms=args.step_ms,
             )
-            sides = [("jaxkv Scheduler", replay_jaxkv(records, **kw))]
+            sides = [("jaxkv KVCacheManager", replay_manager("jaxkv", records, **kw))]
             if have_vllm:
-                sides.append(("vLLM KVCacheManager", replay_vllm(records, **kw)))
+                sides.append(
+                    ("vLLM KVCacheManager", replay_manager("vllm", records, **kw))
+                )
+            sides.append(
+                ("jaxkv Scheduler (+ step arrays)", replay_jaxkv(records, **kw))
+            )
             for name, res in sides:
                 rows.append(_row(f"{name} bs={bs} cap={cap}", res, len(records)))
                 out["runs"].append(
@@ -396,7 +486,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows,
     )
     if have_vllm:
-        pairs = [out["runs"][i : i + 2] for i in range(0, len(out["runs"]), 2)]
+        runs = [r for r in out["runs"] if "Scheduler" not in r["side"]]
+        pairs = [runs[i : i + 2] for i in range(0, len(runs), 2)]
         same = all(abs(a["hit_ratio"] - b["hit_ratio"]) < 1e-9 for a, b in pairs)
         faster = all(a["median_step_us"] <= b["median_step_us"] for a, b in pairs)
         print(

@@ -102,8 +102,10 @@ def _vllm_manager(kind: str, num_blocks: int, max_model_len: int):
 def _vllm_request(req_id: str, prompt: list[int]):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
+
+    init_none_hash(sha256)
 
     return Request(
         req_id,
@@ -325,6 +327,130 @@ def run_trace(
     return not diff, hits[0], hits[1], diff
 
 
+class _Side:
+    """One manager driven alone: jaxkv's (``"jaxkv"``) or vLLM's (``"vllm"``)."""
+
+    def __init__(self, side: str, kind: str, plan: Any, num_blocks: int, max_len: int):
+        self.side = side
+        self.m: Any
+        if side == "jaxkv":
+            self.m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
+        else:
+            self.m = _vllm_manager(kind, num_blocks, max_len)
+
+    def step_starts(self) -> None:
+        if self.side == "vllm":
+            self.m.new_step_starts()
+
+    def hit(self, p: Pair) -> tuple[int, Any]:
+        if self.side == "jaxkv":
+            return self.m.find_cache_hit(p.ours), None
+        blocks, hit, _ = self.m.get_computed_blocks(p.theirs)
+        return hit, blocks
+
+    def allocate(self, p: Pair, n: int, hit: int = 0, blocks: Any = None) -> bool:
+        if self.side == "jaxkv":
+            return self.m.allocate(p.ours, n, num_cached=hit)
+        if blocks is None:
+            return self.m.allocate_slots(p.theirs, n) is not None
+        return (
+            self.m.allocate_slots(
+                p.theirs, n, num_new_computed_tokens=hit, new_computed_blocks=blocks
+            )
+            is not None
+        )
+
+    def computed(self, p: Pair, n: int) -> None:
+        p.ours.num_computed = n
+        if self.side == "jaxkv":
+            self.m.commit(p.ours) if n else None
+        else:
+            p.theirs.num_computed_tokens = n
+
+    def sampled(self, p: Pair, token: int) -> None:
+        p.ours.output.append(token)
+        if self.side == "vllm":
+            p.theirs.append_output_token_ids(token)
+
+    def free(self, p: Pair) -> None:
+        self.m.free(p.ours if self.side == "jaxkv" else p.theirs)
+
+
+def run_solo(seed: int, kind: str, side: str) -> int:
+    """One seeded trace through one manager alone, deciding for itself (the
+    lockstep driver's policy; sampled tokens fixed per request and position);
+    returns the prompt tokens it took from the cache over the whole trace.
+    """  # noqa: D205
+    rng = np.random.default_rng(seed)
+    num_blocks = int(rng.integers(8, 24))
+    budget = int(rng.integers(6, 17))
+    plan = _jaxkv_plan(kind, num_blocks, 64)
+    m = _Side(side, kind, plan, num_blocks, 64)
+    sched = jaxkv.Scheduler(
+        plan, max_num_batched_tokens=budget, enable_prefix_caching=True
+    )
+    prefixes = [[int(t) for t in rng.integers(0, 40, 16)] for _ in range(3)]
+    waiting: list[Pair] = []
+    for i in range(int(rng.integers(6, 16))):
+        p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 17))]
+        p = p + [int(t) for t in rng.integers(0, 40, int(rng.integers(0, 6)))]
+        p = p or [1]
+        new = int(rng.integers(1, 6))
+        r = jaxkv.Request(f"q{i}", prompt=p, max_new_tokens=new)
+        waiting.append(Pair(r, _vllm_request(r.req_id, list(p)), new))
+    finished_early = rng.random(len(waiting)) < 0.2
+    running: list[Pair] = []
+    hits = 0
+    for _step in range(400):
+        if not waiting and not running:
+            break
+        m.step_starts()
+        left, scheduled, i = budget, [], 0
+        while i < len(running) and left:
+            p = running[i]
+            n = sched._chunk(p.ours, left, p.ours.num_computed)
+            if not n:
+                i += 1
+                continue
+            while not m.allocate(p, n):
+                victim = running.pop()
+                m.free(victim)
+                m.computed(victim, 0)
+                waiting.insert(0, victim)
+                if victim is p:
+                    break
+            if p in running:
+                scheduled.append((p, n))
+                left -= n
+                i += 1
+        while waiting and left:
+            p = waiting[0]
+            hit, blocks = m.hit(p)
+            n = sched._chunk(p.ours, left, hit)
+            if not n or not m.allocate(p, n, hit, blocks):
+                break
+            p.ours.num_computed = hit
+            if side == "vllm":
+                p.theirs.num_computed_tokens = hit
+            hits += hit
+            waiting.pop(0)
+            running.append(p)
+            scheduled.append((p, n))
+            left -= n
+        for p, n in scheduled:
+            end = p.ours.num_computed + n == len(p.ours.tokens)
+            m.computed(p, p.ours.num_computed + n)
+            if end:
+                k = int(p.ours.req_id[1:])
+                m.sampled(p, (seed * 7919 + k * 104729 + len(p.ours.output)) % 40)
+        for p, _ in scheduled:
+            idx = int(p.ours.req_id[1:])
+            if p.ours.finished or (finished_early[idx] and p.ours.output):
+                running.remove(p)
+                m.free(p)
+    return hits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--traces", type=int, default=200)
@@ -332,6 +458,12 @@ def main() -> None:
         "--free-at-commit",
         action="store_true",
         help="free window and old Mamba blocks right after each step on both sides",
+    )
+    ap.add_argument(
+        "--solo",
+        action="store_true",
+        help="also run each trace through each manager alone, whole, and compare "
+        "the prompt tokens each takes from the cache",
     )
     args = ap.parse_args()
     for kind in ("full", "swa", "mamba"):
@@ -349,6 +481,13 @@ def main() -> None:
             f"{kind:6s} identical {same}/{args.traces}  cached prompt tokens "
             f"jaxkv {ours} vLLM {theirs}  first differences: {diffs}"
         )
+        if args.solo:
+            mine = sum(run_solo(seed, kind, "jaxkv") for seed in range(args.traces))
+            yours = sum(run_solo(seed, kind, "vllm") for seed in range(args.traces))
+            print(
+                f"{kind:6s} whole traces, each manager alone: cached prompt tokens "
+                f"jaxkv {mine} vLLM {yours} ({(mine - yours) / max(yours, 1):+.1%})"
+            )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,11 @@ def _setup(window=None):
 
 def _prompts():
     rng = np.random.default_rng(0)
-    return [rng.integers(0, VOCAB, int(rng.integers(3, 14))).tolist() for _ in range(4)]
+    shared = rng.integers(0, VOCAB, 8).tolist()  # a prefix the cache can share
+    return [
+        shared + rng.integers(0, VOCAB, int(rng.integers(1, 10))).tolist()
+        for _ in range(4)
+    ]
 
 
 def _plain(plan, builder, step):
@@ -91,12 +95,23 @@ def _plain(plan, builder, step):
     return [r.output for r in reqs]
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_draft_and_verify_equals_plain_greedy_decoding(window):
+@pytest.mark.parametrize(
+    ("window", "squeezed"), [(None, False), (6, False), (None, True), (6, True)]
+)
+def test_draft_and_verify_equals_plain_greedy_decoding(window, squeezed):
+    """Squeezed: prefix caching on, few blocks and first-chunk admission, so
+    requests share cached prefixes and are preempted and recomputed while
+    verifying drafts.
+    """  # noqa: D205
     plan, builder, step = _setup(window)
     reference = _plain(plan, builder, step)
     rng = np.random.default_rng(1)
-    s = jaxkv.Scheduler(plan)
+    s = jaxkv.Scheduler(
+        plan,
+        enable_prefix_caching=squeezed,
+        num_blocks=(22 if window else 14) if squeezed else None,
+        scheduler_reserve_full_isl=not squeezed,
+    )
     reqs = [
         jaxkv.Request(f"r{i}", prompt=p, max_new_tokens=12)
         for i, p in enumerate(_prompts())
@@ -132,8 +147,12 @@ def test_draft_and_verify_equals_plain_greedy_decoding(window):
         for r in s.running:  # rejected drafts' blocks went back
             held = [sum(1 for b in t if b) for t in s.manager.blocks_of(r)]
             assert -(-r.num_computed // 4) <= held[0] <= -(-(r.num_computed + 1) // 4)
+    assert not s.rejected
     assert [r.output for r in reqs] == reference
     assert 0 < accepted_drafts < verified  # some kept, some rejected
+    if squeezed:
+        assert s.stats["preemptions"] > 0
+        assert s.stats["cached_tokens"] > 0
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
 
