@@ -77,7 +77,10 @@ def prefill(folder: Path) -> None:
         firsts.append(req.output[0])
         next(s for s in engine.schedulers if req in s.running).finish(req)
     info = {"address": server.address(), "first": firsts}
-    (folder / "prefill.txt").write_text(json.dumps(info))
+    # Atomically: the decode process polls for the file and must never read
+    # it created but not yet written.
+    (folder / "prefill.tmp").write_text(json.dumps(info))
+    (folder / "prefill.tmp").replace(folder / "prefill.txt")
     deadline = time.time() + 120
     while not (folder / "done").exists() and time.time() < deadline:
         time.sleep(0.1)
