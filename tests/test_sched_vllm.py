@@ -352,7 +352,7 @@ def test_one_request_at_a_time_hits_never_fall_as_the_pool_grows(mamba):
 # --- cause 5: jaxkv frees window blocks at commit (kept, in its favour) --------
 
 
-@pytest.mark.parametrize("free_skipped_at", ["allocate", "commit"])
+@pytest.mark.parametrize("free_skipped_at", [None, "allocate", "commit"])
 def test_window_blocks_are_freed_at_the_next_allocation_or_after_the_step(
     free_skipped_at,
 ):
@@ -365,14 +365,17 @@ def test_window_blocks_are_freed_at_the_next_allocation_or_after_the_step(
         max_num_batched_tokens=32,
         token_buckets=(32,),
     )
-    m = jaxkv.KVCacheManager(
-        jaxkv.make_plan(cfg, num_blocks=6), free_skipped_at=free_skipped_at
-    )  # 5 usable
+    plan = jaxkv.make_plan(cfg, num_blocks=6)  # 5 usable
+    m = (
+        jaxkv.KVCacheManager(plan)  # the default: vLLM's time
+        if free_skipped_at is None
+        else jaxkv.KVCacheManager(plan, free_skipped_at=free_skipped_at)
+    )
     a = jaxkv.Request("a", prompt=list(range(13)), max_new_tokens=1)
     _run(m, a, 12)
     b = jaxkv.Request("b", prompt=list(range(100, 116)), max_new_tokens=1)
     # From position 12 a query sees keys > 8: blocks 0 and 1 are not needed.
-    if free_skipped_at == "allocate":
+    if free_skipped_at != "commit":
         # vLLM's time: given back at a's next allocate_slots; 2 blocks free
         # now, so b (4 blocks) is refused, as vLLM refuses it.
         assert m.num_free_blocks == 2
