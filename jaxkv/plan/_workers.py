@@ -81,8 +81,9 @@ def get_kv_cache_configs(
     max_num_batched_tokens: int | None = None,
     disable_hybrid_kv_cache_manager: bool = False,
 ) -> list[KVCacheConfig]:
-    """Every worker's KV-cache config, consistent across workers (vLLM's
-    ``get_kv_cache_configs``).
+    """Every worker's KV-cache config, consistent across workers.
+
+    vLLM's ``get_kv_cache_configs``:
 
     1. The workers' specs are merged into the whole model's (a layer on two
        tensor-parallel ranks must have one spec).
@@ -121,7 +122,7 @@ def get_kv_cache_configs(
       ...     [spec.page_size_bytes * 20] * 2)
       >>> [(c.num_blocks, [t.shared_by for t in c.kv_cache_tensors]) for c in cfgs]
       [(10, [('layer1',)]), (10, [('layer2',), ('layer3',)])]
-    """  # noqa: D205
+    """
     if len(kv_cache_specs) != len(available_memory):
         raise ValueError(
             f"get_kv_cache_configs: {len(kv_cache_specs)} workers' kv_cache_specs "

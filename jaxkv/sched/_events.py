@@ -1,6 +1,8 @@
-"""KV-cache events for KV-aware routers: vLLM's ``BlockStored``, ``BlockRemoved``
-and ``AllBlocksCleared`` (``vllm/distributed/kv_events.py``), same names and
-fields, as plain frozen records a router's publisher serializes as it likes.
+"""KV-cache events for KV-aware routers.
+
+vLLM's ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared``
+(``vllm/distributed/kv_events.py``), same names and fields, as plain frozen
+records a router's publisher serializes as it likes.
 
 A router (llm-d, Dynamo) keeps, per engine, the set of block hashes the engine
 holds: ``BlockStored`` adds blocks (with their tokens and parent, so the router
@@ -8,7 +10,7 @@ can rebuild the prefix chain), ``BlockRemoved`` drops them (evicted, or
 registered for a step that never ran), ``AllBlocksCleared`` drops everything.
 Hashes are jaxkv's 32-byte block hashes (``vllm.v1.core.kv_cache_utils``'s
 bytes form; :func:`external_block_hash` gives vLLM's 64-bit integer form).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -69,12 +71,13 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def external_block_hash(block_hash: bytes) -> int:
-    """A block hash as the 64-bit integer vLLM publishes with
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: the last 8 bytes, big-endian.
+    """A block hash as the 64-bit integer vLLM publishes.
+
+    With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: the last 8 bytes, big-endian.
 
     Example:
       >>> import jaxkv
       >>> jaxkv.sched.external_block_hash(bytes(24) + (5).to_bytes(8, "big"))
       5
-    """  # noqa: D205
+    """
     return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)

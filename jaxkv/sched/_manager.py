@@ -227,9 +227,10 @@ class KVCacheManager:
         return total
 
     def _held_cap(self, g: int, chunk: int) -> int | None:
-        """The most blocks group `g` holds for one request computing chunks of
-        `chunk` tokens (``None``: every block of the sequence).
-        """  # noqa: D205
+        """The most blocks group `g` holds for one request (``None``: all).
+
+        The request computes chunks of `chunk` tokens.
+        """
         spec = self.specs[g]
         if self.is_mamba[g]:
             return 2
@@ -378,10 +379,11 @@ class KVCacheManager:
         return True
 
     def _take_evicted(self) -> None:
-        """Reports the cached blocks an allocation just evicted (an event each),
-        and records a host copy of each whose prefix no other device block and
-        no host entry holds.
-        """  # noqa: D205
+        """Reports the cached blocks an allocation just evicted.
+
+        An event each; and a host copy recorded of each whose prefix no other
+        device block and no host entry holds.
+        """
         if not self.allocator.record_evictions:
             return
         for block, key in self.allocator.take_evicted():
@@ -408,8 +410,9 @@ class KVCacheManager:
         )
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The prefix-cache events since the last call, oldest first (vLLM's
-        ``take_events``; empty unless ``enable_kv_cache_events``).
+        """The prefix-cache events since the last call, oldest first.
+
+        vLLM's ``take_events``; empty unless ``enable_kv_cache_events``.
 
         Example:
           >>> import jaxkv
@@ -422,7 +425,7 @@ class KVCacheManager:
           True
           >>> [(type(e).__name__, e.token_ids[:3]) for e in m.take_events()]
           [('BlockStored', (0, 1, 2))]
-        """  # noqa: D205
+        """
         out, self._events = self._events, []
         return out
 
@@ -517,9 +520,10 @@ class KVCacheManager:
                 self._rows.zero(req.req_id, g, keep)
 
     def free_beyond(self, req: Request, num_tokens: int) -> None:
-        """Gives back `req`'s attention blocks past its first `num_tokens`
-        tokens (slots of rejected draft tokens); Mamba states are kept.
-        """  # noqa: D205
+        """Gives back `req`'s attention blocks past its first `num_tokens` tokens.
+
+        The slots of rejected draft tokens; Mamba states are kept.
+        """
         tables = self._tables_of(req, "free_beyond")
         for g, table in enumerate(tables):
             if self.is_mamba[g]:

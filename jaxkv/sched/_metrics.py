@@ -1,7 +1,9 @@
-"""What a monitoring stack reads from a scheduler: vLLM's ``SchedulerStats`` and
-``PrefixCacheStats`` as records, the same figures under vLLM's Prometheus
-metric names, and an optional ``prometheus_client`` collector.
-"""  # noqa: D205
+"""What a monitoring stack reads from a scheduler.
+
+vLLM's ``SchedulerStats`` and ``PrefixCacheStats`` as records, the same
+figures under vLLM's Prometheus metric names, and an optional
+``prometheus_client`` collector.
+"""
 
 from __future__ import annotations
 
@@ -64,13 +66,15 @@ class SchedulerStats:
     num_steps: int
 
     def metrics(self) -> dict[str, float]:
-        """The figures under vLLM's Prometheus names (``vllm/v1/metrics/
-        loggers.py``): gauges ``vllm:num_requests_running``,
-        ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a
-        fraction, as vLLM's); counters ``vllm:prefix_cache_queries``,
-        ``vllm:prefix_cache_hits``, ``vllm:num_preemptions``,
-        ``vllm:generation_tokens``, ``vllm:prompt_tokens_cached``.
-        """  # noqa: D205
+        """The figures under vLLM's Prometheus names.
+
+        As ``vllm/v1/metrics/loggers.py`` names them: gauges
+        ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+        ``vllm:kv_cache_usage_perc`` (a fraction, as vLLM's); counters
+        ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``,
+        ``vllm:num_preemptions``, ``vllm:generation_tokens``,
+        ``vllm:prompt_tokens_cached``.
+        """
         return {name: value for name, value, _, _ in _families(self)}
 
 
@@ -108,9 +112,11 @@ def _families(stats: SchedulerStats) -> Iterator[tuple[str, float, str, bool]]:
 
 
 class PrometheusCollector:
-    """A ``prometheus_client`` collector over one or more schedulers (one per
-    data-parallel rank, labelled ``engine``), read at each scrape: nothing is
-    copied between scrapes, and a :meth:`ServingLoop.reset` is followed.
+    """A ``prometheus_client`` collector over one or more schedulers.
+
+    One per data-parallel rank, labelled ``engine``, read at each scrape:
+    nothing is copied between scrapes, and a :meth:`ServingLoop.reset` is
+    followed.
 
     Needs ``prometheus_client`` (``pip install "jaxkv[metrics]"``); jaxkv
     itself never imports it.
@@ -129,7 +135,7 @@ class PrometheusCollector:
       >>> registry.get_sample_value("vllm:num_requests_waiting",
       ...     {"model_name": "tiny", "engine": "0"})
       0.0
-    """  # noqa: D205
+    """
 
     def __init__(
         self,

@@ -281,9 +281,11 @@ class Scheduler:
         return (int(req.priority), float(req.arrival_time), self._arrivals[req.req_id])
 
     def _enqueue(self, req: Request, *, front: bool) -> None:
-        """Into the waiting queue: at the back (new) or front (preempted) for
-        FCFS, in priority order for ``policy="priority"``.
-        """  # noqa: D205
+        """Puts `req` into the waiting queue.
+
+        At the back (new) or front (preempted) for FCFS, in priority order for
+        ``policy="priority"``.
+        """
         if self.policy == "priority":
             key = self._order(req)
             at = next(
@@ -517,10 +519,11 @@ class Scheduler:
         return self._latest
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The draft tokens of decoding `req` that fit this step: the token
-        budget, ``max_new_tokens`` (the last accepted token is sampled) and
-        ``max_model_len``.
-        """  # noqa: D205
+        """The draft tokens of decoding `req` that fit this step.
+
+        Cut to the token budget, ``max_new_tokens`` (the last accepted token
+        is sampled) and ``max_model_len``.
+        """
         k = min(
             len(req.spec_token_ids),
             budget - 1,
@@ -566,7 +569,8 @@ class Scheduler:
             self._lookups[prefix + "hits"] += hit
 
     def make_stats(self) -> SchedulerStats:
-        """A snapshot for monitoring (vLLM's ``Scheduler.make_stats``);
+        """A snapshot for monitoring (vLLM's ``Scheduler.make_stats``).
+
         ``.metrics()`` names its figures as vLLM's Prometheus metrics.
 
         Example:
@@ -583,7 +587,7 @@ class Scheduler:
           (140, 64)
           >>> stats.metrics()["vllm:generation_tokens"]
           2.0
-        """  # noqa: D205
+        """
         usable = self.manager.num_usable_blocks
         live = [*self.running, *self.waiting]
         return SchedulerStats(
