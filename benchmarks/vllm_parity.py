@@ -116,6 +116,21 @@ def _vllm_request(req_id: str, prompt: list[int]):
     )
 
 
+def _requests(
+    rng: np.random.Generator, prefixes: list[list[int]]
+) -> tuple[list[Pair], np.ndarray]:
+    """A trace's requests (shared prefixes, own tails) and which finish early."""
+    waiting: list[Pair] = []
+    for i in range(int(rng.integers(6, 16))):
+        p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 17))]
+        p = p + [int(t) for t in rng.integers(0, 40, int(rng.integers(0, 6)))]
+        p = p or [1]
+        new = int(rng.integers(1, 6))
+        r = jaxkv.Request(f"q{i}", prompt=p, max_new_tokens=new)
+        waiting.append(Pair(r, _vllm_request(r.req_id, list(p)), new))
+    return waiting, rng.random(len(waiting)) < 0.2
+
+
 def _jaxkv_plan(kind: str, num_blocks: int, max_model_len: int) -> jaxkv.KVCachePlan:
     full = jaxkv.FullAttentionSpec(
         block_size=BS, num_kv_heads=1, head_size=8, dtype="float32"
@@ -177,7 +192,6 @@ def run_trace(
     )
     sched.manager = ours  # the chunk rule only
     prefixes = [[int(t) for t in rng.integers(0, 40, 16)] for _ in range(3)]
-    waiting: list[Pair] = []
     running: list[Pair] = []
     hits = [0, 0]
     diff = ""
@@ -208,15 +222,7 @@ def run_trace(
         if a != b:
             diff = f"{where}: cached {a} vs {b}"
 
-    n_reqs = int(rng.integers(6, 16))
-    for i in range(n_reqs):
-        p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 17))]
-        p = p + [int(t) for t in rng.integers(0, 40, int(rng.integers(0, 6)))]
-        p = p or [1]
-        new = int(rng.integers(1, 6))
-        r = jaxkv.Request(f"q{i}", prompt=p, max_new_tokens=new)
-        waiting.append(Pair(r, _vllm_request(r.req_id, list(p)), new))
-    finished_early = rng.random(len(waiting)) < 0.2
+    waiting, finished_early = _requests(rng, prefixes)
     for _step in range(400):
         if not waiting and not running:
             break
@@ -390,15 +396,7 @@ def run_solo(seed: int, kind: str, side: str) -> int:
         plan, max_num_batched_tokens=budget, enable_prefix_caching=True
     )
     prefixes = [[int(t) for t in rng.integers(0, 40, 16)] for _ in range(3)]
-    waiting: list[Pair] = []
-    for i in range(int(rng.integers(6, 16))):
-        p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 17))]
-        p = p + [int(t) for t in rng.integers(0, 40, int(rng.integers(0, 6)))]
-        p = p or [1]
-        new = int(rng.integers(1, 6))
-        r = jaxkv.Request(f"q{i}", prompt=p, max_new_tokens=new)
-        waiting.append(Pair(r, _vllm_request(r.req_id, list(p)), new))
-    finished_early = rng.random(len(waiting)) < 0.2
+    waiting, finished_early = _requests(rng, prefixes)
     running: list[Pair] = []
     hits = 0
     for _step in range(400):

@@ -79,14 +79,20 @@ def _prompts():
     ]
 
 
-def _plain(plan, builder, step):
-    s = jaxkv.Scheduler(plan)
+def _requests(s):
+    """The prompts as requests of 12 new tokens, added to scheduler `s`."""
     reqs = [
         jaxkv.Request(f"r{i}", prompt=p, max_new_tokens=12)
         for i, p in enumerate(_prompts())
     ]
     for r in reqs:
         s.add_request(r)
+    return reqs
+
+
+def _plain(plan, builder, step):
+    s = jaxkv.Scheduler(plan)
+    reqs = _requests(s)
     pools = plan.allocate()
     while s.has_unfinished:
         sched = s.schedule()
@@ -112,12 +118,7 @@ def test_draft_and_verify_equals_plain_greedy_decoding(window, squeezed):
         num_blocks=(22 if window else 14) if squeezed else None,
         scheduler_reserve_full_isl=not squeezed,
     )
-    reqs = [
-        jaxkv.Request(f"r{i}", prompt=p, max_new_tokens=12)
-        for i, p in enumerate(_prompts())
-    ]
-    for r in reqs:
-        s.add_request(r)
+    reqs = _requests(s)
     pools = plan.allocate()
     verified = accepted_drafts = 0
     while s.has_unfinished:

@@ -79,25 +79,12 @@ def make_kv_cache_config(
       [('layers.0.self_attn', 'layers.1.self_attn', 'layers.2.mixer'), ('layers.3.self_attn', 'layers.4.self_attn', 'layers.5.mixer')]
     """  # noqa: E501
     check_positive_int("make_kv_cache_config", "num_blocks", num_blocks)
-    specs: dict[str, KVCacheSpec] = {}
-    encoder_only: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in get_kv_cache_spec(runner_config).items():
-        if isinstance(spec, EncoderOnlyAttentionSpec):
-            encoder_only.setdefault(spec, []).append(name)
-        else:
-            specs[name] = spec
-    extra = tuple(
-        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
-        for s, n in encoder_only.items()
-    )
+    specs, extra = split_encoder_only(get_kv_cache_spec(runner_config))
     if not specs:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=extra)
-    if disable_hybrid_kv_cache_manager:
-        specs = unify_hybrid_kv_cache_specs(specs)
-    groups = [
-        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
-        for s, n in _groups(specs)
-    ]
+    groups = get_kv_cache_groups(
+        specs, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=pool_tensors(groups, num_blocks=num_blocks, packed=packed),
@@ -175,6 +162,27 @@ def pool_tensors(
     return tuple(
         KVCacheTensor(size=num_blocks * page, shared_by=names) for page, names in pages
     )
+
+
+def split_encoder_only(
+    kv_cache_spec: Mapping[str, KVCacheSpec],
+) -> tuple[dict[str, KVCacheSpec], tuple[KVCacheGroupSpec, ...]]:
+    """``(the layers that hold a cache, a group per encoder-only spec)``.
+
+    Encoder-only layers get a group of their own and no memory.
+    """
+    specs: dict[str, KVCacheSpec] = {}
+    encoder_only: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_spec.items():
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            encoder_only.setdefault(spec, []).append(name)
+        else:
+            specs[name] = spec
+    extra = tuple(
+        KVCacheGroupSpec(layer_names=tuple(n), kv_cache_spec=s)
+        for s, n in encoder_only.items()
+    )
+    return specs, extra
 
 
 def get_kv_cache_groups(

@@ -11,10 +11,15 @@ from collections.abc import Mapping, Sequence
 
 from jaxkv._group_specs import UniformTypeKVCacheSpecs
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from jaxkv._specs import EncoderOnlyAttentionSpec, KVCacheSpec
+from jaxkv._specs import KVCacheSpec
 from jaxkv._util import check_non_negative_int, check_positive_int
 from jaxkv.plan._capacity import max_memory_usage_bytes
-from jaxkv.plan._grouping import get_kv_cache_groups, pool_pages, pool_tensors
+from jaxkv.plan._grouping import (
+    get_kv_cache_groups,
+    pool_pages,
+    pool_tensors,
+    split_encoder_only,
+)
 
 
 def get_kv_cache_config_from_groups(
@@ -142,21 +147,12 @@ def get_kv_cache_configs(
             "get_kv_cache_configs", f"available_memory[{rank}]", memory
         )
     merged = _merged_specs(kv_cache_specs)
-    cache = {
-        n: s for n, s in merged.items() if not isinstance(s, EncoderOnlyAttentionSpec)
-    }
-    encoder_only: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in merged.items():
-        if isinstance(spec, EncoderOnlyAttentionSpec):
-            encoder_only.setdefault(spec, []).append(name)
+    cache, encoder_only = split_encoder_only(merged)
     groups = [
         *get_kv_cache_groups(
             cache, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager
         ),
-        *(
-            KVCacheGroupSpec(layer_names=tuple(names), kv_cache_spec=spec)
-            for spec, names in encoder_only.items()
-        ),
+        *encoder_only,
     ]
     per_worker = [_project(groups, specs) for specs in kv_cache_specs]
     if max_model_len is not None and max_num_batched_tokens is not None:

@@ -511,7 +511,7 @@ class Scheduler:
         self.stats["steps"] += bool(batch)
         self.stats["prefill_tokens"] += sum(prefill)
         for req, _ in batch:  # drafts are used once, all that fit
-            if req.num_computed == req.num_tokens - 1:
+            if req.spec_token_ids and req.num_computed == req.num_tokens - 1:
                 req.spec_token_ids = []
         self._latest = scheduled_step(
             batch, preempted, self.manager.step_blocks(batch), spec
