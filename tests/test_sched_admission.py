@@ -194,6 +194,10 @@ def test_priority_victim_already_in_the_batch_gives_its_tokens_back():
 def test_bad_policy_and_priority_fields_are_refused():
     with pytest.raises(ValueError, match="policy must be 'fcfs' or 'priority'"):
         jaxkv.Scheduler(_plan(), policy="lifo")
+    with pytest.raises(ValueError, match="num_lookahead_tokens"):
+        jaxkv.Scheduler(_plan(), num_lookahead_tokens=-1)
+    with pytest.raises(ValueError, match="free_skipped_at must be 'allocate' or"):
+        jaxkv.KVCacheManager(_plan(), free_skipped_at="later")
     s = _priority()
     bad = jaxkv.Request("a", prompt=[1], max_new_tokens=1)
     bad.priority = 1.5  # pyright: ignore[reportAttributeAccessIssue]
