@@ -130,14 +130,74 @@ def test_tiny_hybrid_model_repeated_prompts_hit():
 
 def test_mamba_hit_on_a_state_still_being_computed_waits_a_step():
     # Two equal 9-token requests at once: the second's Mamba state after 8
-    # tokens is written at the end of the first's step, so (as vLLM) it is
-    # admitted the step after, with the hit.
+    # tokens is written at the end of the first's step; it is held through
+    # the first's last chunk too (8 is its prompt's boundary), so (as vLLM's
+    # manager driven the same way) `b` is admitted two steps later, with the hit.
     s = jaxkv.Scheduler(_plan(mamba=True), enable_prefix_caching=True)
     a, b = (jaxkv.Request(x, prompt=list(range(9)), max_new_tokens=1) for x in "ab")
     steps = _serve(s, [a, b], together=True)
-    assert steps[0] == [("a", 8)]
-    assert ("b", 1) in steps[1]
+    assert steps[:2] == [[("a", 8)], [("a", 1)]]
+    assert ("b", 1) in steps[2]
     assert b.num_cached_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "chunks", "held"),
+    [(7, (4, 3), True), (7, (4, 1, 1), False), (8, (4, 3), True), (8, (4, 4), False)],
+)
+def test_mamba_prompt_boundary_state_is_held_while_its_last_chunk_runs(
+    prompt_len, chunks, held
+):
+    # vLLM's MambaManager._cache_partial_tail_block (vllm_parity.py seed 5):
+    # `a` (7 tokens) runs 4 tokens, then the rest. While a chunk from 4 past
+    # it runs, its state after 4 tokens (the boundary a resent prompt resumes
+    # from) counts as cached this step: `b`'s 4-token hit on it waits for the
+    # next step, though the state was written a step earlier. (4, 1, 1): by
+    # the last chunk `a` has given that block back; nothing is held (vLLM's
+    # manager, driven the same way, agrees in every case). An 8-token prompt's
+    # boundary is 4 too: a chunk ending at 8 holds nothing.
+    m = jaxkv.KVCacheManager(
+        _plan(mamba=True, num_blocks=19), enable_prefix_caching=True
+    )
+    a_prompt = [5, 6, 7, 8, 1, 2, 3, 4][:prompt_len]
+    a = jaxkv.Request("a", prompt=a_prompt, max_new_tokens=1)
+    b = jaxkv.Request("b", prompt=[5, 6, 7, 8, *range(20, 31)], max_new_tokens=1)
+    for n in chunks[:-1]:
+        _run(m, a, n)
+    assert m.allocate(a, chunks[-1])  # a chunk past the boundary is scheduled
+    assert m.find_cache_hit(b) == 4
+    assert m.allocate(b, 8, num_cached=4) is not held
+    if held:
+        a.num_computed += chunks[-1]
+        m.commit(a)
+        assert m.allocate(b, 8, num_cached=4)  # the next step takes it
+    # A request whose chunk ends past its prompt's last boundary holds nothing.
+    c = jaxkv.Request("c", prompt=[5, 6, 7, 8, 9, 9, 9, 9, 1], max_new_tokens=1)
+    d = jaxkv.Request("d", prompt=[5, 6, 7, 8, 0, 0], max_new_tokens=1)
+    assert m.find_cache_hit(c) == 4
+    assert m.allocate(c, 5, num_cached=4)  # its chunk ends at 9 > boundary 8
+    assert m.allocate(d, 2, num_cached=4)
+
+
+def test_mamba_hit_on_a_prefix_another_block_is_computing_waits():
+    # vLLM keys "cached this step" by hash (vllm_parity.py seed 148): `a` was
+    # preempted after computing 4 tokens (its state stays cached); readmitted
+    # from scratch, it computes the same 4 tokens into a new block this step,
+    # so `b`'s hit on the old, computed copy waits for the next step too.
+    m = jaxkv.KVCacheManager(
+        _plan(mamba=True, num_blocks=10), enable_prefix_caching=True
+    )
+    a = jaxkv.Request("a", prompt=[1, 2, 3, 4, 5], max_new_tokens=1)
+    b = jaxkv.Request("b", prompt=[1, 2, 3, 4, 9, 9, 9, 9], max_new_tokens=1)
+    _run(m, a, 4)
+    m.free(a)  # preempted
+    a.num_computed = 0
+    assert m.allocate(a, 4)  # no hit taken: recomputed into a new block
+    assert m.find_cache_hit(b) == 4
+    assert not m.allocate(b, 4, num_cached=4)
+    a.num_computed = 4
+    m.commit(a)
+    assert m.allocate(b, 4, num_cached=4)
 
 
 # --- cause 2: free order --------------------------------------------------------

@@ -56,8 +56,11 @@ class KVCacheManager:
     With prefix caching, each block a step fills is registered when it is
     allocated (vLLM's ``allocate_slots``) under the chained hash of its tokens
     (:func:`hash_token_blocks`) and its group, so a request admitted later in
-    the same step shares it (a Mamba state only from the next step, once it is
-    written); a new request reuses the longest prefix every group can reuse
+    the same step shares it. A Mamba state is shared only from the next step,
+    once written; as in vLLM, it is held by its cache key (a copy being
+    computed holds the others), and a prompt's last block-boundary state is
+    also held while the step computing the prompt's last tokens runs. A
+    new request reuses the longest prefix every group can reuse
     (:func:`longest_cache_hit`, iterated to a length all groups agree on; at
     least one token is always computed). Freed blocks stay cached until
     allocation evicts them (:class:`BlockAllocator`: uncached blocks are
@@ -186,10 +189,15 @@ class KVCacheManager:
         self._hashes: dict[str, dict[int, list[bytes]]] = {}
         self._registered: dict[str, list[int]] = {}
         # Blocks registered at allocation whose step has not been committed
-        # yet, per request; the Mamba ones among them: their state is written
-        # only at the end of that step.
+        # yet, per request.
         self._uncommitted: dict[str, list[int]] = {}
-        self._pending_states: set[int] = set()
+        # Mamba states no hit may take before the step ends, by cache key (as
+        # vLLM's ``cached_blocks_this_step``), and per request: those it
+        # registered (written only at the end of the step) and its prompt
+        # boundary's (:meth:`_hold_boundary`).
+        self._pending_states: set[tuple[int, bytes]] = set()
+        self._pending_of: dict[str, list[tuple[int, bytes]]] = {}
+        self._mamba_groups = [g for g, m in enumerate(self.is_mamba) if m]
         # The latest lookup: (request, (cache generation, known tokens), hit).
         self._hit_memo: tuple[Request, tuple[int, int], int] | None = None
 
@@ -375,8 +383,38 @@ class KVCacheManager:
             req.num_computed = num_cached
             req.num_cached_tokens += num_cached
         if self.enable_prefix_caching:
-            self._register(req, tables, registered, min(end, req.num_known_tokens))
+            n = min(end, req.num_known_tokens)
+            self._register(req, tables, registered, n)
+            if self._mamba_groups:
+                self._hold_boundary(req, tables, n)
         return True
+
+    def _hold_boundary(self, req: Request, tables: list[list[int]], n: int) -> None:
+        """Holds back hits on `req`'s prompt-boundary Mamba state this step.
+
+        vLLM's rule (``MambaManager._cache_partial_tail_block``): while a
+        step's cacheable tokens end on the last block boundary before the
+        prompt's end (the state a resent prompt resumes from), that state is
+        treated as written this step, so another request's hit on it waits
+        for the next step.
+        """
+        for g in self._mamba_groups:
+            bs = self.block_sizes[g]
+            boundary = (len(req.prompt) - 1) // bs * bs
+            if not boundary or n // bs * bs != boundary:
+                continue
+            j = boundary // bs - 1
+            table = tables[g]
+            if j < len(table) and table[j]:
+                self._hold(req, (g, self._block_hashes(req, bs)[j]))
+
+    def _hold(self, req: Request, key: tuple[int, bytes]) -> None:
+        """Keeps hits off the Mamba state cached under `key` until `req`'s
+        step is committed (or `req` freed).
+        """  # noqa: D205
+        if key not in self._pending_states:
+            self._pending_states.add(key)
+            self._pending_of.setdefault(req.req_id, []).append(key)
 
     def _take_evicted(self) -> None:
         """Reports the cached blocks an allocation just evicted.
@@ -495,9 +533,9 @@ class KVCacheManager:
         """  # noqa: D205
         tables = self._tables_of(req, "commit")
         n = req.num_computed
-        if self._uncommitted:
-            for block in self._uncommitted.pop(req.req_id, ()):
-                self._pending_states.discard(block)
+        self._uncommitted.pop(req.req_id, None)
+        if self._pending_of:
+            self._pending_states.difference_update(self._pending_of.pop(req.req_id, ()))
         if self.free_skipped_at == "commit":
             self._free_skipped(req, tables, n)
 
@@ -542,8 +580,8 @@ class KVCacheManager:
         tables = self._tables.pop(req.req_id, None)
         # Blocks registered for a step that was never committed may never have
         # been computed: they leave the cache (losing an entry is safe).
+        self._pending_states.difference_update(self._pending_of.pop(req.req_id, ()))
         for block in self._uncommitted.pop(req.req_id, ()):
-            self._pending_states.discard(block)
             key = self.allocator.key_of(block)
             if key is not None and self.enable_kv_cache_events:
                 group, block_hash = cast(tuple[int, bytes], key)
@@ -583,6 +621,7 @@ class KVCacheManager:
         self._hashes.clear()
         self._registered.clear()
         self._uncommitted.clear()
+        self._pending_of.clear()
         self._pending_states.clear()
         return True
 
@@ -714,7 +753,7 @@ class KVCacheManager:
                         f"allocate: num_cached={num_cached} is not a cache hit of "
                         f"request {req.req_id!r} (group {g}, block {j})."
                     )
-                if block in self._pending_states:
+                if self.is_mamba[g] and (g, hashes[j]) in self._pending_states:
                     return None
                 table[j] = block
                 hits[g].append(block)
@@ -749,5 +788,5 @@ class KVCacheManager:
                         self._stored(req, g, j)
                     self._uncommitted.setdefault(req.req_id, []).append(block)
                     if self.is_mamba[g]:
-                        self._pending_states.add(block)
+                        self._hold(req, (g, hashes[j]))
             registered[g] = full
