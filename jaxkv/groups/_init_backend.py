@@ -76,9 +76,9 @@ def _validate_group_layers(
                     "KV-cache spec."
                 )
             own = runner_config.layer(name).spec
-            group_spec = layer_spec(group.kv_cache_spec, name)
             if name in shared or own is None:
                 continue
+            group_spec = layer_spec(group.kv_cache_spec, name)
             for field in _SHAPE_FIELDS:
                 want, got = getattr(own, field, None), getattr(group_spec, field, None)
                 if want != got:
@@ -190,6 +190,20 @@ def init_attn_backend(
             if name in eligible:
                 backend = create_fast_prefill_custom_backend("FastPrefill", backend)
             spec = layer_spec(group_spec.kv_cache_spec, shared.get(name, name))
+            if (
+                isinstance(spec, AttentionSpec)
+                and spec.is_packed
+                and not backend.reads_packed_pages
+            ):
+                raise ValueError(
+                    f"Layer {name!r}: its {type(spec).__name__} packs its pages "
+                    f"(tokens_per_state={spec.tokens_per_state}, num_head_slots="
+                    f"{spec.num_head_slots}, state_content_bytes="
+                    f"{spec.state_content_bytes}), but {backend.class_name} reads "
+                    "one K/V slot per KV head and token; give the layer a backend "
+                    "with reads_packed_pages=True (its kernel reads the view "
+                    "jaxkv.plan.packed_view describes)."
+                )
             by_key.setdefault((backend, spec, layer.num_heads), []).append(name)
         proto.append(
             [

@@ -40,6 +40,7 @@ from jaxkv.plan._grouping import (
 )
 from jaxkv.plan._layer_views import (
     build_kv_cache_views,
+    packed_view,
 )
 from jaxkv.plan._make_plan import (
     KVCacheBudget,
@@ -144,6 +145,7 @@ __all__ = [
     "make_plan",
     "max_memory_usage_bytes",
     "merge_specs",
+    "packed_view",
     "physical_order",
     "physical_shape",
     "plan_tensors",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from jaxkv._group_specs import layer_spec, representative_spec
 from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv._layer_queries import get_shared_kv_cache_layers
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec
+from jaxkv._specs import AttentionSpec, MLAAttentionSpec
 from jaxkv.groups import (
     AttentionGroup,
     flat_groups,
@@ -81,6 +82,16 @@ def _layer_view(
         return _mamba_view(name, spec, pool, num_blocks, block_stride, offset)
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"Layer {name!r}: {type(spec).__name__} has no view rule.")
+    if spec.is_packed:
+        return packed_view(
+            name,
+            spec,
+            pool=pool,
+            num_blocks=num_blocks,
+            block_stride=block_stride,
+            offset=offset,
+            kernel_block_size=k,
+        )
     r = spec.block_size // k
     unpadded = spec.real_page_size_bytes
     block_dim = group.backend.get_kv_cache_block_dim(
@@ -109,6 +120,80 @@ def _layer_view(
         cache_dtype=cache_dtype,
         block_stride=None if dense_kv_first else block_stride // r,
         offset=offset,
+    )
+
+
+def packed_view(
+    name: str,
+    spec: AttentionSpec,
+    *,
+    pool: int,
+    num_blocks: int,
+    block_stride: int,
+    offset: int,
+    kernel_block_size: int,
+) -> KVCacheView:
+    """A packed attention layer's view: vLLM's ``[B, N, H, C]`` page, typed.
+
+    For specs with vLLM's packing fields (:attr:`AttentionSpec.is_packed`):
+    ``(blocks, states, head slots, C / itemsize)``, axes ``block, state,
+    head, dim`` (MLA: no slot axis), states outer, slots inner, content
+    innermost, as one slot per token is stored. Kernel blocks smaller than
+    the manager block split a dense page into ``block_size / k`` blocks of
+    ``k / tokens_per_state`` states.
+
+    Raises:
+      ValueError: If a kernel block holds no whole number of states, or a
+        split page is padded, or a stride is not a multiple of the itemsize.
+
+    Example (a DeepSeek-style compressed indexer: 4 tokens a state):
+      >>> import jaxkv
+      >>> spec = jaxkv.MLAAttentionSpec(block_size=64, num_kv_heads=1,
+      ...     head_size=68, dtype="uint8", state_content_bytes=68, tokens_per_state=4)
+      >>> v = jaxkv.plan.packed_view("idx", spec, pool=0, num_blocks=3,
+      ...     block_stride=spec.page_size_bytes, offset=0, kernel_block_size=64)
+      >>> v.shape, v.strides, v.axes
+      ((3, 16, 68), (1088, 68, 1), ('block', 'state', 'dim'))
+    """
+    k = kernel_block_size
+    states = k / Fraction(spec.tokens_per_state)
+    if spec.block_size % k or states.denominator != 1:
+        raise ValueError(
+            f"Layer {name!r}: kernel block size {k} must divide block_size="
+            f"{spec.block_size} into blocks of whole states (tokens_per_state="
+            f"{spec.tokens_per_state})."
+        )
+    r = spec.block_size // k
+    if r > 1 and block_stride != spec.real_page_size_bytes:
+        raise ValueError(
+            f"Layer {name!r}: splitting a block into {r} kernel blocks needs "
+            f"dense, unpadded pages ({block_stride} bytes between blocks for a "
+            f"page of {spec.real_page_size_bytes})."
+        )
+    itemsize = spec.itemsize
+    content = spec.state_content_size_bytes // itemsize
+    heads = spec.num_heads
+    for what, value in (("block stride", block_stride), ("offset", offset)):
+        if (value // r if what == "block stride" else value) % itemsize:
+            raise ValueError(
+                f"Layer {name!r}: {what} {value} bytes is not a multiple of the "
+                f"{np.dtype(spec.dtype).name} itemsize."
+            )
+    block = block_stride // r // itemsize
+    if isinstance(spec, MLAAttentionSpec) and spec.num_head_slots is None:
+        shape, strides = (num_blocks * r, int(states), content), (block, content, 1)
+        axes: tuple[str, ...] = ("block", "state", "dim")
+    else:
+        shape = (num_blocks * r, int(states), heads, content)
+        strides = (block, heads * content, content, 1)
+        axes = ("block", "state", "head", "dim")
+    return KVCacheView(
+        pool=pool,
+        offset=offset,
+        shape=shape,
+        strides=strides,
+        dtype=spec.dtype,
+        axes=axes,
     )
 
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
-
-import numpy as np
+from fractions import Fraction
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
+from jaxkv._specs import AttentionSpec, KVCacheSpec
 
 _L, _B, _H, _N, _C = range(5)
 
@@ -106,7 +105,9 @@ def hnc_shape(
 
     Attention: KV heads, tokens per kernel block, ``(D + Dv) * itemsize``
     (K then V of one head and token side by side); MLA: 1 head, ``D *
-    itemsize``; Mamba: one state of all its bytes.
+    itemsize``; Mamba: one state of all its bytes. vLLM's packing fields
+    (:class:`AttentionSpec`) give ``H = num_head_slots``, ``N = k /
+    tokens_per_state``, ``C = state_content_bytes``.
 
     Raises:
       TypeError: For a spec with no per-layer view in vLLM 0.33's model.
@@ -117,19 +118,24 @@ def hnc_shape(
       ...                                head_size=128, dtype="bfloat16")
       >>> jaxkv.vllm.hnc_shape(spec), jaxkv.vllm.hnc_shape(spec, kernel_block_size=8)
       ((8, 16, 512), (8, 8, 512))
+      >>> packed = jaxkv.MLAAttentionSpec(block_size=256, num_kv_heads=1,
+      ...     head_size=512, dtype="uint8", state_content_bytes=528,
+      ...     tokens_per_state=4)
+      >>> jaxkv.vllm.hnc_shape(packed)
+      (1, 64, 528)
     """
     if isinstance(spec, MambaSpec):
         return 1, 1, spec.real_page_size_bytes
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"{type(spec).__name__} has no [L, B, H, N, C] view.")
     k = kernel_block_size or spec.block_size
-    if spec.block_size % k:
+    states = k / Fraction(spec.tokens_per_state)
+    if spec.block_size % k or states.denominator != 1:
         raise ValueError(
-            f"kernel_block_size={k} does not divide the block size {spec.block_size}."
+            f"kernel_block_size={k} does not divide the block size {spec.block_size} "
+            f"into blocks of whole states (tokens_per_state={spec.tokens_per_state})."
         )
-    itemsize = np.dtype(spec.dtype).itemsize
-    heads = 1 if isinstance(spec, MLAAttentionSpec) else spec.num_kv_heads
-    return heads, k, (spec.head_size + (spec.head_size_v or 0)) * itemsize
+    return spec.num_heads, int(states), spec.state_content_size_bytes
 
 
 def layout_strides(
@@ -163,7 +169,11 @@ def layout_strides(
       ((2, 4, 8, 16, 512), (262144, 65536, 512, 4096, 1))
     """
     heads, states, content = hnc_shape(spec, kernel_block_size)
-    ratio = (spec.block_size // states) if isinstance(spec, AttentionSpec) else 1
+    ratio = (
+        spec.block_size // (kernel_block_size or spec.block_size)
+        if isinstance(spec, AttentionSpec)
+        else 1
+    )
     shape = (num_layers, num_blocks * ratio, heads, states, content)
     padded = getattr(spec, "page_size_padded", None)
     dense_page = heads * states * content * ratio

@@ -68,16 +68,17 @@ def tensor_views(
                 f"{np.dtype(spec.dtype).name} itemsize."
             )
     _, blocks, heads, states, content = shape
-    mla = isinstance(spec, MLAAttentionSpec)
+    mla = isinstance(spec, MLAAttentionSpec) and spec.num_head_slots is None
     el = [s // itemsize for s in strides]
+    n_axis = "state" if spec.is_packed else "token"
     if mla:
         view_shape = (blocks, states, content // itemsize)
         view_strides = (el[_B], el[_N], 1)
-        axes = ("block", "token", "dim")
+        axes = ("block", n_axis, "dim")
     else:
         view_shape = (blocks, states, heads, content // itemsize)
         view_strides = (el[_B], el[_N], el[_H], 1)
-        axes = ("block", "token", "head", "dim")
+        axes = ("block", n_axis, "head", "dim")
     return {
         name: KVCacheView(
             pool=pool,
@@ -86,7 +87,7 @@ def tensor_views(
             strides=view_strides,
             dtype=spec.dtype,
             axes=axes,
-            head_size=spec.head_size,
+            head_size=0 if spec.is_packed else spec.head_size,
             word=word,
         )
         for i, name in enumerate(tensor.layers)
