@@ -780,49 +780,64 @@ _INDEXER_BACKEND = jaxkv.AttentionBackend(
 )
 
 
-def _indexer_config(backend):
+_INDEXER = jaxkv.MLAAttentionSpec(
+    block_size=64,
+    num_kv_heads=1,
+    head_size=68,
+    dtype="uint8",
+    state_content_bytes=68,
+    tokens_per_state=4,
+)
+# Two slots of 24 bytes for 8 KV heads, a state per 2 tokens.
+_SLOTTED = jaxkv.FullAttentionSpec(
+    block_size=64,
+    num_kv_heads=8,
+    head_size=4,
+    dtype="float32",
+    num_head_slots=2,
+    state_content_bytes=24,
+    tokens_per_state=2,
+)
+
+
+def _indexer_config(backend, spec=_INDEXER):
     main = jaxkv.MLAAttentionSpec(
         block_size=64, num_kv_heads=1, head_size=16, dtype="bfloat16"
-    )
-    idx = jaxkv.MLAAttentionSpec(
-        block_size=64,
-        num_kv_heads=1,
-        head_size=68,
-        dtype="uint8",
-        state_content_bytes=68,
-        tokens_per_state=4,
     )
     return jaxkv.RunnerConfig(
         layers=[
             jaxkv.LayerConfig(
                 name="attn", spec=main, backend=jaxkv.get_backend("FLASHMLA")
             ),
-            jaxkv.LayerConfig(name="indexer", spec=idx, backend=backend),
+            jaxkv.LayerConfig(name="indexer", spec=spec, backend=backend),
         ],
         max_model_len=256,
     )
 
 
-def test_a_packed_layer_views_its_own_bytes_as_states():
-    plan = jaxkv.make_plan(_indexer_config(_INDEXER_BACKEND), num_blocks=6)
+@pytest.mark.parametrize(
+    ("spec", "shape"), [(_INDEXER, (6, 16, 68)), (_SLOTTED, (6, 32, 2, 6))]
+)
+def test_a_packed_layer_views_its_own_bytes_as_states(spec, shape):
+    plan = jaxkv.make_plan(_indexer_config(_INDEXER_BACKEND, spec), num_blocks=6)
     view = plan.views["indexer"]
     assert isinstance(view, jaxkv.KVCacheView)
-    assert view.shape == (6, 16, 68)
-    assert view.axes == ("block", "state", "dim")
-    assert view.dtype == np.uint8
-    # Every byte of the pool numbered: the view reads each block's 16 states
-    # of 68 bytes from its own page, nothing from the other layer's.
-    pools = plan.allocate()
+    assert view.shape == shape
+    assert view.axes == ("block", "state", "head", "dim")[: len(shape) - 1] + ("dim",)
+    assert view.dtype == spec.dtype
+    # Every byte of the pool numbered: the view reads each block's states of
+    # C bytes (slots inner, states outer) from its own page, nothing else.
+    pools = list(plan.allocate())
     p = view.pool
-    nbytes = pools[p].size * pools[p].dtype.itemsize
-    numbered = np.arange(nbytes, dtype=np.uint32).astype(np.uint8)
-    pools = list(pools)
+    numbered = np.arange(pools[p].size * pools[p].dtype.itemsize, dtype=np.uint32)
+    numbered = numbered.astype(np.uint8)
     pools[p] = jax.numpy.asarray(numbered.view(pools[p].dtype).reshape(pools[p].shape))
-    got = np.asarray(jaxkv.read_view(tuple(pools), view))
-    b, n, c = np.meshgrid(range(6), range(16), range(68), indexing="ij")
-    want = numbered[view.offset + b * view.strides[0] + n * 68 + c]
+    got = np.asarray(jaxkv.read_view(tuple(pools), view)).view(np.uint8)
+    got = got.reshape(6, -1)
+    page = spec.page_size_bytes
+    want = np.stack([numbered[view.offset + b * view.block_stride_bytes :][:page]
+                     for b in range(6)])  # fmt: skip
     np.testing.assert_array_equal(got, want)
-    assert view.block_stride_bytes >= 1088
 
 
 def test_a_packed_layer_with_a_backend_that_reads_token_slots_is_refused():
