@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # pictures render headless
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -15,18 +16,22 @@ import jax
 from hypothesis import settings
 from jaxtyping import install_import_hook
 
-# Run-time shape and dtype checks: every function and dataclass of the modules
-# whose signatures carry jaxtyping annotations is checked by beartype on each
-# call (at trace time under jit) for the whole suite. Installed before any
-# test imports jaxkv.
-_TYPECHECKED = (
-    "jaxkv.attention._paged",
-    "jaxkv.attention._rows",
-    "jaxkv.kv._ops",
-    "jaxkv.serve._sampling",
-    "jaxkv.step._common_metadata",
-    "jaxkv.step._fast_prefill",
-    "jaxkv.step._step_builder",
+# Run-time shape and dtype checks: every function and dataclass of each module
+# whose signatures carry jaxtyping array annotations (found by scanning the
+# package, so a new one is checked too) is checked by beartype on each call
+# (at trace time under jit) for the whole suite; entry points marked
+# @checks_own_arguments are skipped (their named errors are what the suite
+# checks). Installed before any test imports jaxkv. Modules without array
+# annotations are left alone: their bad-input errors are jaxkv's own, which
+# the suite checks word for word.
+_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
+_TYPECHECKED = tuple(
+    sorted(
+        ".".join(path.relative_to(_PACKAGE.parent).with_suffix("").parts)
+        for path in _PACKAGE.rglob("*.py")
+        if "from jaxtyping import" in (text := path.read_text())
+        or "@checks_own_arguments" in text
+    )
 )
 install_import_hook(_TYPECHECKED, "beartype.beartype")
 

@@ -15,7 +15,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Int
 
-from jaxkv._util import host_int_array
+from jaxkv._util import checks_own_arguments, host_int_array
 from jaxkv.kv import _typed as typed
 from jaxkv.kv._checks import (
     Pools,
@@ -27,6 +27,7 @@ from jaxkv.kv._strided import gather_items, scatter_items
 from jaxkv.plan import KVCachePlan, LayerView, MambaView
 
 
+@checks_own_arguments  # named errors for the ids, before anything changes
 def copy_blocks(
     pools: Pools,
     plan: KVCachePlan,

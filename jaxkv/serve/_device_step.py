@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jaxkv.serve._sampling import SamplingParams, sample_rows
 from jaxkv.step import CommonAttentionMetadata, StepInputs, StepMetadataBuilder
 
 
+@runtime_checkable
 class Forward(Protocol):
     """Your model's step, traced inside the loop's jitted program.
 

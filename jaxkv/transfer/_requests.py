@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +150,7 @@ def _check_distinct(
                 )
 
 
+@runtime_checkable
 class BlockOwner(Protocol):
     """What :func:`import_request` asks of a block manager
     (:class:`jaxkv.KVCacheManager` is one).
