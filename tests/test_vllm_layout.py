@@ -115,11 +115,13 @@ def test_a_stacked_pool_is_vllm_0_33_s_lbnhc_tensor_byte_for_byte():
     np.testing.assert_array_equal(
         np.asarray(pools[0]).reshape(-1).view(np.uint32), np.asarray(backing[0])
     )
-    # Element (layer l, block b, token n, head h, K|V c) at vLLM's byte.
+    # Element (layer l, block b, token n, head h, K|V c) at vLLM's byte; the
+    # tensor view names it in vLLM's [B, H, N, C] order.
     view = views["layers.2.self_attn"]
+    assert view.axes == ("block", "head", "token", "dim")
     for b, n, h, c in [(0, 0, 0, 0), (4, 15, 1, 31), (2, 7, 0, 16)]:
         want = tensor.page_start(layer=2, block=b) + (n * 2 + h) * 128 + c * 4
-        assert view.byte_address((b, n, h, c)) == want
+        assert view.byte_address((b, h, n, c)) == want
         assert _view(plan, "layers.2.self_attn").byte_address((b, n, h, c)) == want
 
 
@@ -190,27 +192,70 @@ def test_overlaid_group_tensors_alias_one_backing_as_in_vllm():
         )
 
 
-def test_a_view_with_heads_before_tokens_is_refused_strides_say_the_order():
-    # vLLM's create_kv_cache_views gives [B, H, N, C]; jaxkv's views keep the
-    # logical (block, token, head, dim) and put heads outer through strides,
-    # so a hand-made view in vLLM's axis order is refused, not misread.
-    with pytest.raises(ValueError, match="put 'head' before 'token'"):
-        jaxkv.KVCacheView(
-            pool=0,
-            offset=0,
-            shape=(4, 2, 16, 8),
-            strides=(256, 128, 8, 1),
-            dtype="float32",
-            axes=("block", "head", "token", "dim"),
-        )
+def test_a_view_in_vllm_s_bhnc_order_reads_and_writes_as_its_logical_form():
+    # vLLM 0.33's create_kv_cache_views names a layer tensor [B, H, N, C]:
+    # tensor_views follows it, and every path reading by position (write_kv,
+    # gather_kv_pages, paged_attention on XLA and the native kernel) first
+    # swaps the axes back (KVCacheView.logical), so the same bytes give the
+    # same results in either order, on a heads-outer layout too.
     spec = jaxkv.FullAttentionSpec(
-        block_size=16, num_kv_heads=2, head_size=4, dtype="float32"
+        block_size=16, num_kv_heads=2, head_size=8, dtype="float32"
     )
-    t = jaxkv.vllm.LayerTensor(
-        size=4 * 1024, layers=("l0",), layer_stride=4096, block_stride=1024
+    backend = jaxkv.get_backend("JAX_PAGED")
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name="l", spec=spec, backend=backend)]
     )
-    v = jaxkv.vllm.tensor_views(
-        t, spec, num_blocks=4, layout=jaxkv.vllm.TensorLayout.LBHNC
-    )["l0"]
-    assert v.axes == ("block", "token", "head", "dim")
-    assert v.strides[v.dim("head")] > v.strides[v.dim("token")]  # heads outer
+    plan = jaxkv.make_plan(cfg, num_blocks=6)
+    slots = jnp.arange(16, 56, dtype=jnp.int32)
+    # A prefill of 40 tokens (XLA) and a decode of the 40th (XLA and the
+    # native kernel, which takes rows of one query token).
+    table = [np.array([[1, 2, 3, 0]], np.int32)]
+    calls = [
+        (jaxkv.vllm.build_attn_metadata(
+            plan.attn_groups, 1, n, np.array([0, n], np.int32), None, 1,
+            np.array([40], np.int32), 40, table, [np.full(n, -1, np.int32)],
+            plan.kv_cache_config,
+        )["l"], n, impls)
+        for n, impls in ((40, ("xla",)), (1, ("xla", "native")))
+    ]  # fmt: skip
+    rng = np.random.default_rng(1)
+    k, v = _kv(rng, 40, 2, 8)
+    q = jnp.asarray(rng.normal(size=(40, 2, 8)), jnp.float32)
+    for layout in (L.LBNHC, L.LBHNC):
+        shape, strides = jaxkv.vllm.layout_strides(
+            spec, num_blocks=6, num_layers=1, layout=layout
+        )
+        t = jaxkv.vllm.LayerTensor(
+            size=int(np.prod(shape)), layers=("l",), layer_stride=strides[0],
+            block_stride=strides[1],
+        )  # fmt: skip
+        bhnc = jaxkv.vllm.tensor_views(t, spec, num_blocks=6, layout=layout)["l"]
+        assert bhnc.axes == ("block", "head", "token", "dim")
+        assert bhnc.shape == (6, 2, 16, 16)
+        nhd = bhnc.logical()
+        assert nhd.axes == ("block", "token", "head", "dim")
+        outs = []
+        for view in (bhnc, nhd):
+            pools = jaxkv.plan.allocate_pools(
+                [jaxkv.plan.PoolSpec(size_bytes=t.size, word=4)]
+            )
+            pools = jaxkv.write_kv(pools, view, k, v, slots)
+            pages = jaxkv.gather_kv_pages(pools, view, jnp.array([[1, 2, 3]]))
+            att = [
+                np.asarray(jaxkv.paged_attention(q[-n:], pools, view, meta,
+                                                 scale=0.3, implementation=impl))
+                for meta, n, impls in calls
+                for impl in impls
+            ]  # fmt: skip
+            outs.append((np.asarray(pools[0]), pages, att))
+        (p0, pg0, a0), (p1, pg1, a1) = outs
+        np.testing.assert_array_equal(p0, p1)  # the same bytes written
+        for x, y in zip(pg0, pg1, strict=True):
+            np.testing.assert_array_equal(x, y)  # read back as (.., N, H, D)
+        np.testing.assert_array_equal(pg0[0][0, 0, :8], np.asarray(k)[:8])
+        np.testing.assert_array_equal(pg0[1][0, 0, :8], np.asarray(v)[:8])
+        for got in (a0[0], a1[0]):  # the prefill, in both orders
+            np.testing.assert_allclose(got, a0[0], rtol=1e-5, atol=1e-5)
+        for got in (*a0[1:], *a1[1:]):  # the decode: its last row
+            np.testing.assert_allclose(got, a0[0][-1:], rtol=1e-5, atol=1e-5)
+        assert np.abs(a0[0]).max() > 0

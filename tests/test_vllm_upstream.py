@@ -860,13 +860,13 @@ def test_packed_tensor_views_are_vllms_hnc():
         t, spec, num_blocks=3, layout=jaxkv.vllm.TensorLayout.LBNHC
     )
     v = views["b"]
-    assert v.shape == (3, 8, 2, 6)
-    assert v.axes == ("block", "state", "head", "dim")
-    assert v.byte_address((1, 2, 1, 0)) == 3 * page + page + 2 * 48 + 24
+    assert v.shape == (3, 2, 8, 6)  # vLLM's [B, H, N, C]
+    assert v.axes == ("block", "head", "state", "dim")
+    assert v.byte_address((1, 1, 2, 0)) == 3 * page + page + 2 * 48 + 24
     hnc = jaxkv.vllm.tensor_views(
         t, spec, num_blocks=3, layout=jaxkv.vllm.TensorLayout.LBHNC
     )["a"]
-    assert hnc.strides == (page // 4, 6, 8 * 6, 1)  # heads outer: H stride > N
+    assert hnc.strides == (page // 4, 8 * 6, 6, 1)  # heads outer: H stride > N
     with pytest.raises(ValueError, match="whole states"):
         jaxkv.vllm.hnc_shape(spec, kernel_block_size=1)
 

@@ -179,6 +179,7 @@ def write_kv(
     # An AttentionLayer and its metadata were resolved to the view and slot
     # mapping by the wrapper (_resolve_layer_slots), before jit.
     _check_view(view, KVCacheView, "write_kv")
+    view = view.logical()
     _check_dtype_supported(view)
     key = jnp.asarray(key)
     value = None if value is None else jnp.asarray(value)
@@ -408,6 +409,7 @@ def gather_kv_pages(
       ((2, 2, 32, 2, 32), (2, 2, 32, 2, 32))
     """
     _check_view(view, KVCacheView, "gather_kv_pages")
+    view = view.logical()
     _check_dtype_supported(view)
     table = _device_ids(block_table, "block_table")
     if view.owned is not None:

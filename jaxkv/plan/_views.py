@@ -89,17 +89,43 @@ class KVCacheView:
             )
         if "block" not in self.axes:
             raise ValueError(f"KVCacheView axes {self.axes} have no 'block' axis.")
-        if (
-            "token" in self.axes
-            and "head" in self.axes
-            and self.axes.index("head") < self.axes.index("token")
-        ):
-            raise ValueError(
-                f"KVCacheView axes {self.axes} put 'head' before 'token'; jaxkv "
-                "reads and writes take the logical order (..., token, head, dim) "
-                "and any physical order as strides (heads outer: a head stride "
-                "larger than the token stride, as vLLM's LBHNC)."
-            )
+
+    def logical(self) -> KVCacheView:
+        """The same bytes with the axes in jaxkv's logical order.
+
+        jaxkv's reads and writes take ``(..., token, head, dim)`` (a packed
+        page's ``state`` in place of ``token``); a view in vLLM 0.33's
+        ``[B, H, N, C]`` order (:func:`jaxkv.vllm.tensor_views`) names heads
+        first. This swaps the two axes, their sizes and strides: no byte
+        moves, and every entry point that reads a view by position
+        (:func:`write_kv`, :func:`gather_kv_pages`, :func:`paged_attention`)
+        calls it first.
+
+        Example:
+          >>> import jaxkv
+          >>> v = jaxkv.KVCacheView(pool=0, offset=0, shape=(4, 2, 16, 8),
+          ...     strides=(256, 128, 8, 1), dtype="float32",
+          ...     axes=("block", "head", "token", "dim"))
+          >>> w = v.logical()
+          >>> w.axes, w.shape, w.strides
+          (('block', 'token', 'head', 'dim'), (4, 16, 2, 8), (256, 8, 128, 1))
+          >>> v.byte_address((1, 1, 3, 2)) == w.byte_address((1, 3, 1, 2))
+          True
+        """
+        n = "token" if "token" in self.axes else "state"
+        if n not in self.axes or "head" not in self.axes:
+            return self
+        t, h = self.axes.index(n), self.axes.index("head")
+        if t < h:
+            return self
+        order = list(range(len(self.axes)))
+        order[t], order[h] = h, t
+        return dataclasses.replace(
+            self,
+            shape=tuple(self.shape[i] for i in order),
+            strides=tuple(self.strides[i] for i in order),
+            axes=tuple(self.axes[i] for i in order),
+        )
 
     @property
     def itemsize(self) -> int:

@@ -27,12 +27,14 @@ def tensor_views(
     pool: int = 0,
     word: int = 4,
 ) -> dict[str, KVCacheView]:
-    """Every layer's view of `tensor` in a flat word pool, where vLLM 0.33's
-    ``create_kv_cache_views`` puts it: a fused K|V view ``(blocks, tokens, H,
-    D + Dv)`` (MLA: ``(blocks, tokens, D)``) whose element ``(b, n, h, c)`` is at
-    byte ``offset + l * layer_stride + b * s_B + h * s_H + n * s_N + c *
-    itemsize``, over a pool of `word`-byte carrier words
-    (``PoolSpec(size_bytes=tensor.size, word=word)``).
+    """Every layer's view of `tensor` in a flat word pool, as vLLM 0.33's
+    ``create_kv_cache_views`` gives it: a fused K|V view in vLLM's ``[B, H,
+    N, C]`` axis order, ``(blocks, H, tokens, D + Dv)`` (MLA: ``(blocks,
+    tokens, D)``; a packed page: ``state`` for tokens), whose element ``(b,
+    h, n, c)`` is at byte ``offset + l * layer_stride + b * s_B + h * s_H + n
+    * s_N + c * itemsize``, over a pool of `word`-byte carrier words
+    (``PoolSpec(size_bytes=tensor.size, word=word)``). jaxkv's reads and
+    writes take it as it is (:meth:`KVCacheView.logical`).
 
     Raises:
       TypeError: For a spec that is not attention.
@@ -46,8 +48,10 @@ def tensor_views(
       ...                       layer_stride=4096, block_stride=1024)
       >>> v = jaxkv.vllm.tensor_views(t, spec, num_blocks=4,
       ...                        layout=jaxkv.vllm.TensorLayout.LBNHC)["l1"]
-      >>> v.shape, v.strides, v.byte_address((1, 2, 1, 4))  # V[0] of head 1
-      ((4, 16, 2, 8), (256, 16, 8, 1), 5296)
+      >>> v.axes, v.shape, v.strides
+      (('block', 'head', 'token', 'dim'), (4, 2, 16, 8), (256, 8, 16, 1))
+      >>> v.byte_address((1, 1, 2, 4))  # V[0] of head 1, token 2
+      5296
     """  # noqa: D205
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"tensor_views: {type(spec).__name__} is not attention.")
@@ -75,10 +79,10 @@ def tensor_views(
         view_shape = (blocks, states, content // itemsize)
         view_strides = (el[_B], el[_N], 1)
         axes = ("block", n_axis, "dim")
-    else:
-        view_shape = (blocks, states, heads, content // itemsize)
-        view_strides = (el[_B], el[_N], el[_H], 1)
-        axes = ("block", n_axis, "head", "dim")
+    else:  # vLLM 0.33's [B, H, N, C]
+        view_shape = (blocks, heads, states, content // itemsize)
+        view_strides = (el[_B], el[_H], el[_N], 1)
+        axes = ("block", "head", n_axis, "dim")
     return {
         name: KVCacheView(
             pool=pool,
