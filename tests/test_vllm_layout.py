@@ -1,6 +1,8 @@
 """vLLM 0.33's layout model: [L, B, H, N, C] permutations, tensors, resolution,
 and jaxkv's typed pools placing every byte where vLLM 0.33's views do."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -208,7 +210,8 @@ def test_a_view_in_vllm_s_bhnc_order_reads_and_writes_as_its_logical_form():
     plan = jaxkv.make_plan(cfg, num_blocks=6)
     slots = jnp.arange(16, 56, dtype=jnp.int32)
     # A prefill of 40 tokens (XLA) and a decode of the 40th (XLA and the
-    # native kernel, which takes rows of one query token).
+    # native kernel, which takes rows of one query token); half the K/V
+    # written by XLA, half by the native write.
     table = [np.array([[1, 2, 3, 0]], np.int32)]
     calls = [
         (jaxkv.vllm.build_attn_metadata(
@@ -239,7 +242,10 @@ def test_a_view_in_vllm_s_bhnc_order_reads_and_writes_as_its_logical_form():
             pools = jaxkv.plan.allocate_pools(
                 [jaxkv.plan.PoolSpec(size_bytes=t.size, word=4)]
             )
-            pools = jaxkv.write_kv(pools, view, k, v, slots)
+            pools = jaxkv.write_kv(pools, view, k[:20], v[:20], slots[:20])
+            pools = jaxkv.write_kv(
+                pools, view, k[20:], v[20:], slots[20:], implementation="native"
+            )
             pages = jaxkv.gather_kv_pages(pools, view, jnp.array([[1, 2, 3]]))
             att = [
                 np.asarray(jaxkv.paged_attention(q[-n:], pools, view, meta,
@@ -259,3 +265,41 @@ def test_a_view_in_vllm_s_bhnc_order_reads_and_writes_as_its_logical_form():
         for got in (*a0[1:], *a1[1:]):  # the decode: its last row
             np.testing.assert_allclose(got, a0[0][-1:], rtol=1e-5, atol=1e-5)
         assert np.abs(a0[0]).max() > 0
+
+
+def test_a_typed_view_in_bhnc_order_feeds_the_pallas_kernels_as_its_logical_form():
+    # The Pallas kernels (interpreted on CPU) read typed pools by position;
+    # a typed view named in vLLM's [B, H, N, C] order reaches them swapped
+    # back, so attention over it equals attention over the planned view.
+    cfg = jaxkv.llama_like_config(num_layers=1, num_kv_heads=2, head_size=16)
+    plan = jaxkv.make_plan(cfg, num_blocks=6, storage="typed")
+    name = "layers.0.self_attn"
+    nhd = plan.views[name]
+    assert isinstance(nhd, jaxkv.KVCacheView)
+    t, h = nhd.dim("token"), nhd.dim("head")
+    order = list(range(len(nhd.axes)))
+    order[t], order[h] = h, t
+    bhnc = dataclasses.replace(
+        nhd,
+        shape=tuple(nhd.shape[i] for i in order),
+        strides=tuple(nhd.strides[i] for i in order),
+        axes=tuple(nhd.axes[i] for i in order),
+    )
+    assert bhnc.logical() == nhd
+    rng = np.random.default_rng(2)
+    k, v = _kv(rng, 20, 2, 16)
+    q = jnp.asarray(rng.normal(size=(20, 4, 16)), jnp.float32)
+    meta = jaxkv.vllm.build_attn_metadata(
+        plan.attn_groups, 1, 20, np.array([0, 20], np.int32), None, 1,
+        np.array([20], np.int32), 20, [np.array([[4, 2] + [0] * 2], np.int32)],
+        [np.full(20, -1, np.int32)], plan.kv_cache_config,
+    )[name]  # fmt: skip
+    slots = jnp.asarray(np.r_[np.arange(64, 80), np.arange(32, 36)], jnp.int32)
+    pools = jaxkv.write_kv(plan.allocate(), nhd, k, v, slots)
+    outs = [
+        np.asarray(jaxkv.paged_attention(q, pools, view, meta, scale=0.25,
+                                         implementation="pallas"))
+        for view in (bhnc, nhd)
+    ]  # fmt: skip
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(outs[1]).max() > 0

@@ -188,7 +188,6 @@ def paged_attention(
             f"AttentionLayer, got {type(view).__name__} (a Mamba layer's state "
             "view has no keys)."
         )
-    view = view.logical()  # vLLM's [B, H, N, C] order names the same bytes
     if query_tile is None:
         query_tile = 16 if q.shape[0] > meta.max_reqs else 1
     call = Call(

@@ -179,7 +179,6 @@ def write_kv(
     # An AttentionLayer and its metadata were resolved to the view and slot
     # mapping by the wrapper (_resolve_layer_slots), before jit.
     _check_view(view, KVCacheView, "write_kv")
-    view = view.logical()
     _check_dtype_supported(view)
     key = jnp.asarray(key)
     value = None if value is None else jnp.asarray(value)

@@ -93,13 +93,13 @@ class KVCacheView:
     def logical(self) -> KVCacheView:
         """The same bytes with the axes in jaxkv's logical order.
 
-        jaxkv's reads and writes take ``(..., token, head, dim)`` (a packed
-        page's ``state`` in place of ``token``); a view in vLLM 0.33's
-        ``[B, H, N, C]`` order (:func:`jaxkv.vllm.tensor_views`) names heads
-        first. This swaps the two axes, their sizes and strides: no byte
-        moves, and every entry point that reads a view by position
-        (:func:`write_kv`, :func:`gather_kv_pages`, :func:`paged_attention`)
-        calls it first.
+        ``(..., token, head, dim)`` (a packed page's ``state`` in place of
+        ``token``); a view in vLLM 0.33's ``[B, H, N, C]`` order
+        (:func:`jaxkv.vllm.tensor_views`) names heads first. This swaps the
+        two axes, their sizes and strides: no byte moves. Writes, the Pallas
+        kernels and the native kernel address a view by axis name; the one
+        read that returns pages by position, :func:`gather_kv_pages` (XLA's
+        attention path), calls this first.
 
         Example:
           >>> import jaxkv
