@@ -106,8 +106,9 @@ def run(args: Any) -> dict[str, Any]:
         plan,
         forward,
         params,
-        enable_prefix_caching=True,
-        host_blocks=args.host_blocks,
+        scheduling=jaxkv.SchedulingOptions(
+            enable_prefix_caching=True, host_blocks=args.host_blocks
+        ),
     )
     warm_s = loop.warm_up()  # the step's buckets and the copy programs
 
@@ -136,7 +137,7 @@ def run(args: Any) -> dict[str, Any]:
     for name, kwargs in modes.items():
         walls, flushes, stats, host_stats, compiles = [], [], {}, {}, 0
         for _ in range(args.iters):
-            loop.reset(**kwargs)
+            loop.reset(scheduling=jaxkv.SchedulingOptions(**kwargs))
             in_flush[0] = 0.0
             served = []
             with jaxkv.count_compilations() as compiled:

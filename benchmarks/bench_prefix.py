@@ -49,7 +49,7 @@ def run(args: Any) -> dict[str, Any]:
     ]
 
     def serve(cached: bool) -> tuple[list[list[int]], dict[str, Any]]:
-        engine.reset(enable_prefix_caching=cached)
+        engine.reset(scheduling=jaxkv.SchedulingOptions(enable_prefix_caching=cached))
         requests = [
             jaxkv.demo.EngineRequest(
                 f"r{i}", prompt=p, max_new_tokens=args.max_new_tokens

@@ -134,7 +134,12 @@ def run(args: Any) -> dict[str, Any]:
     loop = jaxkv.ServingLoop(plan, forward, params)
     warm_s = loop.warm_up()
     num_programs = len(loop.programs)
-    multi = jaxkv.ServingLoop(plan, forward, params, decode_steps=args.decode_steps)
+    multi = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        execution=jaxkv.ExecutionOptions(decode_steps=args.decode_steps),
+    )
     multi.warm_up()
     # Every program call the loops make while they are timed is recorded, then
     # replayed back to back (the same programs on the same inputs, each

@@ -73,8 +73,10 @@ from jaxkv.plan import (
 )
 from jaxkv.sched import KVCacheManager, Request, RequestStatus, ScheduledStep, Scheduler
 from jaxkv.serve import (
+    ExecutionOptions,
     Forward,
     SamplingParams,
+    SchedulingOptions,
     ServingLoop,
     sample_tokens,
     sample_tokens_per_row,
@@ -102,6 +104,7 @@ __all__ = [
     "CommonAttentionMetadata",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
+    "ExecutionOptions",
     "Forward",
     "FullAttentionSpec",
     "KVCacheBudget",
@@ -123,6 +126,7 @@ __all__ = [
     "SamplingParams",
     "ScheduledStep",
     "Scheduler",
+    "SchedulingOptions",
     "ServingLoop",
     "ShardedPlan",
     "SlidingWindowMLASpec",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -118,4 +119,16 @@ def one_layer_config(spec, *, max_model_len=256, max_num_seqs=8, tokens=64):
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=tokens,
         token_buckets=(tokens,),
+    )
+
+
+def reset_loop(loop: jaxkv.ServingLoop, *, num_blocks: int | None = None, **changes):
+    """``loop.reset`` with a fresh scheduling state: prefix caching and the host
+    tier off unless `changes` turn them on, the loop's other options kept.
+    """  # noqa: D205
+    options = dataclasses.replace(
+        loop.scheduling, enable_prefix_caching=False, host_blocks=0
+    )
+    loop.reset(
+        scheduling=dataclasses.replace(options, **changes), num_blocks=num_blocks
     )

@@ -11,7 +11,6 @@ Run by ``tests/test_shard.py`` in its own process:
 
 import os
 import sys
-from typing import Any
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (
@@ -119,8 +118,8 @@ def reference(sampling=None):
         make_forward(plan, None),
         params(),
         vocab_size=VOCAB,
-        record_logits=True,
         sampling=sampling,
+        execution=jaxkv.ExecutionOptions(record_logits=True),
     )
     reqs = loop.run(requests())
     return {r.req_id: r.output for r in reqs}, dict(loop.logits)
@@ -132,7 +131,11 @@ def check_sampled(arg, want):
     mesh = jax.make_mesh((d, t), ("data", "tensor"))
     sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
     loop = jaxkv.ServingLoop(
-        sp, make_forward(sp.local, "tensor"), params(), param_specs=SPECS, sampling=HOT
+        sp,
+        make_forward(sp.local, "tensor"),
+        params(),
+        sampling=HOT,
+        execution=jaxkv.ExecutionOptions(param_specs=SPECS),
     )
     got = {r.req_id: r.output for r in loop.run(requests())}
     assert got == want, (arg, got, want)
@@ -142,8 +145,7 @@ def check_sampled(arg, want):
         sp,
         make_forward(sp.local, "tensor"),
         params(),
-        param_specs=SPECS,
-        per_request_sampling=True,
+        execution=jaxkv.ExecutionOptions(param_specs=SPECS, per_request_sampling=True),
     )
     reqs = requests()
     mixed.run(reqs, sampling={r.req_id: HOT for r in reqs})
@@ -165,26 +167,25 @@ def check(arg, want, want_logits):
         sp,
         make_forward(sp.local, "tensor"),
         params(),
-        param_specs=SPECS,
         vocab_size=VOCAB,
-        record_logits=True,
+        execution=jaxkv.ExecutionOptions(param_specs=SPECS, record_logits=True),
     )
     loop.warm_up()
     for overlap in (True, False):
-        resets: list[dict[str, Any]] = [
-            {},
+        resets: list[tuple[int | None, jaxkv.SchedulingOptions]] = [
+            (None, jaxkv.SchedulingOptions()),
             # First-chunk admission, so the small pool preempts.
-            {"num_blocks": 13, "scheduler_reserve_full_isl": False},
-            {"enable_prefix_caching": True, "scheduler_reserve_full_isl": True},
+            (13, jaxkv.SchedulingOptions(scheduler_reserve_full_isl=False)),
+            (None, jaxkv.SchedulingOptions(enable_prefix_caching=True)),
         ]
-        for reset in resets:
+        for num_blocks, scheduling in resets:
             loop.set_overlap(overlap)
-            loop.reset(**reset)
+            loop.reset(scheduling=scheduling, num_blocks=num_blocks)
             with jaxkv.count_compilations() as compiles:
                 reqs = loop.run(requests())
             assert all(r.status is jaxkv.RequestStatus.FINISHED for r in reqs)
             got = {r.req_id: r.output for r in reqs}
-            assert got == want, (shape, overlap, reset, got, want)
+            assert got == want, (shape, overlap, num_blocks, got, want)
             for rid, logits in want_logits.items():
                 np.testing.assert_allclose(
                     np.stack(loop.logits[rid]), np.stack(logits), rtol=1e-4, atol=2e-3
@@ -195,9 +196,9 @@ def check(arg, want, want_logits):
             assert busy == min(d, len(want)), ("ranks left idle", served)
             for s in loop.schedulers:
                 assert s.manager.num_free_blocks == s.manager.num_usable_blocks
-            if "num_blocks" in reset and d <= 2:  # several requests per rank
+            if num_blocks is not None and d <= 2:  # several requests per rank
                 assert sum(s.stats["preemptions"] for s in loop.schedulers) > 0
-            if "enable_prefix_caching" in reset and d <= 4:
+            if scheduling.enable_prefix_caching and d <= 4:
                 assert sum(s.stats["cached_tokens"] for s in loop.schedulers) > 0
     # The step moves no pool between devices: the only collectives are the
     # model's own all-reduces.
@@ -221,7 +222,11 @@ def check_moved(src=(1, 4), dst=(2, 2)):
     ]  # no stop tokens: every request has tokens left to decode
     plan = jaxkv.make_plan(CFG, num_blocks=64)
     ref = jaxkv.ServingLoop(
-        plan, make_forward(plan, None), params(), vocab_size=VOCAB, record_logits=True
+        plan,
+        make_forward(plan, None),
+        params(),
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(record_logits=True),
     )
     want = {
         r.req_id: r.output
@@ -241,10 +246,10 @@ def check_moved(src=(1, 4), dst=(2, 2)):
             sp,
             make_forward(sp.local, "tensor"),
             params(),
-            param_specs=SPECS,
             vocab_size=VOCAB,
-            record_logits=True,
-            overlap=False,
+            execution=jaxkv.ExecutionOptions(
+                param_specs=SPECS, record_logits=True, overlap=False
+            ),
         )
 
     prefill = loop_on(src, devices[:4], explicit)
@@ -316,15 +321,19 @@ def check_host_tier(arg="2x4"):
         sp,
         make_forward(sp.local, "tensor"),
         params(),
-        param_specs=SPECS,
         vocab_size=VOCAB,
-        enable_prefix_caching=True,
-        host_blocks=64,
+        scheduling=jaxkv.SchedulingOptions(enable_prefix_caching=True, host_blocks=64),
+        execution=jaxkv.ExecutionOptions(param_specs=SPECS),
     )
     loop.warm_up()
     stats = {}
     for host_blocks in (0, 64):
-        loop.reset(enable_prefix_caching=True, num_blocks=12, host_blocks=host_blocks)
+        loop.reset(
+            scheduling=jaxkv.SchedulingOptions(
+                enable_prefix_caching=True, host_blocks=host_blocks
+            ),
+            num_blocks=12,
+        )
         got = {}
         with jaxkv.count_compilations() as compiles:
             for batch in rounds:

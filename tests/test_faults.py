@@ -12,6 +12,7 @@ from flax import nnx
 import jaxkv
 import jaxkv.demo
 import jaxkv.serve._loop as loop_module
+from tests.helpers import reset_loop
 
 
 class Fault(Exception):
@@ -52,7 +53,7 @@ def _requests():
 
 
 def _serve(engine, requests):
-    engine.reset(enable_prefix_caching=True)
+    reset_loop(engine, enable_prefix_caching=True)
     engine.run(requests)
     return requests
 
@@ -145,7 +146,7 @@ def test_a_fault_anywhere_in_a_step_resumes_to_the_fault_free_result(
     engine, fault_free, monkeypatch, point, at
 ):
     requests = _requests()
-    engine.reset(enable_prefix_caching=True)
+    reset_loop(engine, enable_prefix_caching=True)
     with monkeypatch.context() as m:
         _inject(m, engine, point, at)
         with pytest.raises(Fault):
@@ -171,7 +172,7 @@ def test_a_fault_anywhere_in_a_step_resumes_to_the_fault_free_result(
 
 def test_a_run_interrupted_twice_still_serves_everything(engine, fault_free):
     requests = _requests()
-    engine.reset(enable_prefix_caching=True)
+    reset_loop(engine, enable_prefix_caching=True)
     real = engine.programs
     calls = [0]
 
@@ -198,7 +199,7 @@ def test_a_run_interrupted_twice_still_serves_everything(engine, fault_free):
 def test_each_step_donates_the_pools_it_replaces(engine):
     # The step consumes the pools (no second copy alive): what a failing
     # device step loses, and why resume() must allocate new ones.
-    engine.reset()
+    reset_loop(engine)
     old = jax.tree.leaves(engine.pools)
     engine.run(_requests()[:1])
     assert all(x.is_deleted() for x in old)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from tests.helpers import reset_loop
 
 README = pathlib.Path(__file__).parent.parent / "docs" / "guide.md"
 
@@ -174,7 +175,7 @@ def test_served_guide_matches_the_dense_model_and_compiles_once_per_bucket(
     # One executable per program of the buckets, compiled by warm_up; serving
     # more requests compiles nothing.
     assert len(loop.programs) == len(loop.builder.abstract_inputs())
-    loop.reset()
+    reset_loop(loop)
     with jaxkv.count_compilations() as compiles:
         loop.run([jaxkv.Request("x", prompt=[5] * 70, max_new_tokens=3)])
     assert compiles == []

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from tests.helpers import reset_loop
 from tests.test_serve_loop import VOCAB, _griffin, _model, _params
 from tests.test_transfer import _group_of, _oracle_kv, _oracle_state, _owning
 
@@ -237,7 +238,7 @@ def _prefix_rounds(num_prefixes=4, prefix=32, seed=7):
 
 
 def _serve_rounds(loop, **reset):
-    loop.reset(**reset)
+    reset_loop(loop, **reset)
     outputs = {}
     for req in _prefix_rounds():
         (done,) = loop.run([req])
@@ -258,7 +259,7 @@ def test_prefixes_that_fit_the_host_not_the_device_are_restored_not_recomputed(
     want, plain = _serve_rounds(loop)
     small = {"enable_prefix_caching": True, "num_blocks": 14}
     device_only, dev = _serve_rounds(loop, **small)
-    loop.reset(**small, host_blocks=64)
+    reset_loop(loop, **small, host_blocks=64)
     loop.warm_up()
     with jaxkv.count_compilations() as compiles:
         offloaded, off = _serve_rounds(loop, **small, host_blocks=64)
@@ -275,14 +276,18 @@ def test_the_loop_refuses_host_blocks_it_cannot_serve():
     plan, forward, windows = _model()
     params = _params(len(windows))
     with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
-        jaxkv.ServingLoop(plan, forward, params, host_blocks=8)
+        jaxkv.ServingLoop(
+            plan, forward, params, scheduling=jaxkv.SchedulingOptions(host_blocks=8)
+        )
     with pytest.raises(TypeError, match="host_blocks must be an int"):
         jaxkv.ServingLoop(
             plan,
             forward,
             params,
-            enable_prefix_caching=True,
-            host_blocks=2.0,  # pyright: ignore[reportArgumentType]
+            scheduling=jaxkv.SchedulingOptions(
+                enable_prefix_caching=True,
+                host_blocks=2.0,  # pyright: ignore[reportArgumentType]
+            ),
         )
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
     sp = jaxkv.shard_plan(plan.runner_config, mesh=mesh, num_blocks=16)
@@ -340,9 +345,10 @@ def test_a_tiny_host_tier_serves_what_a_loop_without_one_serves(
         forward,
         params,
         vocab_size=8,
-        enable_prefix_caching=True,
-        host_blocks=host_blocks,
-        decode_steps=decode_steps,
+        scheduling=jaxkv.SchedulingOptions(
+            enable_prefix_caching=True, host_blocks=host_blocks
+        ),
+        execution=jaxkv.ExecutionOptions(decode_steps=decode_steps),
     )
     rng = np.random.default_rng(0)
     prefixes = [rng.integers(0, 8, 12).tolist() for _ in range(3)]

@@ -11,6 +11,7 @@ import pytest
 from test_serve_loop import VOCAB, _model, _params, _requests
 
 import jaxkv
+from tests.helpers import reset_loop
 
 
 @pytest.fixture(scope="module")
@@ -19,24 +20,30 @@ def model():
     return plan, forward, _params(len(windows))
 
 
-def _loop(model, **loop_args):
+def _loop(model, *, scheduling=None, **execution):
     """A warmed-up loop over the module's model, recording logits."""
     plan, forward, params = model
     loop = jaxkv.ServingLoop(
-        plan, forward, params, vocab_size=VOCAB, record_logits=True, **loop_args
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        scheduling=scheduling,
+        execution=jaxkv.ExecutionOptions(record_logits=True, **execution),
     )
     loop.warm_up()
     return loop
 
 
-def _serve(model, *, decode_steps, overlap, stops=(), **loop_args):
-    num_blocks = loop_args.pop("num_blocks", None)
-    loop = _loop(model, overlap=overlap, decode_steps=decode_steps, **loop_args)
+def _serve(model, *, decode_steps, overlap, stops=(), num_blocks=None, **scheduling):
+    loop = _loop(
+        model,
+        overlap=overlap,
+        decode_steps=decode_steps,
+        scheduling=jaxkv.SchedulingOptions(**scheduling),
+    )
     if num_blocks is not None:  # a smaller pool: preemption
-        loop.reset(
-            num_blocks=num_blocks,
-            enable_prefix_caching=loop_args.get("enable_prefix_caching", False),
-        )
+        loop.reset(num_blocks=num_blocks)
     seen: dict[str, list[int]] = {}
     outs = []
     with jaxkv.count_compilations() as compiles:
@@ -145,7 +152,14 @@ def test_decode_steps_is_checked(model):
     plan, forward, params = model
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="decode_steps"):
-            jaxkv.ServingLoop(plan, forward, params, decode_steps=bad)  # type: ignore[arg-type]
+            jaxkv.ServingLoop(
+                plan,
+                forward,
+                params,
+                execution=jaxkv.ExecutionOptions(
+                    decode_steps=bad  # pyright: ignore[reportArgumentType]
+                ),
+            )
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -155,7 +169,11 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
     base, _, _, _ = _serve(model, decode_steps=1, overlap=False)
     plan, forward, params = model
     loop = jaxkv.ServingLoop(
-        plan, forward, params, vocab_size=VOCAB, overlap=overlap, decode_steps=4
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(overlap=overlap, decode_steps=4),
     )
     # Without overlap update_decode() applies a block; with it the block is
     # advanced when dispatched and resolve_decode() fills its tokens.
@@ -187,7 +205,13 @@ def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model,
     """  # noqa: D205
     base, _, _, _ = _serve(model, decode_steps=1, overlap=False)
     plan, forward, params = model
-    loop = jaxkv.ServingLoop(plan, forward, params, vocab_size=VOCAB, decode_steps=3)
+    loop = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(decode_steps=3),
+    )
     patched = "advance_decode" if where == "advance" else "_dispatch_decode"
     owner = loop.scheduler if where == "advance" else loop
     real, calls = getattr(owner, patched), [0]
@@ -354,10 +378,11 @@ def test_random_arrivals_stops_and_preemption_pipelined_equal_one_step_at_a_time
             forward,
             params,
             vocab_size=VOCAB,
-            overlap=overlap,
-            decode_steps=decode_steps,
+            execution=jaxkv.ExecutionOptions(
+                overlap=overlap, decode_steps=decode_steps
+            ),
         )
-        loop.reset(num_blocks=18, enable_prefix_caching=True)
+        reset_loop(loop, num_blocks=18, enable_prefix_caching=True)
         reqs = requests()
         if not staggered:
             loop.run(reqs)
@@ -385,7 +410,7 @@ def test_overlap_may_change_between_any_two_steps(model, decode_steps):
     loop = _loop(model, decode_steps=decode_steps)
     flips_seen_in_flight = 0
     for first, second in [(1, 3), (2, 4), (3, 7), (5, 6)]:
-        loop.reset()
+        reset_loop(loop)
         loop.set_overlap(True)
         outs = []
         for seed in (3, 4):
@@ -416,7 +441,7 @@ def test_overlap_cannot_change_from_on_token_inside_run(model):
     def flip(req, token):
         loop.set_overlap(False)
 
-    loop.reset()
+    reset_loop(loop)
     reqs = _requests(seed=3)
     with pytest.raises(RuntimeError, match="cannot change inside run"):
         loop.run(reqs, on_token=flip)

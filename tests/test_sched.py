@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import jaxkv
 import jaxkv.demo
 from jaxkv._specs import get_num_skipped_tokens
+from tests.helpers import reset_loop
 
 # --- host side: allocator, hashes, hit rules, manager --------------------------
 
@@ -391,7 +392,7 @@ def served():
 
 
 def _serve(engine, requests, **reset):
-    engine.reset(**reset)
+    reset_loop(engine, **reset)
     engine.run(requests)
     free = engine.allocator.num_free
     return [r.output for r in requests], free, engine.stats
@@ -471,7 +472,7 @@ def test_engine_rejects_bad_requests_and_serves_the_others(served):
         jaxkv.demo.EngineRequest("long", prompt=[1] * 300, max_new_tokens=30),
         jaxkv.demo.EngineRequest("oov", prompt=[1, 99], max_new_tokens=1),
     ]
-    engine.reset(num_blocks=30)
+    reset_loop(engine, num_blocks=30)
     steps, generated = engine.run([bad[0], good[0], bad[1], good[1]])
     assert [r.status for r in bad] == [jaxkv.RequestStatus.REJECTED] * 2
     assert "max_model_len (320)" in (bad[0].reject_reason or "")

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
+from tests.helpers import reset_loop
 
 VOCAB, D, H, KV, HD, WINDOW = 64, 32, 4, 2, 16, 8
 SHAPE: dict[str, Any] = dict(
@@ -157,7 +158,11 @@ def served():
     plan, forward, windows = _model()
     params = _params(len(windows))
     loop = jaxkv.ServingLoop(
-        plan, forward, params, vocab_size=VOCAB, record_logits=True
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(record_logits=True),
     )
     warm = loop.warm_up()
     with jaxkv.count_compilations() as compiles:
@@ -204,19 +209,19 @@ def test_single_preempted_and_prefix_cached_runs_equal_the_batch(served):
             )
 
     for r in _requests():  # one at a time: batch of one
-        loop.reset()
+        reset_loop(loop)
         loop.run([r])
         check([r], 1e-5)
-    loop.reset(num_blocks=9)  # 8 usable blocks of 8 tokens: preemption
+    reset_loop(loop, num_blocks=9)  # 8 usable blocks of 8 tokens: preemption
     squeezed = loop.run(_requests())
     assert loop.scheduler.stats["preemptions"] > 0
     check(squeezed, 1e-5)
-    loop.reset(enable_prefix_caching=True)
+    reset_loop(loop, enable_prefix_caching=True)
     shared = _requests(shared=24, seed=1)
     base = {r.req_id: r.output for r in loop.run(_requests(shared=24, seed=1))}
     assert loop.scheduler.stats["cached_tokens"] > 0
     assert {r.req_id: r.output for r in shared} != {}  # not served yet
-    loop.reset()
+    reset_loop(loop)
     plain = {r.req_id: r.output for r in loop.run(shared)}
     assert plain == base
     assert (
@@ -238,7 +243,7 @@ def test_sampling_is_seeded_per_request_and_position(served):
                 plan, forward, params, sampling=sampling
             )
         loop = loops[sampling]
-        loop.reset()
+        reset_loop(loop)
         reqs = _requests(new=5)
         if one_by_one:
             for r in reqs:
@@ -257,7 +262,7 @@ def test_sampling_is_seeded_per_request_and_position(served):
 
 def test_tokens_stream_as_they_are_sampled(served):
     loop = served["loop"]
-    loop.reset()
+    reset_loop(loop)
     seen: dict[str, list[int]] = {}
     requests = loop.run(
         _requests(), on_token=lambda r, t: seen.setdefault(r.req_id, []).append(t)
@@ -269,7 +274,7 @@ def test_tokens_stream_as_they_are_sampled(served):
 def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overlap):
     loop = served["loop"]
     loop.set_overlap(overlap)
-    loop.reset()
+    reset_loop(loop)
     # Without overlap update() applies a step; with it resolve() does.
     method = "resolve" if overlap else "update"
     real, calls = getattr(loop.scheduler, method), [0]
@@ -300,7 +305,7 @@ def test_overlap_resumes_a_step_that_failed_to_run(served, where):
     the tokens are those of an undisturbed run.
     """  # noqa: D205
     loop = served["loop"]
-    loop.reset()
+    reset_loop(loop)
     real, calls = loop._dispatch, [0]
 
     def dispatch(scheduled, prev):
@@ -336,7 +341,7 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
 
     def serve(overlap, **reset):
         loop.set_overlap(overlap)
-        loop.reset(**reset)
+        reset_loop(loop, **reset)
         reqs = _requests(shared=16, seed=3, new=9)
         for r in reqs:
             r.stop_token_ids = stops
@@ -370,7 +375,7 @@ def test_overlap_equals_no_overlap_with_stop_tokens_preemption_and_prefixes(serv
                 )
     finally:
         loop.set_overlap(True)
-        loop.reset(scheduler_reserve_full_isl=True)
+        reset_loop(loop, scheduler_reserve_full_isl=True)
 
 
 def test_a_loop_reports_kv_cache_events_and_serves_by_priority():
@@ -380,11 +385,13 @@ def test_a_loop_reports_kv_cache_events_and_serves_by_priority():
         forward,
         _params(len(windows)),
         vocab_size=VOCAB,
-        enable_prefix_caching=True,
-        enable_kv_cache_events=True,
-        policy="priority",
-        max_num_seqs=1,
-        overlap=False,
+        scheduling=jaxkv.SchedulingOptions(
+            enable_prefix_caching=True,
+            enable_kv_cache_events=True,
+            policy="priority",
+            max_num_seqs=1,
+        ),
+        execution=jaxkv.ExecutionOptions(overlap=False),
     )
     reqs = _requests(shared=16, seed=5, new=3)
     for i, r in enumerate(reqs):
@@ -434,7 +441,11 @@ def test_logits_wider_than_the_vocabulary_are_named_when_traced(decode_steps):
         return jax.tree.map(jnp.copy, pools), jnp.zeros((sample.shape[0], VOCAB + 2))
 
     loop = jaxkv.ServingLoop(
-        plan, wide, {}, vocab_size=VOCAB, decode_steps=decode_steps
+        plan,
+        wide,
+        {},
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(decode_steps=decode_steps),
     )
     with pytest.raises(
         ValueError, match=f"logits of {VOCAB + 2} columns, but vocab_size is {VOCAB}"
@@ -550,7 +561,11 @@ def _griffin_dense_logits(params, kinds, tokens):
 def test_a_griffin_like_model_keeps_its_state_in_mamba_pools():
     plan, forward, params, kinds = _griffin()
     loop = jaxkv.ServingLoop(
-        plan, forward, params, vocab_size=VOCAB, record_logits=True
+        plan,
+        forward,
+        params,
+        vocab_size=VOCAB,
+        execution=jaxkv.ExecutionOptions(record_logits=True),
     )
     loop.warm_up()
     with jaxkv.count_compilations() as compiles:
@@ -571,7 +586,7 @@ def test_a_griffin_like_model_keeps_its_state_in_mamba_pools():
         ({"enable_prefix_caching": True}, "cached_tokens"),  # states reused
     ]
     for kwargs, stat in cases:
-        loop.reset(**kwargs)
+        reset_loop(loop, **kwargs)
         again = loop.run(_requests(shared=20, seed=2))
         assert {r.req_id: r.output for r in again} == want, kwargs
         assert loop.scheduler.stats[stat] > 0, (kwargs, loop.scheduler.stats)
@@ -612,11 +627,21 @@ def test_param_specs_must_match_the_params_and_need_a_mesh():
     plan, forward, _ = _model()
     params = _params(2)
     with pytest.raises(ValueError, match="give a ShardedPlan"):
-        jaxkv.ServingLoop(plan, forward, params, param_specs={"embed": P()})
+        jaxkv.ServingLoop(
+            plan,
+            forward,
+            params,
+            execution=jaxkv.ExecutionOptions(param_specs={"embed": P()}),
+        )
     mesh = jax.make_mesh((1, 1), ("data", "tensor"))
     sp = jaxkv.shard_plan(plan.runner_config, mesh=mesh, num_blocks=16)
     with pytest.raises(ValueError, match="one PartitionSpec per leaf of params"):
-        jaxkv.ServingLoop(sp, forward, params, param_specs={"embed": P()})
+        jaxkv.ServingLoop(
+            sp,
+            forward,
+            params,
+            execution=jaxkv.ExecutionOptions(param_specs={"embed": P()}),
+        )
     with pytest.raises(TypeError, match="plan must be a KVCachePlan"):
         jaxkv.ServingLoop(plan.runner_config, forward, params)  # pyright: ignore[reportArgumentType]
     loop = jaxkv.ServingLoop(sp, forward, params)
@@ -703,7 +728,12 @@ def test_each_request_samples_with_its_own_parameters(served):
         return [r.output for r in reqs]
 
     ref = {k: alone(k or jaxkv.SamplingParams()) for k in (None, hot, top1)}
-    mixed = jaxkv.ServingLoop(plan, forward, params, per_request_sampling=True)
+    mixed = jaxkv.ServingLoop(
+        plan,
+        forward,
+        params,
+        execution=jaxkv.ExecutionOptions(per_request_sampling=True),
+    )
     mixed.warm_up()
     reqs = _requests(new=5)
     with jaxkv.count_compilations() as compiles:

@@ -96,10 +96,16 @@ def test_decode_steps_is_bounded_and_read_only():
                 _forward(layer),
                 jnp.eye(8),
                 vocab_size=8,
-                decode_steps=bad,  # pyright: ignore[reportArgumentType]
+                execution=jaxkv.ExecutionOptions(
+                    decode_steps=bad  # pyright: ignore[reportArgumentType]
+                ),
             )
     loop = jaxkv.ServingLoop(
-        plan, _forward(layer), jnp.eye(8), vocab_size=8, decode_steps=64
+        plan,
+        _forward(layer),
+        jnp.eye(8),
+        vocab_size=8,
+        execution=jaxkv.ExecutionOptions(decode_steps=64),
     )
     with pytest.raises(AttributeError):
         loop.decode_steps = 0  # pyright: ignore[reportAttributeAccessIssue]
@@ -136,7 +142,11 @@ def test_warm_up_compiles_the_decode_of_max_num_seqs_requests_at_once():
     plan = jaxkv.make_plan(cfg, num_blocks=16)
     layer = plan.attention_layer("layers.0.self_attn")
     loop = jaxkv.ServingLoop(
-        plan, _forward(layer), jnp.eye(8), vocab_size=8, decode_steps=4
+        plan,
+        _forward(layer),
+        jnp.eye(8),
+        vocab_size=8,
+        execution=jaxkv.ExecutionOptions(decode_steps=4),
     )
     loop.warm_up()
     reqs = [

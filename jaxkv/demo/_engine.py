@@ -24,7 +24,7 @@ from jaxkv.demo._model import TinyHybridModel, forward_paged
 from jaxkv.demo._tensor_parallel import tensor_parallel_state
 from jaxkv.plan import KVCacheView, local_runner_config, make_plan, shard_plan
 from jaxkv.sched import BlockAllocator
-from jaxkv.serve import ServingLoop
+from jaxkv.serve import ExecutionOptions, SchedulingOptions, ServingLoop
 from jaxkv.step import BucketDispatcher
 
 
@@ -159,12 +159,14 @@ class Engine(ServingLoop):
             plan,
             forward,
             state,
-            param_specs=specs,
             vocab_size=vocab,
-            record_logits=record_logits,
-            enable_prefix_caching=enable_prefix_caching,
-            overlap=overlap,
-            dispatcher=dispatcher,
+            scheduling=SchedulingOptions(enable_prefix_caching=enable_prefix_caching),
+            execution=ExecutionOptions(
+                param_specs=specs,
+                record_logits=record_logits,
+                overlap=overlap,
+                dispatcher=dispatcher,
+            ),
         )
         self._run: dict[str, Any] | None = None
 

@@ -4,6 +4,7 @@ yours, with sampling, stop tokens, streaming, warm-up and fault resumption.
 
 from jaxkv.serve._device_step import Forward
 from jaxkv.serve._loop import ServingLoop
+from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
 from jaxkv.serve._sampling import (
     SamplingParams,
     request_seed,
@@ -12,8 +13,10 @@ from jaxkv.serve._sampling import (
 )
 
 __all__ = [
+    "ExecutionOptions",
     "Forward",
     "SamplingParams",
+    "SchedulingOptions",
     "ServingLoop",
     "request_seed",
     "sample_tokens",

@@ -5,7 +5,7 @@ sampled token (checked while tracing, so a mistake is named before it runs).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.kv import Pools
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.serve._sampling import SamplingParams
+
+_T = TypeVar("_T")
 
 
 def check_forward_result(
@@ -152,3 +154,16 @@ def check_decode_steps(plan: KVCachePlan | ShardedPlan, decode_steps: object) ->
             "on one device only for now; on a mesh leave it at 1."
         )
     return decode_steps
+
+
+def check_options(value: object, kind: type[_T], name: str) -> _T:
+    """`value` (``None``: ``kind()``), refused unless it is a `kind` record."""
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"ServingLoop: {name} must be a jaxkv.{kind.__name__} (or None), got "
+            f"{type(value).__name__}; pass its options as "
+            f"{name}=jaxkv.{kind.__name__}(...)."
+        )
+    return value

@@ -24,16 +24,17 @@ from jaxkv.serve._checks import (
     check_decode_steps,
     check_host_blocks,
     check_loop_arguments,
+    check_options,
     check_param_specs,
 )
 from jaxkv.serve._device_step import DeviceStep, Forward
+from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
 from jaxkv.serve._sampling import (
     SamplingParams,
     abstract_sampling_rows,
     sampling_rows,
 )
 from jaxkv.step import (
-    BucketDispatcher,
     Programs,
     StepArrays,
     StepInputs,
@@ -60,13 +61,13 @@ class ServingLoop:
     tokens go back to the scheduler, stop tokens end requests, `on_token`
     streams them.
 
-    With ``overlap=True`` (the default) the host hides behind the device, as
-    vLLM's async scheduling: step N+1 is scheduled, packed and dispatched
-    while step N runs (JAX dispatch is asynchronous), its decode tokens taken
-    from step N's sampled tokens on the device (:meth:`Scheduler.advance`);
-    step N's tokens are then read and applied (:meth:`Scheduler.resolve`). A
-    request that samples a stop token has one more step computed for it,
-    dropped. Outputs equal ``overlap=False``.
+    With overlap (``ExecutionOptions(overlap=True)``, the default) the host
+    hides behind the device, as vLLM's async scheduling: step N+1 is
+    scheduled, packed and dispatched while step N runs (JAX dispatch is
+    asynchronous), its decode tokens taken from step N's sampled tokens on
+    the device (:meth:`Scheduler.advance`); step N's tokens are then read and
+    applied (:meth:`Scheduler.resolve`). A request that samples a stop token
+    has one more step computed for it, dropped. Outputs equal no overlap.
 
     If a step raises (in your model, the device, the host, an interrupt),
     :meth:`resume` finishes or redoes it (see there) and :meth:`run` resumes
@@ -79,8 +80,8 @@ class ServingLoop:
     ``jax.shard_map`` (``check_vma`` on) on its rank's pools (the local
     plan's: ``plan.local.attention_layer(name)``), metadata and tokens; with
     a tensor axis it sees its local heads and joins them itself (a
-    ``jax.lax.psum`` over the tensor axis), and `param_specs` shard its
-    parameters. Nothing per rank is written by the caller
+    ``jax.lax.psum`` over the tensor axis), and ``execution.param_specs``
+    shard its parameters. Nothing per rank is written by the caller
     (``tests/serve_mesh_check.py``: 2x4, 4x2 and 8x1 meshes serve what one
     device serves). Fast prefill is not armed on a mesh.
 
@@ -89,50 +90,26 @@ class ServingLoop:
       forward: Your step (:class:`Forward`).
       params: Its parameters (a pytree of arrays, passed to every step).
       sampling: How tokens are drawn (greedy by default).
-      enable_prefix_caching: Reuse cached prefixes.
       vocab_size: Check prompt and sampled token ids against it.
-      record_logits: Keep each sampled token's logits in :attr:`logits` (a
-        device-to-host copy per step).
-      max_num_batched_tokens: Token budget per step (default: the config's).
-      max_num_seqs: Requests per step (default: the config's).
-      overlap: Schedule the next step while one runs (see above).
-      param_specs: On a mesh, a ``PartitionSpec`` per leaf of `params`
-        (default: replicated).
-      dispatcher: The buckets (default: the config's, as
-        :class:`StepMetadataBuilder` makes them).
-      per_request_sampling: Each request may bring its own
-        :class:`SamplingParams` (``submit(req, sampling=...)``, ``run(...,
-        sampling={req_id: ...})``; the others use `sampling`): the step
-        samples with :func:`sample_tokens_per_row` from per-row arrays, one
-        program for any mix (a sort of the vocabulary per sampled row, which
-        a greedy-only loop does not pay).
-      host_blocks: Keep up to this many evicted prefix-cache blocks in host
-        memory (:class:`HostKVCache`, :attr:`host`; needs prefix caching; on a
-        mesh, per data rank): a prefix hit on one copies it back instead of
-        recomputing it. The copies run just before the step that needs them,
-        compiled by :meth:`warm_up`.
-      decode_steps: Decode iterations per dispatch in steady decoding
-        (multi-step decoding, as vLLM's ``num_scheduler_steps``): when
-        nothing waits and every running request is decoding, one program runs
-        this many iterations on the device, each feeding its sampled tokens to
-        the next, and the host schedules, packs and reads back once for all
-        (:meth:`Scheduler.schedule_decode`). With `overlap` the blocks are
-        pipelined: block k+1 is scheduled and dispatched before block k's
-        tokens are read (:meth:`Scheduler.advance_decode`, its first input
-        tokens block k's last, on the device), so the host's work hides
-        behind the device's (``benchmarks/bench_serve.py``). Tokens are the
-        same as one step at a time; a request admitted meanwhile waits up to
-        two blocks, and a request that stops early has the rest of its
-        iterations (with overlap, of the next block too) computed and
-        dropped. One device only; ``1`` (the default) runs every step on its
-        own.
-      policy: The schedulers' policy, ``"fcfs"`` or ``"priority"``
-        (:class:`Scheduler`; ``Request(priority=...)``).
-      scheduler_reserve_full_isl: Admit a request only when its whole prompt
-        fits the free blocks (:class:`Scheduler`; vLLM's default, on).
-      enable_kv_cache_events: Each scheduler's manager keeps vLLM's KV-cache
-        events for a KV-aware router (``loop.schedulers[rank].manager.
-        take_events()`` after each step; :class:`KVCacheManager`).
+      scheduling: How requests are admitted and batched
+        (:class:`SchedulingOptions`: prefix caching, budgets, policy,
+        full-prompt admission, a host tier, KV-cache events).
+      execution: How each step runs (:class:`ExecutionOptions`: overlap,
+        multi-step decoding, buckets, parameter sharding, per-request
+        sampling, recorded logits).
+
+    With ``execution.decode_steps > 1`` (multi-step decoding, as vLLM's
+    ``num_scheduler_steps``), when nothing waits and every running request
+    is decoding, one program runs that many iterations on the device, each
+    feeding its sampled tokens to the next, and the host schedules, packs and
+    reads back once for all (:meth:`Scheduler.schedule_decode`). With
+    overlap the blocks are pipelined: block k+1 is scheduled and dispatched
+    before block k's tokens are read (:meth:`Scheduler.advance_decode`), so
+    the host's work hides behind the device's (``benchmarks/bench_serve.py``).
+    Tokens are the same as one step at a time; a request admitted meanwhile
+    waits up to two blocks, and a request that stops early has the rest of
+    its iterations (with overlap, of the next block too) computed and
+    dropped.
 
     Example:
       >>> import jax.numpy as jnp
@@ -163,25 +140,23 @@ class ServingLoop:
         params: Any,
         *,
         sampling: SamplingParams | None = None,
-        enable_prefix_caching: bool = False,
         vocab_size: int | None = None,
-        record_logits: bool = False,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        overlap: bool = True,
-        param_specs: Any = None,
-        dispatcher: BucketDispatcher | None = None,
-        per_request_sampling: bool = False,
-        host_blocks: int = 0,
-        decode_steps: int = 1,
-        policy: str = "fcfs",
-        scheduler_reserve_full_isl: bool = True,
-        enable_kv_cache_events: bool = False,
+        scheduling: SchedulingOptions | None = None,
+        execution: ExecutionOptions | None = None,
     ) -> None:
         """Creates the schedulers and the builder and allocates the pools."""
-        check_loop_arguments(plan, forward, sampling, param_specs)
-        self._decode_steps = check_decode_steps(plan, decode_steps)
-        check_host_blocks(plan, host_blocks, enable_prefix_caching)
+        scheduling = check_options(scheduling, SchedulingOptions, "scheduling")
+        execution = check_options(execution, ExecutionOptions, "execution")
+        check_loop_arguments(plan, forward, sampling, execution.param_specs)
+        self._decode_steps = check_decode_steps(plan, execution.decode_steps)
+        check_host_blocks(
+            plan, scheduling.host_blocks, scheduling.enable_prefix_caching
+        )
+        #: How requests are scheduled (:meth:`reset` may change it).
+        self.scheduling = scheduling
+        #: How each step runs.
+        self.execution = execution
+        self._vocab_size = vocab_size
         self.sampling = SamplingParams() if sampling is None else sampling
         sharded = plan if isinstance(plan, ShardedPlan) else None
         self.sharded = sharded
@@ -189,30 +164,22 @@ class ServingLoop:
         self.plan: KVCachePlan = sharded.local if sharded else cast(KVCachePlan, plan)
         self.num_ranks = 1 if self.sharded is None else self.sharded.data_parallel
         self.forward = forward
-        self.record_logits = bool(record_logits)
-        self._overlap = bool(overlap)
-        self.per_request_sampling = bool(per_request_sampling)
+        self.record_logits = bool(execution.record_logits)
+        self._overlap = bool(execution.overlap)
+        self.per_request_sampling = bool(execution.per_request_sampling)
         # Per request id, its own SamplingParams (per_request_sampling).
         self._request_sampling: dict[str, SamplingParams] = {}
         # On a mesh the builder prepares every data rank's step at once.
-        self.builder = StepMetadataBuilder(plan, dispatcher, model_inputs=True)
+        self.builder = StepMetadataBuilder(
+            plan, execution.dispatcher, model_inputs=True
+        )
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
         self._width = self.builder.max_num_samples
-        self._limits: dict[str, Any] = {
-            "vocab_size": vocab_size,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_seqs": max_num_seqs,
-            "policy": policy,
-            "scheduler_reserve_full_isl": scheduler_reserve_full_isl,
-            "enable_kv_cache_events": enable_kv_cache_events,
-        }
-        self.schedulers: list[Scheduler] = self._schedulers(
-            enable_prefix_caching=enable_prefix_caching,
-            num_blocks=None,
-            host_blocks=host_blocks,
+        self.schedulers: list[Scheduler] = self._schedulers(num_blocks=None)
+        self.params, self.pools, self._param_specs = self._place(
+            params, execution.param_specs
         )
-        self.params, self.pools, self._param_specs = self._place(params, param_specs)
         self.device_step = DeviceStep(
             builder=self.builder,
             forward=forward,
@@ -252,28 +219,32 @@ class ServingLoop:
         )
         self._prev_tokens = self._no_tokens()
 
-    def _schedulers(
-        self, *, enable_prefix_caching: bool, num_blocks: int | None, host_blocks: int
-    ) -> list[Scheduler]:
-        """One scheduler per data-parallel rank, each with its own host tier
-        (`host_blocks`; on a mesh, the rank's copies of the global pools).
+    def _schedulers(self, *, num_blocks: int | None) -> list[Scheduler]:
+        """One scheduler per data-parallel rank under :attr:`scheduling`, each
+        with its own host tier (on a mesh, the rank's copies of the pools).
         """  # noqa: D205
+        opts = self.scheduling
 
         def host(rank: int) -> HostKVCache | None:
-            if not host_blocks:
+            if not opts.host_blocks:
                 return None
             return HostKVCache(
-                self.plan, num_blocks=host_blocks, sharded=self.sharded, rank=rank
+                self.plan, num_blocks=opts.host_blocks, sharded=self.sharded, rank=rank
             )
 
         return [
             Scheduler(
                 self.plan,
-                enable_prefix_caching=enable_prefix_caching,
+                enable_prefix_caching=opts.enable_prefix_caching,
                 num_blocks=num_blocks,
                 host_blocks=0,  # the tier is `host`
                 host=host(rank),
-                **self._limits,
+                vocab_size=self._vocab_size,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+                max_num_seqs=opts.max_num_seqs,
+                policy=opts.policy,
+                scheduler_reserve_full_isl=opts.scheduler_reserve_full_isl,
+                enable_kv_cache_events=opts.enable_kv_cache_events,
             )
             for rank in range(self.num_ranks)
         ]
@@ -378,21 +349,17 @@ class ServingLoop:
     def reset(
         self,
         *,
-        enable_prefix_caching: bool = False,
+        scheduling: SchedulingOptions | None = None,
         num_blocks: int | None = None,
-        host_blocks: int = 0,
-        scheduler_reserve_full_isl: bool | None = None,
     ) -> None:
         """New schedulers: requests, cached prefixes (the host tier's too) and
         recorded logits are forgotten; pools and compiled programs stay.
 
         Args:
-          enable_prefix_caching: Reuse cached prefixes.
+          scheduling: The new schedulers' options, kept for later resets
+            (default: :attr:`scheduling`, unchanged).
           num_blocks: Blocks each scheduler may use (default: all of the
             pool's); fewer simulate a smaller pool without recompiling.
-          host_blocks: Blocks of a new host tier (see the class).
-          scheduler_reserve_full_isl: Full-prompt admission for these and
-            later schedulers (``None``: unchanged).
 
         Raises:
           RuntimeError: Inside ``run()`` (from ``on_token``, while a step's
@@ -404,15 +371,19 @@ class ServingLoop:
                 "while a step's tokens are being applied); reset between "
                 "step() calls or runs."
             )
-        check_host_blocks(self.sharded or self.plan, host_blocks, enable_prefix_caching)
-        self.resume()
-        if scheduler_reserve_full_isl is not None:
-            self._limits["scheduler_reserve_full_isl"] = scheduler_reserve_full_isl
-        self.schedulers = self._schedulers(
-            enable_prefix_caching=enable_prefix_caching,
-            num_blocks=num_blocks,
-            host_blocks=host_blocks,
+        options = (
+            self.scheduling
+            if scheduling is None
+            else check_options(scheduling, SchedulingOptions, "scheduling")
         )
+        check_host_blocks(
+            self.sharded or self.plan,
+            options.host_blocks,
+            options.enable_prefix_caching,
+        )
+        self.resume()
+        self.scheduling = options
+        self.schedulers = self._schedulers(num_blocks=num_blocks)
         self.logits = {}
 
     # --- device side ----------------------------------------------------------

@@ -1,0 +1,80 @@
+"""The options of a :class:`ServingLoop`, as two records: how requests are
+scheduled, and how each step runs.
+"""  # noqa: D205
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxkv.step import BucketDispatcher
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulingOptions:
+    """How each data-parallel rank's :class:`Scheduler` admits and batches.
+
+    Args:
+      enable_prefix_caching: Reuse cached prefixes.
+      max_num_batched_tokens: Token budget per step (default: the config's).
+      max_num_seqs: Requests per step (default: the config's).
+      policy: ``"fcfs"`` or ``"priority"`` (``Request(priority=...)``).
+      scheduler_reserve_full_isl: Admit a request only when its whole prompt
+        fits the free blocks (vLLM's default, on).
+      host_blocks: Keep up to this many evicted prefix-cache blocks in host
+        memory (:class:`HostKVCache`, ``loop.host``; needs prefix caching; on a
+        mesh, per data rank): a prefix hit on one copies it back instead of
+        recomputing it, just before the step that needs it.
+      enable_kv_cache_events: Each scheduler's manager keeps vLLM's KV-cache
+        events for a KV-aware router (``loop.schedulers[rank].manager.
+        take_events()`` after each step).
+
+    Example:
+      >>> import jaxkv
+      >>> opts = jaxkv.SchedulingOptions(enable_prefix_caching=True)
+      >>> opts.policy, opts.scheduler_reserve_full_isl
+      ('fcfs', True)
+    """
+
+    enable_prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    host_blocks: int = 0
+    enable_kv_cache_events: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How each step runs on the device.
+
+    Args:
+      overlap: Schedule the next step while one runs (vLLM's async
+        scheduling; see :class:`ServingLoop`).
+      decode_steps: Decode iterations per dispatch in steady decoding
+        (multi-step decoding, as vLLM's ``num_scheduler_steps``; one device
+        only; ``1`` runs every step on its own).
+      dispatcher: The buckets (default: the config's, as
+        :class:`StepMetadataBuilder` makes them).
+      param_specs: On a mesh, a ``PartitionSpec`` per leaf of the parameters
+        (default: replicated).
+      per_request_sampling: Each request may bring its own
+        :class:`SamplingParams` (``submit(req, sampling=...)``): the step
+        samples from per-row arrays, one program for any mix (a sort of the
+        vocabulary per sampled row, which a greedy-only loop does not pay).
+      record_logits: Keep each sampled token's logits in ``loop.logits`` (a
+        device-to-host copy per step).
+
+    Example:
+      >>> import jaxkv
+      >>> jaxkv.ExecutionOptions(overlap=False).decode_steps
+      1
+    """
+
+    overlap: bool = True
+    decode_steps: int = 1
+    dispatcher: BucketDispatcher | None = None
+    param_specs: Any = None
+    per_request_sampling: bool = False
+    record_logits: bool = False
