@@ -1,4 +1,4 @@
-"""Multi-step decoding: ``Scheduler.schedule_decode`` / ``update_decode`` and
+"""Multi-step decoding: ``Scheduler.schedule_decode`` / ``update`` and
 ``ServingLoop(decode_steps=K)`` give the tokens, logits and streams of one
 step at a time, on the sliding-window + global model of test_serve_loop.
 """  # noqa: D205
@@ -104,7 +104,7 @@ def _decoding_scheduler(**kw):
     return s
 
 
-def test_schedule_decode_allocates_ahead_and_update_decode_stops():
+def test_schedule_decode_allocates_ahead_and_update_stops():
     s = _decoding_scheduler()
     step = s.schedule_decode(4)
     assert step is not None
@@ -122,19 +122,19 @@ def test_schedule_decode_allocates_ahead_and_update_decode_stops():
         table = step.block_tables[g][0]
         want = [table[p // bs] * bs + p % bs for p in range(4, 8)]
         assert step.step_slots[g][:, 0].tolist() == want
-    with pytest.raises(ValueError, match="update_decode"):
-        s.update(step, [1, 1])
+    with pytest.raises(ValueError, match="request 'r0' sampled 4 tokens this step"):
+        s.update(step, [1, 1])  # one token per request: a single step's shape
     with pytest.raises(ValueError, match="request 'r0' sampled 4 tokens"):
-        s.update_decode(step, [[1], [2, 3]])
+        s.update(step, [[1], [2, 3]])
     with pytest.raises(ValueError, match="outside"):
-        s.update_decode(step, [[1, 2, 3, 4], [2, -3]])
+        s.update(step, [[1, 2, 3, 4], [2, -3]])
     s.running[0].stop_token_ids = (2,)
-    done = s.update_decode(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
+    done = s.update(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
     assert [r.req_id for r in done] == ["r0", "r1"]
     assert [r.output for r in done] == [[5, 1, 2], [5, 6, 6]]
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
     with pytest.raises(ValueError, match="already applied"):
-        s.update_decode(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
+        s.update(step, [[1, 2, 3, 4], [6, 6, 6, 6]])
 
 
 def test_schedule_decode_declines_unless_steadily_decoding():
@@ -175,9 +175,9 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
         vocab_size=VOCAB,
         execution=jaxkv.ExecutionOptions(overlap=overlap, decode_steps=4),
     )
-    # Without overlap update_decode() applies a block; with it the block is
-    # advanced when dispatched and resolve_decode() fills its tokens.
-    method = "resolve_decode" if overlap else "update_decode"
+    # Without overlap update() applies a block; with it the block is
+    # advanced when dispatched and resolve() fills its tokens.
+    method = "_resolve_decode" if overlap else "_update_decode"
     real, calls = getattr(loop.scheduler, method), [0]
 
     def apply(step, tokens):
@@ -212,7 +212,7 @@ def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model,
         vocab_size=VOCAB,
         execution=jaxkv.ExecutionOptions(decode_steps=3),
     )
-    patched = "advance_decode" if where == "advance" else "_dispatch_decode"
+    patched = "_advance_decode" if where == "advance" else "_dispatch_decode"
     owner = loop.scheduler if where == "advance" else loop
     real, calls = getattr(owner, patched), [0]
 
@@ -238,7 +238,7 @@ def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model,
     assert m.num_free_blocks == m.num_usable_blocks
 
 
-def test_advance_decode_and_resolve_decode_pipeline_blocks():
+def test_advance_and_resolve_pipeline_multi_step_blocks():
     """A block is scheduled while the one before it is in flight: its input
     token is a placeholder of the block before; stop tokens found when
     resolving end the request and drop what the later block computed.
@@ -247,9 +247,9 @@ def test_advance_decode_and_resolve_decode_pipeline_blocks():
     r0, r1 = s.running
     first = s.schedule_decode(2)
     assert first is not None
-    with pytest.raises(ValueError, match="resolve_decode"):
-        s.resolve(first, [1, 1])
-    s.advance_decode(first)
+    with pytest.raises(ValueError, match="not the oldest advanced"):
+        s.resolve(first, [[1], [1]])
+    s.advance(first)
     assert [r.output for r in (r0, r1)] == [[5, -1, -1], [5, -2, -2]]
     assert (r0.num_pending, r1.num_pending) == (2, 2)
     # r1 (3 new tokens) has had its last 2: finished now, blocks back.
@@ -259,19 +259,19 @@ def test_advance_decode_and_resolve_decode_pipeline_blocks():
     assert second is not None
     assert np.asarray(second.token_ids).tolist() == [-1]  # tokens[1][0], block 1
     with pytest.raises(ValueError, match="oldest"):
-        s.resolve_decode(second, [[1, 1]])
+        s.resolve(second, [[1, 1]])
     with pytest.raises(ValueError, match="outside"):
-        s.resolve_decode(first, [[1, 2], [3, -1]])
-    s.advance_decode(second)
+        s.resolve(first, [[1, 2], [3, -1]])
+    s.advance(second)
     r0.stop_token_ids = (9,)
-    done = s.resolve_decode(first, [[1, 9], [3, 4]])
+    done = s.resolve(first, [[1, 9], [3, 4]])
     assert [r.req_id for r in done] == ["r0", "r1"]
     assert (r0.output, r1.output) == ([5, 1, 9], [5, 3, 4])
     assert [[(k, t) for k, _, t in it] for it in first.filled_by_iteration] == [
         [(0, 1), (1, 3)],
         [(0, 9), (1, 4)],
     ]
-    assert s.resolve_decode(second, [[7, 7]]) == []  # r0 ended: dropped
+    assert s.resolve(second, [[7, 7]]) == []  # r0 ended: dropped
     assert r0.output == [5, 1, 9]
     assert not second.filled_by_iteration[0]
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
@@ -302,7 +302,7 @@ def test_blocks_a_multi_step_decode_fills_are_cached_at_once():
     s.update(s.schedule(), [6])
     step = s.schedule_decode(8)
     assert step is not None
-    s.update_decode(step, [[7, 8, 9, 10, 11, 12, 13, 14]])
+    s.update(step, [[7, 8, 9, 10, 11, 12, 13, 14]])
     assert r.num_computed == 13
     # Tokens 0-7 fill block 0 during the decode: a hit for the next request.
     probe = jaxkv.Request(
@@ -329,11 +329,11 @@ def test_the_last_block_of_a_request_caches_what_it_computed(pipelined, prompt_l
     assert np.asarray(step.steps_per_request).tolist() == [4]
     tokens = [[21, 22, 23, 24]]
     if pipelined:
-        s.advance_decode(step)
+        s.advance(step)
         assert r.status is jaxkv.RequestStatus.FINISHED
-        assert s.resolve_decode(step, tokens) == [r]
+        assert s.resolve(step, tokens) == [r]
     else:
-        assert s.update_decode(step, tokens) == [r]
+        assert s.update(step, tokens) == [r]
     assert r.tokens == [*prompt, 20, 21, 22, 23, 24]
     probe = jaxkv.Request("p", prompt=[*r.tokens, 0], max_new_tokens=1)
     # Prompt 5: 10 tokens, positions 0-8 computed, block 0 (0-7) full and
@@ -468,17 +468,17 @@ def test_a_decode_block_caches_only_blocks_whose_keys_are_computed(pipelined):
     assert step is not None
     nxt = None
     if pipelined:
-        s.advance_decode(step)
+        s.advance(step)
         if pipelined == "ahead":
             nxt = s.schedule_decode(4)
             assert nxt is not None
-            s.advance_decode(nxt)
-        s.resolve_decode(step, [[5, 6, 7, 8]])
+            s.advance(nxt)
+        s.resolve(step, [[5, 6, 7, 8]])
     else:
-        s.update_decode(step, [[5, 6, 7, 8]])
+        s.update(step, [[5, 6, 7, 8]])
     assert req.num_known_tokens == 8
     probe = jaxkv.Request("p", prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=1)
     assert s.manager.find_cache_hit(probe) == 4
     if nxt is not None:
-        s.resolve_decode(nxt, [[9, 10, 11, 12]])
+        s.resolve(nxt, [[9, 10, 11, 12]])
         assert s.manager.find_cache_hit(probe) == 8

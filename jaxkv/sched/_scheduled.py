@@ -54,7 +54,7 @@ class ScheduledStep(StepArrays):
         default_factory=list, repr=False
     )
     #: With ``num_steps > 1``: per iteration, ``(k, request, token)`` for each
-    #: token :meth:`Scheduler.update_decode` or :meth:`Scheduler.resolve_decode`
+    #: token :meth:`Scheduler.update` or :meth:`Scheduler.resolve`
     #: took (``k``: the request's place in :attr:`batch`), in the order they
     #: were sampled.
     filled_by_iteration: list[list[tuple[int, Request, int]]] = dataclasses.field(

@@ -620,12 +620,12 @@ class Scheduler:
 
         Steady decoding: nothing waiting, every running request one token from
         its end (its last token known, or pending from a multi-step step
-        :meth:`advance_decode` applied, never from an ordinary one), the batch
+        :meth:`advance` applied, never from an ordinary one), the batch
         within ``max_num_seqs`` and the token budget, and no Mamba prefix
         caching (whose states are kept at block boundaries). Each request gets
         its blocks for ``k = min(num_steps, max_new_tokens - len(output))``
         tokens now; the device computes them one iteration at a time, each
-        sampled token the next iteration's input, and :meth:`update_decode`
+        sampled token the next iteration's input, and :meth:`update`
         takes up to ``k`` tokens per request (a stop token ends it; what was
         computed after it is dropped with its blocks). When the blocks do not
         fit, ``None`` (what was allocated stays held for the next tokens:
@@ -634,8 +634,8 @@ class Scheduler:
         The step is the ordinary decode step of its first iteration
         (``builder.prepare`` takes it) with ``num_steps``, ``step_slots``
         and ``steps_per_request`` set. To schedule the next block while this
-        one runs, apply it with :meth:`advance_decode` instead and fill its
-        tokens later with :meth:`resolve_decode`.
+        one runs, apply it with :meth:`advance` instead and fill its
+        tokens later with :meth:`resolve`.
 
         Example:
           >>> import jaxkv
@@ -647,7 +647,7 @@ class Scheduler:
           >>> step = s.schedule_decode(4)
           >>> step.num_steps, step.steps_per_request.tolist(), step.positions.tolist()
           (4, [4], [3])
-          >>> s.update_decode(step, [[1, 2, 3, 4]]), s.running[0].output
+          >>> s.update(step, [[1, 2, 3, 4]]), s.running[0].output
           ([], [5, 1, 2, 3, 4])
           >>> s.schedule_decode(4).steps_per_request.tolist()  # one token left
           [1]
@@ -670,7 +670,7 @@ class Scheduler:
                 "update(step, tokens) again with the same step to finish it."
             )
         running = self.running
-        # After advance_decode() the tokens of blocks in flight are placeholders
+        # After advance() the tokens of blocks in flight are placeholders
         # (pending), their last one read on the device; after advance() of an
         # ordinary step, not steady.
         if (
@@ -717,6 +717,10 @@ class Scheduler:
             the tokens it accepts instead, as a list: the drafts kept (a
             prefix of its drafts), then the token sampled after them (1 to
             ``k + 1``); a list of one token stands for that token anywhere.
+            For a :meth:`schedule_decode` step, one row per request of
+            ``step.batch``: the tokens its iterations sampled (at least its
+            ``steps_per_request``; more are ignored), a stop token ending the
+            request there (``step.filled_by_iteration`` lists those taken).
 
         Everything is checked before anything changes, so after a refused
         call (the errors below) the requests and blocks are exactly as before
@@ -739,10 +743,9 @@ class Scheduler:
                 f"update: {len(self._unresolved)} advanced steps are not resolved; "
                 "with advance() every step is finished by resolve()."
             )
-        if step.num_steps > 1:
-            raise ValueError(
-                "update: a schedule_decode() step of several iterations; apply it "
-                "with update_decode()."
+        if step.steps_per_request is not None:
+            return self._update_decode(
+                step, cast(Sequence[Sequence[int]], sampled_token_ids)
             )
         self._check_latest(step, "update", "schedule()")
         if step.spec_token_ids or any(
@@ -856,7 +859,7 @@ class Scheduler:
         self._applying = None
         return finished
 
-    def update_decode(
+    def _update_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
         """Applies a :meth:`~Scheduler.schedule_decode` step; returns the
@@ -877,18 +880,17 @@ class Scheduler:
             applied, is not a multi-step decode, or the tokens are not one
             row per request, each with its count of valid ids.
           TypeError: If the tokens are not integers.
-          RuntimeError: If steps :meth:`advance_decode` applied are not
+          RuntimeError: If steps :meth:`advance` applied are not
             resolved.
         """  # noqa: D205
         if self._unresolved:
             raise RuntimeError(
-                f"update_decode: {len(self._unresolved)} advanced steps are not "
-                "resolved; with advance_decode() every step is finished by "
-                "resolve_decode()."
+                f"update: {len(self._unresolved)} advanced steps are not "
+                "resolved; with advance() every step is finished by resolve()."
             )
-        self._check_decode_step(step, "update_decode")
-        self._check_latest(step, "update_decode", "schedule_decode()")
-        rows = self._checked_rows("update_decode", step, sampled_token_ids)
+        self._check_decode_step(step, "update")
+        self._check_latest(step, "update", "schedule_decode()")
+        rows = self._checked_rows("update", step, sampled_token_ids)
         self._applying = step
         live = []
         step.filled_by_iteration = [[] for _ in range(step.num_steps)]
@@ -908,7 +910,7 @@ class Scheduler:
             self.manager.commit(req)
         return self._close_applied(step, live)
 
-    def advance_decode(self, step: ScheduledStep) -> None:
+    def _advance_decode(self, step: ScheduledStep) -> None:
         """Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
         are known (async multi-step decoding): the next block of iterations
         can be scheduled while this one runs on the device.
@@ -919,7 +921,7 @@ class Scheduler:
         by ``num_pending``; its tokens count as computed and its blocks are
         committed; a request that reaches ``max_new_tokens`` finishes now
         (its blocks go back once its tokens are resolved, the blocks they fill
-        cached first). :meth:`resolve_decode` fills the tokens, in the
+        cached first). :meth:`resolve` fills the tokens, in the
         order steps were advanced; a stop token found then ends its request,
         and what later advanced steps computed for it is dropped.
 
@@ -930,14 +932,14 @@ class Scheduler:
           >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=7))
           >>> s.update(s.schedule(), [5])
           []
-          >>> first = s.schedule_decode(3); s.advance_decode(first)
+          >>> first = s.schedule_decode(3); s.advance(first)
           >>> second = s.schedule_decode(3); second.token_ids.tolist()  # tokens[2][0]
           [-1]
-          >>> s.advance_decode(second); s.running, s.unresolved == (first, second)
+          >>> s.advance(second); s.running, s.unresolved == (first, second)
           ([], True)
-          >>> s.resolve_decode(first, [[1, 2, 3]]), first.filled_by_iteration[2]
+          >>> s.resolve(first, [[1, 2, 3]]), first.filled_by_iteration[2]
           ([], [(0, Request(req_id='a', ...), 3)])
-          >>> [r.output for r in s.resolve_decode(second, [[4, 5, 6]])]
+          >>> [r.output for r in s.resolve(second, [[4, 5, 6]])]
           [[5, 1, 2, 3, 4, 5, 6]]
 
         Raises:
@@ -947,11 +949,11 @@ class Scheduler:
         """  # noqa: D205
         if self._applying is not None:
             raise RuntimeError(
-                "advance_decode: update() of the latest step raised midway; call "
+                "advance: update() of the latest step raised midway; call "
                 "update(step, tokens) again with the same step first."
             )
-        self._check_decode_step(step, "advance_decode")
-        self._check_latest(step, "advance_decode", "schedule_decode()")
+        self._check_decode_step(step, "advance")
+        self._check_latest(step, "advance", "schedule_decode()")
         counts = cast(np.ndarray, step.steps_per_request)  # checked above
         for k, ((req, _), (computed, outputs), n) in enumerate(
             zip(step.batch, step._before, counts.tolist(), strict=True)
@@ -964,28 +966,28 @@ class Scheduler:
                 req.num_pending += n
             self.manager.commit(req)
             if len(req.output) >= req.max_new_tokens:
-                # Its blocks stay until its tokens are known: resolve_decode()
-                # caches the blocks they fill (as update_decode() would), then
+                # Its blocks stay until its tokens are known: resolve()
+                # caches the blocks they fill (as update() would), then
                 # gives them back.
                 step._early.append(req)
                 self._finish(req, keep_pending=True, keep_blocks=True)
         self._applied = step
         self._unresolved.append(step)
 
-    def resolve_decode(
+    def _resolve_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
-        """Fills the tokens of the oldest step :meth:`advance_decode` applied;
+        """Fills the tokens of the oldest step :meth:`advance` applied;
         returns the requests that are now complete (finished, no token
         pending).
 
         Args:
           step: The oldest unresolved step.
-          sampled_token_ids: As for :meth:`update_decode`.
+          sampled_token_ids: As for :meth:`update`.
 
         A stop token ends its request there (the output stops at it; what
         later advanced steps computed for it is dropped). Checked before
-        anything changes, as :meth:`update_decode`; ``step.filled_by_iteration``
+        anything changes, as :meth:`update`; ``step.filled_by_iteration``
         lists the tokens taken.
 
         Raises:
@@ -994,13 +996,13 @@ class Scheduler:
             its count of valid ids.
           TypeError: If the tokens are not integers.
         """  # noqa: D205
-        self._check_decode_step(step, "resolve_decode")
+        self._check_decode_step(step, "resolve")
         if not self._unresolved or step is not self._unresolved[0]:
             raise ValueError(
-                "resolve_decode: the step is not the oldest advanced and unresolved "
+                "resolve: the step is not the oldest advanced and unresolved "
                 "one; resolve steps once each, in the order they were advanced."
             )
-        rows = self._checked_rows("resolve_decode", step, sampled_token_ids)
+        rows = self._checked_rows("resolve", step, sampled_token_ids)
         step.filled_by_iteration = [[] for _ in range(step.num_steps)]
         done = []
         for k, ((req, _), (_, outputs), row) in enumerate(
@@ -1023,7 +1025,7 @@ class Scheduler:
                 req.num_pending = 0
             if self.manager.holds_blocks(req):
                 # Its tokens are known up to here: the blocks whose K/V this
-                # step computed are cached, as update_decode() caches them.
+                # step computed are cached, as update() caches them.
                 self.manager.register_computed(
                     req, num_tokens=len(req.prompt) + outputs + len(taken) - 1
                 )
@@ -1031,7 +1033,7 @@ class Scheduler:
                 if req.status is RequestStatus.FINISHED and (
                     stopped or not req.num_pending
                 ):
-                    self.manager.free(req)  # finished by advance_decode()
+                    self.manager.free(req)  # finished by advance()
             if stopped and req.status is not RequestStatus.FINISHED:
                 self._finish(req, keep_pending=False)
             if req.status is RequestStatus.FINISHED and not req.num_pending:
@@ -1051,7 +1053,7 @@ class Scheduler:
         self, op: str, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """Per request of a multi-step step, its ``steps_per_request`` tokens,
-        checked (the errors of :meth:`update_decode`).
+        checked (the errors of :meth:`update`).
         """  # noqa: D205
         counts = cast(np.ndarray, step.steps_per_request)  # a decode step
         if len(sampled_token_ids) != len(step.batch):
@@ -1142,7 +1144,9 @@ class Scheduler:
         :meth:`resolve` fills the tokens, in the order steps were advanced;
         a stop token found then ends its request, and the next step's work
         for it (already scheduled) is dropped. Prefix-cache blocks are only
-        hashed once every token in them is known.
+        hashed once every token in them is known. A :meth:`schedule_decode`
+        step is advanced the same way, each request getting its
+        ``steps_per_request`` placeholders (see :meth:`_advance_decode`).
 
         Example:
           >>> import jaxkv
@@ -1167,11 +1171,9 @@ class Scheduler:
                 "advance: update() of the latest step raised midway; call "
                 "update(step, tokens) again with the same step first."
             )
-        if step.num_steps > 1:
-            raise ValueError(
-                "advance: a schedule_decode() step runs its iterations on the "
-                "device and is applied with update_decode(), not advanced."
-            )
+        if step.steps_per_request is not None:
+            self._advance_decode(step)
+            return
         self._check_latest(step, "advance", "schedule()")
         if step.spec_token_ids:
             raise ValueError(
@@ -1196,30 +1198,35 @@ class Scheduler:
         self._unresolved.append(step)
 
     def resolve(
-        self, step: ScheduledStep, sampled_token_ids: Sequence[int]
+        self,
+        step: ScheduledStep,
+        sampled_token_ids: Sequence[int] | Sequence[Sequence[int]],
     ) -> list[Request]:
         """Fills the tokens of the oldest step :meth:`advance` applied; returns
         the requests that are now complete (finished, no token pending).
 
-        A request whose token is a stop token finishes here: the output ends
-        at it, and what a later advanced step computed for it is dropped.
-        Tokens are checked before anything changes, as in :meth:`update`.
+        The tokens are shaped as for :meth:`update`: one per sampling request,
+        or for a :meth:`schedule_decode` step one row per request. A request
+        whose token is a stop token finishes here: the output ends at it, and
+        what a later advanced step computed for it is dropped. Tokens are
+        checked before anything changes, as in :meth:`update`.
 
         Raises:
           ValueError: If `step` is not the oldest unresolved one, or the
             tokens are not one valid id per request of ``step.sampled``.
         """  # noqa: D205
-        if step.num_steps > 1:
-            raise ValueError(
-                "resolve: a schedule_decode() step of several iterations; resolve "
-                "it with resolve_decode()."
+        if step.steps_per_request is not None:
+            return self._resolve_decode(
+                step, cast(Sequence[Sequence[int]], sampled_token_ids)
             )
         if not self._unresolved or step is not self._unresolved[0]:
             raise ValueError(
                 "resolve: the step is not the oldest advanced and unresolved one; "
                 "resolve steps once each, in the order they were advanced."
             )
-        tokens_in = self._checked_tokens("resolve", step, sampled_token_ids)
+        tokens_in = self._checked_tokens(
+            "resolve", step, cast(Sequence[int], sampled_token_ids)
+        )
         done = []
         k = -1
         for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):

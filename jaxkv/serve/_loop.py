@@ -104,7 +104,7 @@ class ServingLoop:
     feeding its sampled tokens to the next, and the host schedules, packs and
     reads back once for all (:meth:`Scheduler.schedule_decode`). With
     overlap the blocks are pipelined: block k+1 is scheduled and dispatched
-    before block k's tokens are read (:meth:`Scheduler.advance_decode`), so
+    before block k's tokens are read (:meth:`Scheduler.advance`), so
     the host's work hides behind the device's (``benchmarks/bench_serve.py``).
     Tokens are the same as one step at a time; a request admitted meanwhile
     waits up to two blocks, and a request that stops early has the rest of
@@ -717,7 +717,7 @@ class ServingLoop:
         """Multi-step decoding (``decode_steps > 1``, one device): when the
         batch is in steady decoding, runs ``decode_steps`` iterations in one
         program. With overlap the block is dispatched before the one in flight
-        is read (:meth:`Scheduler.advance_decode`), so the host schedules,
+        is read (:meth:`Scheduler.advance`), so the host schedules,
         packs and reads back while the device computes. Returns whether it
         ran and the requests finished.
         """  # noqa: D205
@@ -778,7 +778,7 @@ class ServingLoop:
         host_logits = self._host_decode_logits(self._results[1])
         sched = self.schedulers[0]
         rows = tokens[:, : step.num_reqs].T.tolist()
-        finished = [] if sched.last_applied is step else sched.update_decode(step, rows)
+        finished = [] if sched.last_applied is step else sched.update(step, rows)
         self._inflight = self._results = None
         self._forget(finished)
         self._deliver_iterations(step, host_logits)
@@ -794,7 +794,7 @@ class ServingLoop:
         finished = []
         if step in sched.unresolved:  # once, after a fault too
             rows = host_tokens[:, : step.num_reqs].T.tolist()
-            finished = sched.resolve_decode(step, rows)
+            finished = sched.resolve(step, rows)
         self._pipeline.popleft()
         self._forget(finished)
         self._deliver_iterations(step, host_logits)
@@ -851,7 +851,7 @@ class ServingLoop:
             if sched.last_applied is step:  # each once, after a fault too
                 continue
             if step.num_steps > 1:
-                sched.advance_decode(step)
+                sched.advance(step)
             else:
                 sched.advance(step)
 
