@@ -39,7 +39,13 @@ def byte_map_png(path: Path) -> None:
 
 
 def _write_atomically(nb: nbformat.NotebookNode, path: Path) -> None:
-    """Writes `nb` to `path` through a temporary file in the same folder."""
+    """Writes `nb` to `path` through a temporary file in the same folder.
+
+    The kernel's per-cell execution timestamps are dropped: a stored notebook
+    holds its outputs, not when and where they were made.
+    """
+    for cell in nb.cells:
+        cell.get("metadata", {}).pop("execution", None)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".ipynb")
     os.close(fd)
     nbformat.write(nb, tmp)
