@@ -1,4 +1,6 @@
-"""jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving.
+"""jaxkv: paged KV-cache views, attention groups and step metadata for JAX.
+
+jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving.
 
 This namespace is the plan-first API: describe the model
 (:class:`RunnerConfig`, :func:`pattern_config`), plan its cache
@@ -17,7 +19,7 @@ API lives in its sub-package: :mod:`jaxkv.plan` (host-side, static),
 The core imports jax, numpy and jaxtyping only; the demo model and Engine
 live in :mod:`jaxkv.demo` (the ``demo`` extra, Flax), which ``import jaxkv``
 does not load.
-"""  # noqa: D205
+"""
 
 import importlib.metadata as _metadata
 

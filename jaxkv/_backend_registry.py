@@ -1,6 +1,8 @@
-"""The registry of attention backends by key: the built-in ones (vLLM's names and
+"""The registry of attention backends by key: vLLM's built-in ones and yours.
+
+The registry of attention backends by key: the built-in ones (vLLM's names and
 capability flags) and those you register.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Specs of a whole group or of raw pages: layers of one type whose pages differ
+"""Specs of a whole group, of raw pages, and a group's per-layer spec.
+
+Specs of a whole group or of raw pages: layers of one type whose pages differ
 (UniformTypeKVCacheSpecs), pages of raw bytes, and the per-layer spec of a
 group's spec.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

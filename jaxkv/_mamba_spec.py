@@ -1,4 +1,7 @@
-"""The spec of a Mamba-style layer: per-request state arrays, one block each."""  # noqa: D205
+"""The spec of a Mamba-style layer: per-request state arrays, one block each.
+
+The spec of a Mamba-style layer: per-request state arrays, one block each.
+"""
 
 from __future__ import annotations
 

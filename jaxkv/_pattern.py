@@ -1,6 +1,8 @@
-"""A model's layer pattern ("5 local : 1 global", "recurrent, recurrent,
+"""A model's layer pattern as a :class:`RunnerConfig`.
+
+A model's layer pattern ("5 local : 1 global", "recurrent, recurrent,
 local") as a :class:`RunnerConfig`, so specs are not written layer by layer.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ PATTERN_LETTERS = {"G": "global", "L": "local", "C": "chunked", "R": "recurrent"
 
 
 def parse_pattern(pattern: str | Sequence[str]) -> tuple[str, ...]:
-    """The letters of a layer pattern (``"LLLLLG"``, ``"R,R,L"``, ``["R", "L"]``);
+    """The letters of a layer pattern.
+
+    The letters of a layer pattern (``"LLLLLG"``, ``"R,R,L"``, ``["R", "L"]``);
     spaces, commas and colons separate, case is ignored.
 
     Raises:
@@ -36,7 +40,7 @@ def parse_pattern(pattern: str | Sequence[str]) -> tuple[str, ...]:
       >>> import jaxkv
       >>> jaxkv.parse_pattern("r, r, l")
       ('R', 'R', 'L')
-    """  # noqa: D205
+    """
     text = pattern if isinstance(pattern, str) else ",".join(pattern)
     letters = tuple(c.upper() for c in text if c not in " ,:;\t")
     bad = sorted({c for c in letters if c not in PATTERN_LETTERS})

@@ -55,9 +55,11 @@ def is_int(value: object) -> TypeGuard[int | np.integer]:
 
 
 def check_positive_int(owner: str, name: str, value: object) -> int:
-    """`value` as an int; raises unless it is a positive int (Python or NumPy;
+    """`value` as an int; raises unless it is a positive int.
+
+    `value` as an int; raises unless it is a positive int (Python or NumPy;
     bools rejected).
-    """  # noqa: D205
+    """
     if not is_int(value):
         raise TypeError(
             f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})."
@@ -68,9 +70,11 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
 
 
 def check_non_negative_int(owner: str, name: str, value: object) -> int:
-    """`value` as an int; raises unless it is a non-negative int (Python or NumPy;
+    """`value` as an int; raises unless it is a non-negative int.
+
+    `value` as an int; raises unless it is a non-negative int (Python or NumPy;
     bools rejected).
-    """  # noqa: D205
+    """
     if not is_int(value):
         raise TypeError(
             f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})."

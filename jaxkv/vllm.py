@@ -1,5 +1,7 @@
 """vLLM's names for jaxkv's machinery, in vLLM's argument order.
 
+vLLM's names for jaxkv's machinery, in vLLM's argument order.
+
 A vLLM user porting a model runner looks for ``init_attn_backend``,
 ``bind_kv_caches``, ``build_attn_metadata`` and the rest of
 ``vllm/v1/worker/gpu/attn_utils.py``; they are here, with the records and
@@ -34,7 +36,7 @@ Example (the seeds' flow: groups, then pools and views, then binding):
   ...     "layers.6.self_attn"], kv, cfg, groups)
   >>> bound["layers.6.self_attn"] is bound["layers.3.self_attn"]  # YOCO
   True
-"""  # noqa: D205
+"""
 
 from jaxkv._backends import (
     AttentionBackend,

@@ -229,9 +229,11 @@ def unavailable_reason() -> str | None:
 
 
 def target(name: str = "paged_decode") -> str:
-    """The FFI target of a kernel, ``"paged_decode"`` or ``"kv_write"``
+    """The FFI target of a kernel (registered on first use).
+
+    The FFI target of a kernel, ``"paged_decode"`` or ``"kv_write"``
     (registered on first use).
-    """  # noqa: D205
+    """
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"jaxkv's native CPU kernel is not available: {reason}")

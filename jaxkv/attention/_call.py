@@ -1,4 +1,6 @@
-"""The contract every attention implementation meets: one call's static options,
+"""The contract every attention implementation meets.
+
+The contract every attention implementation meets: one call's static options,
 the rows it attends, and where a kernel finds a layer's pages in its pool.
 
 Each implementation (``_xla``, ``_native``, ``_pallas_gpu``, ``_pallas_tpu``)
@@ -6,7 +8,7 @@ is a function ``(q, pools, view, meta, layer, call) -> (T, H, Dv)`` with the
 same result up to float rounding: zero for padded tokens, keys past the
 request's length, the block table's end or the query's mask never seen, and
 NaN in pages or slots nobody may see never reaching an output.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ def kv_heads_of(view: KVCacheView) -> int:
 
 
 def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
-    """Why jaxkv's Pallas attention kernels cannot take this call (``None``:
+    """Why jaxkv's Pallas attention kernels cannot take this call (or ``None``).
+
+    Why jaxkv's Pallas attention kernels cannot take this call (``None``:
     they can): the view's reasons (:func:`jaxkv.kv.pallas_view_unfit`),
     or PrefixLM ranges (the kernels walk one contiguous key range per query).
 
@@ -52,7 +56,7 @@ def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
       >>> mask = Mask(True, None, None, False, True)
       >>> pallas_unfit(view, Call(mask, 1.0, None, None, 1, "auto"))
       'use_mm_prefix=True (PrefixLM ranges are not one key range)'
-    """  # noqa: D205
+    """
     reason = pallas_view_unfit(view)
     if reason is not None:
         return reason
@@ -113,10 +117,12 @@ def rows_to_tokens(
 
 
 class KernelCall(NamedTuple):
-    """What a page-walking kernel needs of one call, derived once: the query
+    """What a page-walking kernel needs of one call, derived once.
+
+    What a page-walking kernel needs of one call, derived once: the query
     shape (GQA group), head dims, the rows and their pages, and the pool as
     ``(L, *physical shape)`` (a bitcast) with its :class:`PageLayout`.
-    """  # noqa: D205
+    """
 
     num_tokens: int
     heads: int

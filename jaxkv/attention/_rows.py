@@ -1,8 +1,10 @@
-"""The row arithmetic of paged attention: which request and position each
+"""The row arithmetic of paged attention.
+
+The row arithmetic of paged attention: which request and position each
 query token has, query tokens grouped into rows of one request, the chunks of
 pages a row must visit, the mask of the keys it sees, and one online-softmax
 step over a chunk. :func:`paged_attention` composes them.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ def token_requests_and_positions(
 def request_token_rows(
     meta: CommonAttentionMetadata, width: int
 ) -> Int[Array, "max_reqs width"]:
-    """Each request's query tokens as a row of step-token indices, in order,
+    """Each request's query tokens as a row of step-token indices.
+
+    Each request's query tokens as a row of step-token indices, in order,
     ``-1`` past its query (and for padded requests): the per-request view a
     recurrent layer scans, ``x[jnp.maximum(rows, 0)]`` masked by
     ``rows >= 0``.
@@ -56,7 +60,7 @@ def request_token_rows(
       ...     query_start_loc=jnp.array([0, 3, 4, 4]))
       >>> jaxkv.request_token_rows(m, 3).tolist()
       [[0, 1, 2], [3, -1, -1], [-1, -1, -1]]
-    """  # noqa: D205
+    """
     qsl = meta.query_start_loc.astype(jnp.int32)
     live = jnp.arange(meta.max_reqs, dtype=jnp.int32) < meta.num_reqs
     q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)

@@ -188,11 +188,13 @@ class Engine(ServingLoop):
                     req.logits.append(logits[k])
 
     def resume(self) -> str | None:
-        """The loop's :meth:`~jaxkv.ServingLoop.resume`; a step it finished
+        """The loop's :meth:`~jaxkv.ServingLoop.resume`, keeping arrival steps.
+
+        The loop's :meth:`~jaxkv.ServingLoop.resume`; a step it finished
         counts, so arrivals keep their step. :meth:`run` calls it first, so
         ``engine.run([])`` after an exception finishes every request (those
         not yet arrived included).
-        """  # noqa: D205
+        """
         done = super().resume()
         if done is not None and self._run is not None:
             self._run["steps"] += 1
@@ -273,10 +275,12 @@ def _plan_and_state(
     data_axis: str,
     tensor_axis: str,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """``(plan, graphdef, state, split, param_specs)``: the model's plan (a
+    """The model's plan and its weights (split over a mesh's tensor axis).
+
+    ``(plan, graphdef, state, split, param_specs)``: the model's plan (a
     :class:`ShardedPlan` on a mesh) and its weights, on a mesh split over the
     tensor axis (`split` marks the split leaves; ``None`` on one device).
-    """  # noqa: D205
+    """
     if mesh is None:
         plan = make_plan(config, num_blocks=num_blocks, maps_slot_mapping=True)
         graphdef, state = nnx.split(model)

@@ -98,9 +98,11 @@ class AttentionBlock(nnx.Module):
 
 
 class MambaBlock(nnx.Module):
-    """A Mamba-style state layer: depthwise conv over 3 tokens, then a diagonal
+    """A Mamba-style state layer: a short conv, then a diagonal recurrence.
+
+    A Mamba-style state layer: depthwise conv over 3 tokens, then a diagonal
     state-space recurrence ``h = a * h + u * B``, ``y = h @ C``.
-    """  # noqa: D205
+    """
 
     def __init__(self, hidden: int, spec: MambaSpec, rngs: nnx.Rngs) -> None:
         """Creates the parameters; state shapes come from `spec`."""

@@ -1,11 +1,13 @@
-"""groups: attention groups, kernel block sizes, compile (CUDA-graph) support.
+"""groups: attention groups, kernel block sizes, compile support.
+
+groups: attention groups, kernel block sizes, compile (CUDA-graph) support.
 
 ``_init_backend`` groups the layers by backend and spec (vLLM's
 ``init_attn_backend``, KV-sharing layers in their target's group);
 ``_kernel_blocks`` chooses each group's kernel block size and maps block
 tables and slot mappings to it; ``_cg_support`` answers which step shapes a
 group's backends can replay.
-"""  # noqa: D205
+"""
 
 from jaxkv.groups._attn_group import AttentionGroup, flat_groups
 from jaxkv.groups._cg_support import (

@@ -49,9 +49,11 @@ def _host_ids(value: object, name: str) -> object:
 
 
 def _device_ids(value: ArrayLike, name: str) -> jax.Array:
-    """Ids inside jit as int32: integers only; ids that cannot be valid (past
+    """Ids inside jit as int32; ids past int32 become -1 (dropped).
+
+    Ids inside jit as int32: integers only; ids that cannot be valid (past
     int32) become -1 (dropped), never wrapped.
-    """  # noqa: D205
+    """
     ids = jnp.asarray(value)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(
@@ -64,10 +66,12 @@ def _device_ids(value: ArrayLike, name: str) -> jax.Array:
 
 
 def _checks_host_ids(*names: str, view: type | None = None, resolve: Any = None) -> Any:
-    """Wraps a jitted op: its view argument's type (when `view` is given) and its
+    """Wraps a jitted op so its view and host-given ids are checked first.
+
+    Wraps a jitted op: its view argument's type (when `view` is given) and its
     host-given id arguments `names` are checked before jit sees them, after
     ``resolve(arguments)`` (when given) rewrote the bound arguments in place.
-    """  # noqa: D205
+    """
 
     def wrap(fn: Any) -> Any:
         sig = inspect.signature(fn)
@@ -107,9 +111,11 @@ def _deleted(array: jax.Array) -> bool:
 
 
 def any_deleted(tree: Any) -> bool:
-    """Whether any array of `tree` was deleted (donated to a call that
+    """Whether any array of `tree` was deleted (donated and consumed).
+
+    Whether any array of `tree` was deleted (donated to a call that
     consumed it); traced values never are.
-    """  # noqa: D205
+    """
     return any(isinstance(x, jax.Array) and _deleted(x) for x in jax.tree.leaves(tree))
 
 

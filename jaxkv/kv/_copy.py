@@ -1,7 +1,9 @@
-"""Block copies inside a plan's pools: every layer's bytes of block ``src`` land
+"""Block copies inside a plan's pools (vLLM's ``copy_kv_cache_blocks``).
+
+Block copies inside a plan's pools: every layer's bytes of block ``src`` land
 in block ``dst`` (vLLM's ``copy_kv_cache_blocks``: copy-on-write of a shared
 block, a Mamba state checkpoint).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def copy_blocks(
     src: Int[ArrayLike, " n"] | Sequence[int],
     dst: Int[ArrayLike, " n"] | Sequence[int],
 ) -> Pools:
-    """Copies manager block ``src[i]`` to ``dst[i]`` in every layer of every
+    """Copies manager block ``src[i]`` to ``dst[i]`` in every layer of every group.
+
+    Copies manager block ``src[i]`` to ``dst[i]`` in every layer of every
     group; returns the pools (donated: their buffers are reused in place).
 
     Every layer that owns a view is copied through it, so what moves is
@@ -73,7 +77,7 @@ def copy_blocks(
       >>> keys, _ = jaxkv.gather_kv_pages(pools, view, jnp.array([[2, 5]]))
       >>> float(keys[0, 0].sum()), float(keys[0, 1].sum())
       (1024.0, 1024.0)
-    """  # noqa: D205
+    """
     check_pools_alive(pools, "copy_blocks")
     if not isinstance(plan, KVCachePlan):
         raise TypeError(

@@ -88,9 +88,11 @@ WRITE_IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "nat
 
 
 def _layer_slots(view: object, slot_mapping: object) -> tuple[Any, Any]:
-    """A layer's view and slot mapping from an :class:`AttentionLayer` and
+    """A layer's view and slot mapping from an :class:`AttentionLayer`.
+
+    A layer's view and slot mapping from an :class:`AttentionLayer` and
     step metadata (refusing another group's), or the bare ones as given.
-    """  # noqa: D205
+    """
     if isinstance(view, AttentionLayer):
         group = getattr(slot_mapping, "group", None)
         if None not in (view.group, group) and view.group != group:
@@ -249,9 +251,11 @@ _GPU_PLATFORMS = ("cuda", "rocm")
 def _write_choice(
     implementation: str | None, view: KVCacheView, value: jax.Array | None
 ) -> str:
-    """``"xla"``, ``"auto"`` (per platform), or the kernel named; raises for a
+    """The write implementation to run; raises for one that cannot.
+
+    ``"xla"``, ``"auto"`` (per platform), or the kernel named; raises for a
     name that cannot take the view.
-    """  # noqa: D205
+    """
     if implementation not in WRITE_IMPLEMENTATIONS:
         raise ValueError(
             f"write_kv: implementation={implementation!r}, expected one of "

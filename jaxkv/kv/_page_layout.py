@@ -73,9 +73,11 @@ class PageLayout(NamedTuple):
     dtype: np.dtype
 
     def at(self, layer, block, head, half: int, dim_slice, token=slice(None)) -> tuple:
-        """An index of the reshaped pool: one page (or one `token`) of one
+        """An index of the reshaped pool.
+
+        An index of the reshaped pool: one page (or one `token`) of one
         `head` (or all: ``slice(None)``), of K (`half` 0) or V (1).
-        """  # noqa: D205
+        """
         by_role = {
             "block": block,
             "kv": half,

@@ -10,7 +10,9 @@ from jaxkv.plan import KVCacheView
 
 
 def raw_unfit(view: KVCacheView) -> str | None:
-    """Why a raw-byte kernel cannot take `view` (``None``: it can): it needs
+    """Why a raw-byte kernel cannot take `view` (``None``: it can).
+
+    Why a raw-byte kernel cannot take `view` (``None``: it can): it needs
     block, token, head and dim axes with the dim contiguous, and a view that
     owns every page it addresses (a kernel view of a packed pool addresses
     other layers' pages too; a head-packing backend interleaves heads).
@@ -20,7 +22,7 @@ def raw_unfit(view: KVCacheView) -> str | None:
       >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
       >>> jaxkv.kv.raw_unfit(plan.views["layers.0.self_attn"]) is None
       True
-    """  # noqa: D205
+    """
     if view.owned is not None or view.kv_packing:
         return "a kernel view of a packed pool or a head-packing backend"
     if not {"block", "token", "head", "dim"} <= set(view.axes):

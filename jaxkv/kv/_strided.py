@@ -102,14 +102,16 @@ def _starts(
     limits: Sequence[int],
     pool_shape: Sequence[int],
 ) -> jax.Array:
-    """Start of every window, ``(n * L, 1)`` word offsets (a flat pool) or
+    """Start of every window, as word offsets or (row, word) pairs.
+
+    Start of every window, ``(n * L, 1)`` word offsets (a flat pool) or
     ``(n * L, 2)`` ``(row, word)`` pairs (a row pool ``(rows, R)``, where each
     block lies in one row: no offset past int32 is ever formed).
 
     An item is invalid if any index is negative (padding) or past its dim; its
     windows start past the pool's end, so a FILL_OR_DROP scatter drops them and
     a gather fills them. The first index is the block id.
-    """  # noqa: D205
+    """
     valid = jnp.ones(indices[0].shape, jnp.bool_)
     idx32 = []
     for idx, limit in zip(indices, limits, strict=True):

@@ -48,9 +48,11 @@ def _index_columns(
     limits: Sequence[int],
     num_layers: int,
 ) -> jax.Array:
-    """``(n, 1 + k)`` int32 starts; an invalid item's layer is ``num_layers``
+    """``(n, 1 + k)`` int32 starts; an invalid item's layer is out of bounds.
+
+    ``(n, 1 + k)`` int32 starts; an invalid item's layer is ``num_layers``
     (out of bounds: a FILL_OR_DROP scatter drops it, a gather fills it).
-    """  # noqa: D205
+    """
     n = indices[0].shape[0]
     layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (n,))
     valid = (layer >= 0) & (layer < num_layers)
@@ -80,12 +82,14 @@ def scatter(
     indices: Sequence[jax.Array],
     data: jax.Array,
 ) -> jax.Array:
-    """Writes ``data (n, *rest)`` (logical order) at the items ``indices`` of the
+    """Writes ``data (n, *rest)`` at items ``indices`` of `view`.
+
+    Writes ``data (n, *rest)`` (logical order) at the items ``indices`` of the
     logical dims `indexed` of `view`, in layer slot `layer`; returns the pool.
 
     Items with an index out of range (negative included) or a layer outside
     the pool write nothing.
-    """  # noqa: D205
+    """
     shape, strides, dtype = view.shape, view.strides, view.dtype
     slots = _as_slots(pool, shape, strides)
     operand, rest_logical, rest_physical = _dims(shape, strides, indexed)
@@ -113,11 +117,13 @@ def gather(
     indexed: Sequence[int],
     indices: Sequence[jax.Array],
 ) -> jax.Array:
-    """Reads the items ``indices`` of dims `indexed` as ``(n, *rest)`` in
+    """Reads the items ``indices`` of dims `indexed` as ``(n, *rest)``.
+
+    Reads the items ``indices`` of dims `indexed` as ``(n, *rest)`` in
     logical order, in the pool's storage dtype (convert with :func:`from_bits`;
     a no-op for native pools). Invalid items read as NaN (all-ones bits for
     bits pools and integers).
-    """  # noqa: D205
+    """
     shape, strides = view.shape, view.strides
     slots = _as_slots(pool, shape, strides)
     operand, rest_logical, rest_physical = _dims(shape, strides, indexed)

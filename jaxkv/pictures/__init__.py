@@ -1,4 +1,6 @@
-"""Pictures of pools, views and steps (matplotlib; ``pip install jaxkv[pictures]``).
+"""Pictures of pools, views and steps (matplotlib).
+
+Pictures of pools, views and steps (matplotlib; ``pip install jaxkv[pictures]``).
 
 Not imported by ``import jaxkv``. Each ``plot_*`` function returns a matplotlib
 ``Figure``; the data it draws comes from a NumPy function you can check
@@ -6,7 +8,7 @@ Not imported by ``import jaxkv``. Each ``plot_*`` function returns a matplotlib
 device, and over a mesh), ``_step_picture`` a scheduled step and a scaling
 benchmark's figures, ``_transfer_map`` a request's KV cache moved between
 plans.
-"""  # noqa: D205
+"""
 
 from jaxkv.pictures._byte_map import (
     ByteMap,

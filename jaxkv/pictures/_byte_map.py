@@ -1,6 +1,8 @@
-"""Pools drawn byte by byte: which layer, K or V, block and head owns each
+"""Pools drawn byte by byte: which layer, block and head owns each byte.
+
+Pools drawn byte by byte: which layer, K or V, block and head owns each
 byte of a pool (:func:`byte_map`), and which device holds it on a mesh.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ class ByteMap(NamedTuple):
 
 
 def _addresses(view: KVCacheView, fixed: dict[int, int]) -> np.ndarray:
-    """Byte addresses of `view`'s own elements (its blocks, not another layer's
+    """Byte addresses of `view`'s own elements, dims in `fixed` held.
+
+    Byte addresses of `view`'s own elements (its blocks, not another layer's
     pages of a packed pool) with dims in `fixed` held at a value.
-    """  # noqa: D205
+    """
     addr = np.full(1, view.offset, np.int64)
     for d, n in enumerate(view.shape):
         step = view.strides[d] * view.itemsize
@@ -107,7 +111,9 @@ def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> B
 
 
 def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) -> Any:
-    """A pool's bytes as images, one panel per KV-cache group with bytes in it:
+    """A pool's bytes as images, one panel per KV-cache group.
+
+    A pool's bytes as images, one panel per KV-cache group with bytes in it:
     one row per block, colored by owner (gray: padding).
 
     Bytes are binned to at most `max_columns` columns per row (each column
@@ -122,7 +128,7 @@ def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) 
       >>> [ax.get_title() for ax in fig.axes]  # doctest: +NORMALIZE_WHITESPACE
       ['pool 0 as group 0 sees it', 'pool 0 as group 1 sees it',
        'pool 0 as group 2 sees it']
-    """  # noqa: D205
+    """
     _check_index("plot_byte_map", "pool", pool, len(plan.pools))
     check_positive_int("plot_byte_map", "max_columns", max_columns)
     plt = _pyplot()
@@ -250,7 +256,9 @@ def device_map(sharded: Any, *, pool: int = 0, group: int = 0) -> list[DeviceSha
 def plot_device_map(
     sharded: Any, *, pool: int = 0, group: int = 0, max_columns: int = 256
 ) -> Any:
-    """A sharded pool on its mesh: one panel per device, the device's bytes
+    """A sharded pool on its mesh: one panel per device.
+
+    A sharded pool on its mesh: one panel per device, the device's bytes
     colored by owner, titled with the device, its data rank and its heads.
 
     Example:
@@ -260,7 +268,7 @@ def plot_device_map(
       >>> sp = jaxkv.shard_plan(jaxkv.tiny_hybrid_config(), mesh=mesh, num_blocks=4)
       >>> plot_device_map(sp).axes[0].get_title()
       'device 0 (data 0, tensor 0): KV heads 0-1'
-    """  # noqa: D205
+    """
     check_positive_int("plot_device_map", "max_columns", max_columns)
     shares = device_map(sharded, pool=pool, group=group)
     plt = _pyplot()

@@ -1,6 +1,8 @@
-"""A scheduled step drawn: its requests, tokens, block tables and slots, and a
+"""A scheduled step drawn, and a scaling benchmark's figures.
+
+A scheduled step drawn: its requests, tokens, block tables and slots, and a
 scaling benchmark's figures.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""A transfer drawn: which bytes of which source blocks land where in the
+"""A transfer drawn: which source bytes land where in the target pool.
+
+A transfer drawn: which bytes of which source blocks land where in the
 target pool, token by token, for one layer (:func:`transfer_map`,
 :func:`plot_transfer`).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -82,7 +84,9 @@ def transfer_map(
     target_blocks: Sequence[int],
     num_tokens: int,
 ) -> TransferMap:
-    """Which bytes of `layer`'s pool hold which token, before and after a move
+    """Which bytes of `layer`'s pool hold which token, before and after a move.
+
+    Which bytes of `layer`'s pool hold which token, before and after a move
     (:func:`export_request` / :func:`import_request`) of a request's first
     `num_tokens` tokens between the two plans' blocks (the layer's group's
     block ids on each side). Tokens one side does not hold (behind a window)
@@ -98,7 +102,7 @@ def transfer_map(
       ...                  source_blocks=[1], target_blocks=[3], num_tokens=4)
       >>> m.moved, int((m.source >= 0).sum()) == int((m.target >= 0).sum())
       (4, True)
-    """  # noqa: D205
+    """
     src, src_held = _token_bytes(source, layer, source_blocks, num_tokens)
     dst, dst_held = _token_bytes(target, layer, target_blocks, num_tokens)
     both = np.flatnonzero(src_held & dst_held)
@@ -109,7 +113,9 @@ def transfer_map(
 
 
 def plot_transfer(m: TransferMap, *, max_columns: int = 1024) -> Any:
-    """Two panels, source pool above target pool, one row per block, each byte
+    """Two panels, source pool above target pool, colored by token.
+
+    Two panels, source pool above target pool, one row per block, each byte
     colored by the token it holds (the same colors on both sides; white: not
     moved), so a token range's color shows where it lands.
 
@@ -123,7 +129,7 @@ def plot_transfer(m: TransferMap, *, max_columns: int = 1024) -> Any:
       ...     source_blocks=[1, 2], target_blocks=[3, 1], num_tokens=40))
       >>> [ax.get_title() for ax in fig.axes[:2]]
       ['source pool: layers.0.self_attn', 'target pool: layers.0.self_attn']
-    """  # noqa: D205
+    """
     plt = _pyplot()
     fig, axes = plt.subplots(
         2, 1, figsize=(10, 2.0 + 0.25 * (len(m.source) + len(m.target)))

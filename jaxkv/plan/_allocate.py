@@ -1,6 +1,8 @@
-"""Pools made: zero-initialised arrays under jit (one program per pool shape), and
+"""Pools made: zero-initialised arrays under jit, and vLLM's allocators.
+
+Pools made: zero-initialised arrays under jit (one program per pool shape), and
 vLLM's ``init_kv_cache`` and ``planned_pools`` over them.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

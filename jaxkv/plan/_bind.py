@@ -225,9 +225,11 @@ class AttentionLayer:
 
 @runtime_checkable
 class GroupSlots(Protocol):
-    """A step's metadata for one KV-cache group, as :func:`write_kv` reads it
+    """A step's metadata for one KV-cache group, as :func:`write_kv` reads it.
+
+    A step's metadata for one KV-cache group, as :func:`write_kv` reads it
     (``CommonAttentionMetadata`` is one).
-    """  # noqa: D205
+    """
 
     @property
     def slot_mapping(self) -> Int[ArrayLike, " num_tokens"]:  # noqa: D102
@@ -273,7 +275,9 @@ def attention_layer(
 
 
 def local_attention(spec: object) -> tuple[int | None, int | None]:
-    """``(sliding_window, attention_chunk_size)`` a layer's spec gives its
+    """``(sliding_window, attention_chunk_size)`` of a layer's spec.
+
+    ``(sliding_window, attention_chunk_size)`` a layer's spec gives its
     attention (``None`` where it has none).
 
     Example:
@@ -281,7 +285,7 @@ def local_attention(spec: object) -> tuple[int | None, int | None]:
       >>> jaxkv.plan.local_attention(jaxkv.SlidingWindowSpec(block_size=16,
       ...     num_kv_heads=1, head_size=8, dtype="float32", sliding_window=32))
       (32, None)
-    """  # noqa: D205
+    """
     if isinstance(spec, SlidingWindowSpec | SlidingWindowMLASpec):
         return spec.sliding_window, None
     if isinstance(spec, ChunkedLocalAttentionSpec):

@@ -1,6 +1,8 @@
-"""What a KV-cache config holds: the memory one request may need per group, and
+"""What a KV-cache config holds: per-request memory and concurrency.
+
+What a KV-cache config holds: the memory one request may need per group, and
 the requests of ``max_model_len`` tokens a config serves at once.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from jaxkv._util import cdiv, check_positive_int
 def max_memory_usage_bytes(
     spec: KVCacheSpec, *, max_model_len: int, max_num_batched_tokens: int
 ) -> int:
-    """The most bytes one request can hold in a layer of `spec` (vLLM's
+    """The most bytes one request can hold in a layer of `spec`.
+
+    The most bytes one request can hold in a layer of `spec` (vLLM's
     ``KVCacheSpec.max_memory_usage_bytes``, one batch in flight).
 
     Full attention holds ``cdiv(max_model_len, block_size)`` pages; a sliding
@@ -38,7 +42,7 @@ def max_memory_usage_bytes(
       ...     swa, max_model_len=16384, max_num_batched_tokens=1024)
       >>> usage // swa.page_size_bytes
       129
-    """  # noqa: D205
+    """
     check_positive_int("max_memory_usage_bytes", "max_model_len", max_model_len)
     check_positive_int(
         "max_memory_usage_bytes", "max_num_batched_tokens", max_num_batched_tokens

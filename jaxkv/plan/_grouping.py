@@ -190,7 +190,9 @@ def get_kv_cache_groups(
     *,
     disable_hybrid_kv_cache_manager: bool = False,
 ) -> list[KVCacheGroupSpec]:
-    """The groups of ``layer -> spec`` in vLLM 0.32's order (``get_kv_cache_groups``,
+    """The groups of ``layer -> spec`` in vLLM 0.32's order.
+
+    The groups of ``layer -> spec`` in vLLM 0.32's order (``get_kv_cache_groups``,
     hybrid KV-cache manager on, no pages to unify).
 
     Args:
@@ -214,7 +216,7 @@ def get_kv_cache_groups(
       >>> specs = {f"l{i}": swa if i % 2 == 0 and i < 24 else full for i in range(25)}
       >>> [len(g.layer_names) for g in jaxkv.vllm.get_kv_cache_groups(specs)]
       [12, 13]
-    """  # noqa: D205
+    """
     if disable_hybrid_kv_cache_manager:
         kv_cache_spec = unify_hybrid_kv_cache_specs(kv_cache_spec)
     return [
@@ -382,7 +384,9 @@ def is_kv_cache_spec_uniform(kv_cache_spec: Mapping[str, KVCacheSpec]) -> bool:
 
 
 def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
-    """Gives every cache layer the largest attention page, as vLLM's
+    """Gives every cache layer the largest attention page (vLLM 0.32).
+
+    Gives every cache layer the largest attention page, as vLLM's
     ``unify_kv_cache_spec_page_size`` does (vLLM 0.32).
 
     With ``P`` the largest page of any attention layer, a layer with a smaller
@@ -414,7 +418,7 @@ def unify_page_sizes(runner_config: RunnerConfig) -> RunnerConfig:
       ...     for i, s in enumerate([full, swa])])
       >>> [l.spec.block_size for l in jaxkv.vllm.unify_page_sizes(cfg).layers]
       [32, 16]
-    """  # noqa: D205
+    """
     specs = {
         layer.spec
         for layer in runner_config.layers

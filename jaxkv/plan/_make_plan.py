@@ -1,6 +1,8 @@
-"""``make_plan``: a runner config and a block count (or a memory budget) into a
+"""``make_plan``: a runner config and a block count into a plan.
+
+``make_plan``: a runner config and a block count (or a memory budget) into a
 :class:`KVCachePlan`, and the budget arithmetic behind ``memory_bytes``.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -123,9 +125,11 @@ def make_plan(
 
 
 def _check_slot_range(owner: str, given: str, plan: KVCachePlan) -> None:
-    """Slot ids (``block * block_size + offset``) travel as int32: refuses a
+    """Refuses a block count whose int32 slot ids would wrap.
+
+    Slot ids (``block * block_size + offset``) travel as int32: refuses a
     block count whose slots would wrap.
-    """  # noqa: D205
+    """
     tokens = plan.num_blocks * max(plan.block_sizes, default=1)
     if tokens > _INT32_SLOTS:
         raise ValueError(

@@ -1,7 +1,9 @@
-"""Mixed layouts: which K/V-first layers share a pool with Mamba state (their
+"""Mixed layouts: K/V-first layers beside Mamba state, and view alignment.
+
+Mixed layouts: which K/V-first layers share a pool with Mamba state (their
 views must keep page alignment), and vLLM's alignment of mixed attention views
 (§2.12-§2.13).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""One static plan: from a runner config and a block count (or a byte budget) to
+"""One static plan: groups, kernel block sizes, pools and every view.
+
+One static plan: from a runner config and a block count (or a byte budget) to
 groups, kernel block sizes, compile support, pools and every layer's view.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -130,14 +132,16 @@ class KVCachePlan:
 
     @functools.cached_property
     def block_table_widths(self) -> tuple[int, ...]:
-        """Block-table columns per KV-cache group for ``max_model_len`` tokens:
+        """Block-table columns per KV-cache group for ``max_model_len``.
+
+        Block-table columns per KV-cache group for ``max_model_len`` tokens:
         ``ceil(max_model_len / block_size)``.
 
         A Mamba group has a column per block too: the state after a request's
         last computed token lives in that token's column (see
         :class:`KVCacheManager`); a Mamba spec whose block size is at least
         ``max_model_len`` has one column.
-        """  # noqa: D205
+        """
         return tuple(
             cdiv(self.runner_config.max_model_len, g.kv_cache_spec.block_size)
             for g in self.kv_cache_config.kv_cache_groups
@@ -145,7 +149,9 @@ class KVCachePlan:
 
     @functools.cached_property
     def group_kinds(self) -> tuple[str, ...]:
-        """What each KV-cache group keeps of a sequence (for the block manager
+        """What each KV-cache group keeps of a sequence.
+
+        What each KV-cache group keeps of a sequence (for the block manager
         and the step checks).
 
         - ``"full"``: every block of the context (full attention, or a group
@@ -159,7 +165,7 @@ class KVCachePlan:
           >>> import jaxkv
           >>> jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4).group_kinds
           ('full', 'window', 'mamba')
-        """  # noqa: D205
+        """
         cfg = self.runner_config
         kinds = []
         for g in self.kv_cache_config.kv_cache_groups:
@@ -179,15 +185,19 @@ class KVCachePlan:
         return tuple(kinds)
 
     def attention_layer(self, name: str) -> AttentionLayer:
-        """`name`'s bound view with its spec's attention parameters
+        """`name`'s bound view with its spec's attention parameters.
+
+        `name`'s bound view with its spec's attention parameters
         (:class:`AttentionLayer`), for :func:`paged_attention`.
-        """  # noqa: D205
+        """
         return attention_layer(
             self.views, self.runner_config, name, group=self.group_of(name)
         )
 
     def owning_layers(self) -> list[tuple[int, str, AttentionGroup | None]]:
-        """``(KV-cache group, layer, attention group)`` of every layer owning its
+        """``(group, layer, attention group)`` of every layer owning its view.
+
+        ``(KV-cache group, layer, attention group)`` of every layer owning its
         view, in group order (KV-sharing layers read their target's view and
         are left out; the attention group is ``None`` for a Mamba layer).
 
@@ -196,7 +206,7 @@ class KVCachePlan:
           >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
           >>> [(g, name) for g, name, _ in plan.owning_layers()][:3]
           [(0, 'layers.0.self_attn'), (0, 'layers.3.self_attn'), (1, 'layers.1.self_attn')]
-        """  # noqa: D205, E501
+        """  # noqa: E501
         seen: set[int] = set()
         out: list[tuple[int, str, AttentionGroup | None]] = []
         for g, groups in enumerate(self.attn_groups):
@@ -211,7 +221,9 @@ class KVCachePlan:
         return out
 
     def group_of(self, name: str) -> int | None:
-        """The KV-cache group whose metadata layer `name` reads (its target's
+        """The KV-cache group whose metadata layer `name` reads.
+
+        The KV-cache group whose metadata layer `name` reads (its target's
         for a KV-sharing layer); ``None`` for a layer of no group.
 
         Example:
@@ -221,7 +233,7 @@ class KVCachePlan:
           >>> plan = jaxkv.make_plan(cfg, num_blocks=8)
           >>> [plan.group_of(f"layers.{i}.self_attn") for i in range(4)]
           [0, 0, 1, 1]
-        """  # noqa: D205
+        """
         for gid, groups in enumerate(self.attn_groups):
             if any(name in g.layer_names for g in groups):
                 return gid

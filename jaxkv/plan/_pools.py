@@ -153,9 +153,11 @@ def _stores_bits(dtype: np.dtype, pool_dtype: str) -> bool:
 
 
 def _typed_dtype(views: Sequence[LayerView], size: int) -> np.dtype | None:
-    """The element dtype if every view of the pool is a dense attention view
+    """The element dtype if the pool can be a typed array, else None.
+
+    The element dtype if every view of the pool is a dense attention view
     over all of it with one dtype (so the pool can be a typed array), else None.
-    """  # noqa: D205
+    """
     dtypes = set()
     for view in views:
         if not isinstance(view, KVCacheView) or view.owned is not None:
@@ -318,9 +320,11 @@ def _word_pool(
     num_blocks: int,
     max_flat_words: int,
 ) -> dict[str, Any]:
-    """A carrier-word pool's spec fields: flat, or one row per block when it
+    """A carrier-word pool's spec fields: flat, or one row per block.
+
+    A carrier-word pool's spec fields: flat, or one row per block when it
     has `max_flat_words` words or more and its views allow it.
-    """  # noqa: D205
+    """
     rows = 0
     if size // word >= max_flat_words:
         rows = _rows(views, size, word, num_blocks)

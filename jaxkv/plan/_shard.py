@@ -218,13 +218,15 @@ class ShardedPlan:
         )
 
     def check_pools(self, pools: Sequence[jax.Array]) -> None:
-        """Host check that `pools` are this plan's: one per pool, global shapes
+        """Host check that `pools` are this plan's.
+
+        Host check that `pools` are this plan's: one per pool, global shapes
         ``(D, T, *local shape)`` and dtypes as planned.
 
         Raises:
           ValueError: Naming the pool and the shapes, e.g. pools allocated for
             another mesh (a 2x4 plan's pools in a 4x2 step).
-        """  # noqa: D205
+        """
         if len(pools) != len(self.local.pools):
             raise ValueError(
                 f"ShardedPlan: expected {len(self.local.pools)} pools, got "

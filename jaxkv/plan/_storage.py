@@ -66,10 +66,12 @@ def row_fits(
     block_dim: int,
     row_bytes: int,
 ) -> bool:
-    """Whether a view's blocks each lie inside one row of `row_bytes` (a row
+    """Whether a view's blocks each lie inside one row of `row_bytes`.
+
+    Whether a view's blocks each lie inside one row of `row_bytes` (a row
     pool, see :func:`_starts`): the block stride a multiple or a divisor of the
     row, and one block's bytes never crossing a row's end.
-    """  # noqa: D205
+    """
     step = strides[block_dim] * itemsize
     span = itemsize + itemsize * sum(
         (n - 1) * st
@@ -118,10 +120,12 @@ def storage_dtype(dtype: np.dtype, bits: bool) -> np.dtype:
 
 
 def slot_shape(view: KVCacheView) -> tuple[int, ...]:
-    """The array shape of one layer slot holding `view` in a typed pool: its
+    """The array shape of one layer slot holding `view` in a typed pool.
+
+    The array shape of one layer slot holding `view` in a typed pool: its
     physical shape without unit dims, or ``(N, B, 2H/p, p, D)`` for a packing
     backend (the kernel's own shape, unit dims kept).
-    """  # noqa: D205
+    """
     phys = physical_shape(view.shape, view.strides)
     if view.kv_packing and len(phys) == 4 and phys == view.shape:
         n, b, h, c = phys

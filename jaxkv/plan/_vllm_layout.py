@@ -1,6 +1,6 @@
 """vLLM 0.33's description of KV-cache storage: permutations of ``[L, B, H, N, C]``.
 
-vLLM 0.33 (2026-11-01) allocates one backing buffer and places every set of
+vLLM 0.33 allocates one backing buffer and places every set of
 same-shaped layers in it with a :class:`LayerTensor` ``(size, layers,
 layer_stride, block_stride, offset)``: layer ``layers[l]``'s page for block
 ``b`` starts at ``offset + l * layer_stride + b * block_stride`` bytes. Each
@@ -32,7 +32,9 @@ _L, _B, _H, _N, _C = range(5)
 
 
 class TensorLayout(enum.Enum):
-    """A physical order of the logical ``[L, B, H, N, C]`` axes (vLLM 0.33's
+    """A physical order of the logical ``[L, B, H, N, C]`` axes.
+
+    A physical order of the logical ``[L, B, H, N, C]`` axes (vLLM 0.33's
     ``KVCacheLayout``); the value is the stride order, outermost first.
 
     Example:
@@ -40,7 +42,7 @@ class TensorLayout(enum.Enum):
       >>> lay = jaxkv.vllm.TensorLayout.LBNHC  # vLLM 0.33's default (FlashAttention)
       >>> lay.is_layer_compact, lay.is_block_compact, lay.is_block_outermost
       (True, True, False)
-    """  # noqa: D205
+    """
 
     LBHNC = (0, 1, 2, 3, 4)
     LBNHC = (0, 1, 3, 2, 4)

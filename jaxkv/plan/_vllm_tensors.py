@@ -1,6 +1,8 @@
-"""vLLM 0.33's tensors over a plan: each layer's logical ``[L, B, H, N, C]`` view of
+"""vLLM 0.33's tensors over a plan: views, layouts and allocation.
+
+vLLM 0.33's tensors over a plan: each layer's logical ``[L, B, H, N, C]`` view of
 its pool, the layout a view is in, and allocation of layer tensors.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def tensor_views(
     pool: int = 0,
     word: int = 4,
 ) -> dict[str, KVCacheView]:
-    """Every layer's view of `tensor` in a flat word pool, as vLLM 0.33's
+    """Every layer's view of `tensor`, as vLLM's ``create_kv_cache_views``.
+
+    Every layer's view of `tensor` in a flat word pool, as vLLM 0.33's
     ``create_kv_cache_views`` gives it: a fused K|V view in vLLM's ``[B, H,
     N, C]`` axis order, ``(blocks, H, tokens, D + Dv)`` (MLA: ``(blocks,
     tokens, D)``; a packed page: ``state`` for tokens), whose element ``(b,
@@ -52,7 +56,7 @@ def tensor_views(
       (('block', 'head', 'token', 'dim'), (4, 2, 16, 8), (256, 8, 16, 1))
       >>> v.byte_address((1, 1, 2, 4))  # V[0] of head 1, token 2
       5296
-    """  # noqa: D205
+    """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"tensor_views: {type(spec).__name__} is not attention.")
     shape, strides = layout_strides(
@@ -99,7 +103,9 @@ def tensor_views(
 
 
 def layout_of_view(view: KVCacheView) -> TensorLayout | None:
-    """The layer-compact :class:`TensorLayout` a jaxkv attention view follows
+    """The layer-compact :class:`TensorLayout` a view follows, or ``None``.
+
+    The layer-compact :class:`TensorLayout` a jaxkv attention view follows
     inside its layer (``LBNHC`` or ``LBHNC``), or ``None`` for views vLLM 0.33
     cannot describe (the seeds' K-then-V pages, K/V-first layouts).
 
@@ -111,7 +117,7 @@ def layout_of_view(view: KVCacheView) -> TensorLayout | None:
       >>> print(jaxkv.vllm.layout_of_view(jaxkv.make_plan(jaxkv.tiny_hybrid_config(),
       ...     num_blocks=4).views["layers.0.self_attn"]))
       None
-    """  # noqa: D205
+    """
     if "kv" in view.axes or view.strides[view.dim("dim")] != 1:
         return None
     b, n = view.strides[view.block_dim], view.strides[view.dim("token")]
@@ -126,7 +132,9 @@ def layout_of_view(view: KVCacheView) -> TensorLayout | None:
 
 
 def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
-    """A jaxkv plan's typed pools as vLLM 0.33 tensors (one per pool and
+    """A jaxkv plan's typed pools as vLLM 0.33 tensors.
+
+    A jaxkv plan's typed pools as vLLM 0.33 tensors (one per pool and
     KV-cache group), byte offsets within that pool.
 
     A stacked pool of ``L`` slots is one layer-compact tensor per group: the
@@ -140,7 +148,7 @@ def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
       >>> t, = jaxkv.vllm.plan_tensors(plan)
       >>> t.layers, t.layer_stride, t.block_stride
       (('layers.0.self_attn', 'layers.1.self_attn'), 32768, 8192)
-    """  # noqa: D205
+    """
     from jaxkv.plan._plan import KVCachePlan
 
     if not isinstance(plan, KVCachePlan):
@@ -192,7 +200,9 @@ def allocate_layer_tensors(
     kernel_block_sizes: Mapping[str, int] | None = None,
     word: int = 4,
 ) -> tuple[tuple[PoolSpec, ...], dict[str, KVCacheView]]:
-    """Plans vLLM 0.33's ``allocate_kv_cache``: one backing for every tensor
+    """Plans vLLM 0.33's ``allocate_kv_cache``: one backing, every view.
+
+    Plans vLLM 0.33's ``allocate_kv_cache``: one backing for every tensor
     and every attention layer's view of it.
 
     All tensors share one backing of their (common) ``size``; tensors whose
@@ -222,7 +232,7 @@ def allocate_layer_tensors(
       ...     num_blocks=4, layout=jaxkv.vllm.TensorLayout.LBNHC)
       >>> pools[0].size_bytes, views["swa.1"].offset == views["full.1"].offset
       (16384, True)
-    """  # noqa: D205
+    """
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
         raise ValueError(

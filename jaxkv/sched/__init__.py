@@ -1,5 +1,7 @@
 """sched: requests, the block manager with prefix caching, the scheduler.
 
+sched: requests, the block manager with prefix caching, the scheduler.
+
 ``_request`` (a request's tokens and state) -> ``_blocks`` (the block
 allocator: free queue, reference counts, cached blocks) -> ``_prefix``
 (block hashes, the longest cached prefix; ``_host_tier``: evicted prefix
@@ -11,7 +13,7 @@ prefill, preemption, and applying a step: update, async scheduling's
 advance/resolve, recompute); ``_events`` (vLLM's KV-cache events, which the
 manager emits) and ``_metrics`` (the scheduler's stats under vLLM's metric
 names, a Prometheus collector).
-"""  # noqa: D205
+"""
 
 from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._events import (

@@ -86,14 +86,16 @@ class BlockAllocator:
         return self._key_of.get(block)
 
     def allocate(self, n: int) -> list[int]:
-        """`n` blocks from the front of the free queue, each held once; cached
+        """`n` blocks from the front of the free queue, each held once.
+
+        `n` blocks from the front of the free queue, each held once; cached
         ones handed out are evicted.
 
         Raises:
           TypeError: If `n` is not an int.
           ValueError: If `n` is negative.
           RuntimeError: If fewer than `n` are free.
-        """  # noqa: D205
+        """
         if not is_int(n):
             raise TypeError(f"BlockAllocator.allocate: n must be an int, got {n!r}.")
         if n < 0:
@@ -123,9 +125,11 @@ class BlockAllocator:
         self.num_evictions += 1
 
     def take_evicted(self) -> list[tuple[int, Hashable]]:
-        """``(block, key)`` of the cached blocks :meth:`allocate` evicted since
+        """The cached blocks :meth:`allocate` evicted since the last call.
+
+        ``(block, key)`` of the cached blocks :meth:`allocate` evicted since
         the last call (with :attr:`record_evictions` set), first evicted first.
-        """  # noqa: D205
+        """
         out, self._evicted = self._evicted, []
         return out
 

@@ -58,9 +58,11 @@ COPY_BUCKETS = (1, 4, 16)
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
-    """One block's bytes on the host: per layer its arrays (``None`` until the
+    """One block's bytes on the host, per layer.
+
+    One block's bytes on the host: per layer its arrays (``None`` until the
     offload that fills it is flushed).
-    """  # noqa: D205
+    """
 
     group: int
     arrays: Any = None
@@ -95,9 +97,11 @@ def _group_layers(
 def _read_blocks(
     plan: KVCachePlan, group: int, pools: Pools, ids: jax.Array
 ) -> tuple[Any, ...]:
-    """Per block of `ids` (``(n,)``): per layer of `group`, its arrays of the
+    """Per block of `ids`: per layer of `group`, its arrays of the block.
+
+    Per block of `ids` (``(n,)``): per layer of `group`, its arrays of the
     block (K and V ``(block_size, ...)``, or the Mamba states).
-    """  # noqa: D205
+    """
     bs = plan.block_sizes[group]
     layers: list[tuple[jax.Array, ...]] = []
     for _, view, attn_group in _group_layers(plan, group):
@@ -126,9 +130,11 @@ def _write_blocks(
     ids: jax.Array,
     blocks: tuple[Any, ...],
 ) -> Pools:
-    """Writes each block's arrays (as :func:`_read_blocks` gives them) at `ids`
+    """Writes each block's arrays at `ids` (``-1``: nowhere).
+
+    Writes each block's arrays (as :func:`_read_blocks` gives them) at `ids`
     (``-1``: written nowhere).
-    """  # noqa: D205
+    """
     bs = plan.block_sizes[group]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *blocks)
     slots = jnp.where(
@@ -148,10 +154,12 @@ def _write_blocks(
 
 
 def _packed(block: Any) -> jax.Array:
-    """One block's arrays (every layer's) as one byte array: the host tier
+    """One block's arrays (every layer's) as one byte array.
+
+    One block's arrays (every layer's) as one byte array: the host tier
     moves one array per block, not one per layer and K/V (each array a
     transfer costs host time).
-    """  # noqa: D205
+    """
     return jnp.concatenate(
         [
             jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
@@ -198,9 +206,11 @@ def _write_bytes(
 def _read_ranks(
     sp: ShardedPlan, group: int, pools: Pools, ids: jax.Array
 ) -> tuple[Any, ...]:
-    """:func:`_read_bytes` on every device of the mesh: `ids` ``(D, n)``, one
+    """:func:`_read_bytes` on every device of the mesh.
+
+    :func:`_read_bytes` on every device of the mesh: `ids` ``(D, n)``, one
     row per data rank (``-1``: nothing); leaves ``(D, T, ...)``.
-    """  # noqa: D205
+    """
 
     def per_device(pools: Any, ids: Any) -> Any:
         blocks = _read_bytes(sp.local, group, sp.local_pools(pools), ids[0])
@@ -217,9 +227,11 @@ def _read_ranks(
 def _write_ranks(
     sp: ShardedPlan, group: int, pools: Pools, ids: jax.Array, blocks: Any
 ) -> Pools:
-    """:func:`_write_bytes` on every device of the mesh (see
+    """:func:`_write_bytes` on every device of the mesh.
+
+    :func:`_write_bytes` on every device of the mesh (see
     :func:`_read_ranks`).
-    """  # noqa: D205
+    """
 
     def per_device(pools: Any, ids: Any, blocks: Any) -> Any:
         local = jax.tree.map(lambda a: a[0, 0], blocks)
@@ -393,14 +405,16 @@ class HostKVCache:
             self.stats["dropped_blocks"] += 1
 
     def claim(self, key: Hashable) -> object:
-        """The host's block under `key`, held for a restore recorded later
+        """The host's block under `key`, held for a restore recorded later.
+
+        The host's block under `key`, held for a restore recorded later
         (:meth:`record_restore` with ``claimed=``) even if the LRU drops `key`
         in between: the block manager claims what it will restore before the
         allocation that may offload (and so drop) other blocks.
 
         Raises:
           KeyError: If the host does not hold `key`.
-        """  # noqa: D205
+        """
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"HostKVCache.claim: no host block under {key!r}.")
@@ -410,12 +424,14 @@ class HostKVCache:
     def record_restore(
         self, *, key: Hashable, block: int, claimed: object | None = None
     ) -> None:
-        """Records a copy of the host's `key` (or of the block :meth:`claim`
+        """Records a copy of the host's `key` into device `block`.
+
+        Records a copy of the host's `key` (or of the block :meth:`claim`
         gave, `claimed`) into device `block`.
 
         Raises:
           KeyError: If the host does not hold `key` and nothing was claimed.
-        """  # noqa: D205
+        """
         entry = claimed if isinstance(claimed, _Entry) else self._entries.get(key)
         if entry is None:
             raise KeyError(f"HostKVCache.record_restore: no host block under {key!r}.")
@@ -425,9 +441,11 @@ class HostKVCache:
         self._pending.append(_Move("restore", entry.group, block, entry))
 
     def discard_pending(self) -> None:
-        """Forgets copies not yet run (the pools' contents are gone): entries
+        """Forgets copies not yet run (the pools' contents are gone).
+
+        Forgets copies not yet run (the pools' contents are gone): entries
         whose offload never ran leave the host tier.
-        """  # noqa: D205
+        """
         for move in self._pending:
             if move.kind == "offload":
                 for key, entry in list(self._entries.items()):
@@ -542,10 +560,12 @@ class HostKVCache:
         return pools
 
     def _restore_rank(self, run: Sequence[_Move]) -> list[Any]:
-        """Each entry's blocks as global ``(D, T, ...)`` arrays: this rank's
+        """Each entry's blocks as global ``(D, T, ...)`` arrays.
+
+        Each entry's blocks as global ``(D, T, ...)`` arrays: this rank's
         shards back on their devices, zeros (never written: ids -1) on the
         other ranks' devices.
-        """  # noqa: D205
+        """
         sp, sharding = self.sharded, self._blocks_sharding
         assert sp is not None  # noqa: S101 - only called on a mesh
         flat = [a for m in run for leaf in m.entry.arrays for a in leaf]
@@ -585,9 +605,11 @@ class HostKVCache:
         return sum(_nbytes(e.arrays) for e in self._entries.values())
 
     def _program(self, kind: str, group: int, size: int, pools: Any) -> Any:
-        """The compiled copy program (kept: compiled once, whatever the
+        """The compiled copy program (compiled once).
+
+        The compiled copy program (kept: compiled once, whatever the
         arrays' committed shardings).
-        """  # noqa: D205
+        """
         key = (kind, group, size)
         program = self._programs.get(key)
         if program is None and self.sharded is not None:
@@ -630,10 +652,12 @@ class HostKVCache:
         return _write_mesh.lower(sp, group, shapes, ids, blocks).compile()
 
     def warm_up(self, pools: Any) -> None:
-        """Compiles every copy program (each group, each bucket, both ways) for
+        """Compiles every copy program for pools like `pools`.
+
+        Compiles every copy program (each group, each bucket, both ways) for
         pools like `pools` (arrays or ``jax.ShapeDtypeStruct``), so the first
         eviction in a serving loop compiles nothing.
-        """  # noqa: D205
+        """
         for g in range(len(self.plan.block_sizes)):
             for size in COPY_BUCKETS:
                 self._program("read", g, size, pools)

@@ -1,6 +1,8 @@
-"""The block manager: per-group block tables over one shared free queue, with
+"""The block manager: per-group block tables over one free queue.
+
+The block manager: per-group block tables over one shared free queue, with
 prefix caching, window freeing and Mamba state blocks.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -409,9 +411,11 @@ class KVCacheManager:
                 self._hold(req, (g, self._block_hashes(req, bs)[j]))
 
     def _hold(self, req: Request, key: tuple[int, bytes]) -> None:
-        """Keeps hits off the Mamba state cached under `key` until `req`'s
+        """Keeps hits off the Mamba state under `key` until `req`'s step ends.
+
+        Keeps hits off the Mamba state cached under `key` until `req`'s
         step is committed (or `req` freed).
-        """  # noqa: D205
+        """
         if key not in self._pending_states:
             self._pending_states.add(key)
             self._pending_of.setdefault(req.req_id, []).append(key)
@@ -505,13 +509,15 @@ class KVCacheManager:
         ]
 
     def register_computed(self, req: Request, *, num_tokens: int | None = None) -> None:
-        """With prefix caching, caches every block `req`'s computed tokens
+        """Caches every block `req`'s computed tokens fill.
+
+        With prefix caching, caches every block `req`'s computed tokens
         fill (after a step of several tokens per request, e.g.
         :meth:`Scheduler.schedule_decode`, whose blocks the per-token decode
         path would only register at the next boundary); a no-op otherwise.
         `num_tokens` caps the tokens counted (default: ``req.num_computed``;
         never more than the tokens whose values are known).
-        """  # noqa: D205
+        """
         if not self.enable_prefix_caching:
             return
         tables = self._tables_of(req, "register_computed")
@@ -522,7 +528,9 @@ class KVCacheManager:
         self._register(req, tables, registered, n)
 
     def commit(self, req: Request) -> None:
-        """After a step: frees what `req` no longer needs (blocks no window of a
+        """After a step: frees what `req` no longer needs.
+
+        After a step: frees what `req` no longer needs (blocks no window of a
         future query reaches, Mamba states before its last) and marks the Mamba
         states it computed as ready for hits; ``req.num_computed`` must already
         count the step's tokens.
@@ -530,7 +538,7 @@ class KVCacheManager:
         With ``free_skipped_at="commit"`` it also frees what no later query
         reads, as soon as the step ran; by default that waits for the
         request's next allocation, as vLLM's ``allocate_slots``.
-        """  # noqa: D205
+        """
         tables = self._tables_of(req, "commit")
         n = req.num_computed
         self._uncommitted.pop(req.req_id, None)
@@ -574,9 +582,11 @@ class KVCacheManager:
             del table[keep:]
 
     def free(self, req: Request) -> None:
-        """Gives back every block `req` holds (finished, rejected or preempted);
+        """Gives back every block `req` holds.
+
+        Gives back every block `req` holds (finished, rejected or preempted);
         cached ones stay reusable until evicted, the last blocks first.
-        """  # noqa: D205
+        """
         tables = self._tables.pop(req.req_id, None)
         # Blocks registered for a step that was never committed may never have
         # been computed: they leave the cache (losing an entry is safe).
@@ -596,7 +606,9 @@ class KVCacheManager:
         self._rows.release(req.req_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
+        """Empties the prefix cache (vLLM's ``reset_prefix_cache``).
+
+        Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
         the pools' contents are gone. Only possible with no block held;
         returns whether it was reset.
 
@@ -606,7 +618,7 @@ class KVCacheManager:
           >>> m = jaxkv.KVCacheManager(plan, enable_prefix_caching=True)
           >>> m.reset_prefix_cache(), m.allocator.num_cached
           (True, 0)
-        """  # noqa: D205
+        """
         if self._tables or self.allocator.num_free != self.num_usable_blocks:
             return False
         self.allocator = BlockAllocator(self.allocator.num_blocks)
@@ -728,11 +740,13 @@ class KVCacheManager:
     def _hit_tables(
         self, req: Request, num_cached: int
     ) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int, bytes]]] | None:
-        """``(tables, hit blocks, host hits)`` per group of a cache hit of
+        """Per group, the tables and blocks of a cache hit of `num_cached` tokens.
+
+        ``(tables, hit blocks, host hits)`` per group of a cache hit of
         `num_cached` tokens, or ``None`` while a hit block's Mamba state is
         still pending. Host hits are ``(group, column, hash)`` of blocks only
         the host tier holds (their column is 0 until a block is allocated).
-        """  # noqa: D205
+        """
         tables: list[list[int]] = []
         hits: list[list[int]] = [[] for _ in self.block_sizes]
         from_host: list[tuple[int, int, bytes]] = []

@@ -1,7 +1,9 @@
-"""Prefix caching: chained hashes of full token blocks and the longest cached
+"""Prefix caching: chained block hashes and each group kind's longest hit.
+
+Prefix caching: chained hashes of full token blocks and the longest cached
 prefix each kind of KV-cache group can reuse (vLLM's per-manager rules); the
 block manager (``_manager``) applies them.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

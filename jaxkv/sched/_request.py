@@ -123,11 +123,13 @@ class Request:
 
 
 def request_problem(req: Request, *, vocab_size: int | None) -> str | None:
-    """What is wrong with a request's own fields, or ``None``: the prompt (a
+    """What is wrong with a request's own fields, or ``None``.
+
+    What is wrong with a request's own fields, or ``None``: the prompt (a
     flat sequence of ints in ``[0, vocab_size)``, or within int32 without a
     vocabulary), ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, and
     that it was never served.
-    """  # noqa: D205
+    """
     try:
         ids = np.asarray(req.prompt)
     except (TypeError, ValueError) as e:

@@ -1,7 +1,9 @@
-"""What one schedule produces: a :class:`ScheduledStep`, the step's requests
+"""What one schedule produces: a :class:`ScheduledStep`.
+
+What one schedule produces: a :class:`ScheduledStep`, the step's requests
 and token counts, and its host arrays (it is the :class:`StepArrays` that
 :meth:`StepMetadataBuilder.prepare` takes).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -79,9 +81,11 @@ class ScheduledStep(StepArrays):
 
     @property
     def sampled(self) -> list[Request]:
-        """Requests whose last token this step reaches: one sampled token each
+        """Requests whose last token this step reaches, in batch order.
+
+        Requests whose last token this step reaches: one sampled token each
         (``1 + k`` with ``k`` draft tokens), in batch order.
-        """  # noqa: D205
+        """
         spec = self.spec_token_ids
         return [
             r
@@ -94,7 +98,9 @@ def sampled_token_indices(
     batch: Sequence[tuple[Request, int]],
     spec_token_ids: Mapping[str, Sequence[int]] | None = None,
 ) -> list[int]:
-    """Step-token indices whose logits are sampled: the last token of each
+    """Step-token indices whose logits are sampled.
+
+    Step-token indices whose logits are sampled: the last token of each
     request whose chunk reaches the end of its tokens, and every token of a
     request verifying draft tokens (`spec_token_ids`).
 
@@ -104,7 +110,7 @@ def sampled_token_indices(
       >>> b = jaxkv.Request("b", prompt=[1, 2, 3, 4], max_new_tokens=1)
       >>> jaxkv.sched.sampled_token_indices([(a, 3), (b, 2)])  # b's chunk is partial
       [2]
-    """  # noqa: D205
+    """
     out, end = [], 0
     for req, n in batch:
         end += n
@@ -120,11 +126,13 @@ def scheduled_step(
     blocks: StepBlocks,
     spec_token_ids: dict[str, list[int]] | None = None,
 ) -> ScheduledStep:
-    """The step of `batch` (each request from its ``num_computed`` on) and its
+    """The step of `batch` and its host arrays.
+
+    The step of `batch` (each request from its ``num_computed`` on) and its
     host arrays, with the batch's `blocks` (:meth:`KVCacheManager.step_blocks`)
     and the draft tokens verified (`spec_token_ids`, per request id: their
     tokens follow the request's last one).
-    """  # noqa: D205
+    """
     spec = spec_token_ids or {}
     q_lens = np.fromiter((n for _, n in batch), np.int32, len(batch))
     starts = np.fromiter((r.num_computed for r, _ in batch), np.int32, len(batch))

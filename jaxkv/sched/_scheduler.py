@@ -299,7 +299,9 @@ class Scheduler:
             self.waiting.append(req)
 
     def adopt(self, req: Request, *, num_computed: int) -> list[list[int]] | None:
-        """Admits `req` with its first `num_computed` tokens computed elsewhere
+        """Admits `req` with its first `num_computed` tokens computed elsewhere.
+
+        Admits `req` with its first `num_computed` tokens computed elsewhere
         (a KV cache moved with :func:`import_request`: prefill/decode
         disaggregation): holds blocks for them and marks them computed, so the
         next :meth:`schedule` continues from token `num_computed`.
@@ -329,7 +331,7 @@ class Scheduler:
           [[1, 2], [3, 4], [0, 5]]
           >>> [(q.req_id, n) for q, n in s.schedule().batch], r.num_computed
           ([('r', 1)], 40)
-        """  # noqa: D205
+        """
         if not isinstance(req, Request):
             raise TypeError(
                 f"adopt: expected a jaxkv.Request, got {type(req).__name__}."
@@ -614,7 +616,9 @@ class Scheduler:
         return f"its first chunk of {n} tokens does not fit the {free} free blocks"
 
     def schedule_decode(self, num_steps: int) -> ScheduledStep | None:
-        """A step of `num_steps` decode iterations on the device (multi-step
+        """A step of `num_steps` decode iterations on the device, or ``None``.
+
+        A step of `num_steps` decode iterations on the device (multi-step
         decoding, as vLLM's ``num_scheduler_steps``), or ``None`` when the
         batch is not in steady decoding.
 
@@ -655,7 +659,7 @@ class Scheduler:
         Raises:
           ValueError: If `num_steps` is not an int >= 1.
           RuntimeError: If :meth:`update` of the latest step raised midway.
-        """  # noqa: D205
+        """
         if (
             not isinstance(num_steps, int)
             or isinstance(num_steps, bool)
@@ -862,7 +866,9 @@ class Scheduler:
     def _update_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
-        """Applies a :meth:`~Scheduler.schedule_decode` step; returns the
+        """:meth:`update` of a :meth:`schedule_decode` step.
+
+        Applies a :meth:`~Scheduler.schedule_decode` step; returns the
         requests that finished.
 
         Args:
@@ -882,7 +888,7 @@ class Scheduler:
           TypeError: If the tokens are not integers.
           RuntimeError: If steps :meth:`advance` applied are not
             resolved.
-        """  # noqa: D205
+        """
         if self._unresolved:
             raise RuntimeError(
                 f"update: {len(self._unresolved)} advanced steps are not "
@@ -911,7 +917,9 @@ class Scheduler:
         return self._close_applied(step, live)
 
     def _advance_decode(self, step: ScheduledStep) -> None:
-        """Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
+        """:meth:`advance` of a :meth:`schedule_decode` step.
+
+        Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
         are known (async multi-step decoding): the next block of iterations
         can be scheduled while this one runs on the device.
 
@@ -946,7 +954,7 @@ class Scheduler:
           RuntimeError: If :meth:`update` of the latest step raised midway.
           ValueError: If `step` is not a multi-step decode, not the latest
             scheduled step, or was already applied.
-        """  # noqa: D205
+        """
         if self._applying is not None:
             raise RuntimeError(
                 "advance: update() of the latest step raised midway; call "
@@ -977,7 +985,9 @@ class Scheduler:
     def _resolve_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
-        """Fills the tokens of the oldest step :meth:`advance` applied;
+        """:meth:`resolve` of a :meth:`schedule_decode` step.
+
+        Fills the tokens of the oldest step :meth:`advance` applied;
         returns the requests that are now complete (finished, no token
         pending).
 
@@ -995,7 +1005,7 @@ class Scheduler:
             multi-step decode, or the tokens are not one row per request with
             its count of valid ids.
           TypeError: If the tokens are not integers.
-        """  # noqa: D205
+        """
         self._check_decode_step(step, "resolve")
         if not self._unresolved or step is not self._unresolved[0]:
             raise ValueError(
@@ -1052,9 +1062,11 @@ class Scheduler:
     def _checked_rows(
         self, op: str, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
-        """Per request of a multi-step step, its ``steps_per_request`` tokens,
+        """Per request of a multi-step step, its tokens, checked.
+
+        Per request of a multi-step step, its ``steps_per_request`` tokens,
         checked (the errors of :meth:`update`).
-        """  # noqa: D205
+        """
         counts = cast(np.ndarray, step.steps_per_request)  # a decode step
         if len(sampled_token_ids) != len(step.batch):
             raise ValueError(
@@ -1082,9 +1094,11 @@ class Scheduler:
         return rows
 
     def _check_latest(self, step: ScheduledStep, op: str, made_by: str) -> None:
-        """Raises unless `step` is the latest scheduled one, not applied, and
+        """Raises unless `step` is the latest scheduled one and may be applied.
+
+        Raises unless `step` is the latest scheduled one, not applied, and
         ran after the host tier's copies its scheduling recorded.
-        """  # noqa: D205
+        """
         host = self.manager.host
         if host is not None and host.num_pending:
             raise RuntimeError(
@@ -1132,7 +1146,9 @@ class Scheduler:
         return tokens_in
 
     def advance(self, step: ScheduledStep) -> None:
-        """Applies `step` before its sampled tokens are known (async
+        """Applies `step` before its sampled tokens are known.
+
+        Applies `step` before its sampled tokens are known (async
         scheduling, as vLLM's ``async_scheduling``): the next step can be
         scheduled while this one runs on the device.
 
@@ -1165,7 +1181,7 @@ class Scheduler:
           RuntimeError: If :meth:`update` of the latest step raised midway.
           ValueError: If `step` is not the latest scheduled one, or was
             already applied.
-        """  # noqa: D205
+        """
         if self._applying is not None:
             raise RuntimeError(
                 "advance: update() of the latest step raised midway; call "
@@ -1202,7 +1218,9 @@ class Scheduler:
         step: ScheduledStep,
         sampled_token_ids: Sequence[int] | Sequence[Sequence[int]],
     ) -> list[Request]:
-        """Fills the tokens of the oldest step :meth:`advance` applied; returns
+        """Fills the tokens of the oldest step :meth:`advance` applied.
+
+        Fills the tokens of the oldest step :meth:`advance` applied; returns
         the requests that are now complete (finished, no token pending).
 
         The tokens are shaped as for :meth:`update`: one per sampling request,
@@ -1214,7 +1232,7 @@ class Scheduler:
         Raises:
           ValueError: If `step` is not the oldest unresolved one, or the
             tokens are not one valid id per request of ``step.sampled``.
-        """  # noqa: D205
+        """
         if step.steps_per_request is not None:
             return self._resolve_decode(
                 step, cast(Sequence[Sequence[int]], sampled_token_ids)
@@ -1254,7 +1272,9 @@ class Scheduler:
         return done
 
     def recompute_all(self) -> list[Request]:
-        """Forgets what the KV cache held: every running request goes back to
+        """Forgets what the KV cache held: every running request is requeued.
+
+        Forgets what the KV cache held: every running request goes back to
         the front of the waiting queue, to be recomputed from its prompt and
         the tokens it generated; the prefix cache is emptied and the latest
         scheduled step can no longer be applied.
@@ -1272,7 +1292,7 @@ class Scheduler:
           []
           >>> [r.req_id for r in s.recompute_all()], s.waiting[0].num_computed
           (['a'], 0)
-        """  # noqa: D205
+        """
         if self._applying is not None:
             raise RuntimeError(
                 "recompute_all: update() of the latest step raised midway; call "
@@ -1306,9 +1326,11 @@ class Scheduler:
         return requeued[::-1]
 
     def finish(self, req: Request) -> None:
-        """Frees `req`'s blocks and forgets it (finished or aborted); output
+        """Frees `req`'s blocks and forgets it (finished or aborted).
+
+        Frees `req`'s blocks and forgets it (finished or aborted); output
         tokens still pending on the device are dropped.
-        """  # noqa: D205
+        """
         self._finish(req, keep_pending=False)
 
     def _finish(

@@ -1,8 +1,10 @@
-"""Block tables as arrays: rows of one int32 array per KV-cache group, kept in
+"""Block tables as arrays: one int32 array of rows per KV-cache group.
+
+Block tables as arrays: rows of one int32 array per KV-cache group, kept in
 step with the manager's per-request lists, so a batch's block table is one
 gather (no per-step rebuild from Python lists; rows are recycled, zeroed), and
 a batch's slot mappings.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -67,9 +69,11 @@ class TableRows:
         return row
 
     def set(self, req_id: str, g: int, cols: Iterable[int], table: list[int]) -> None:
-        """Copies ``table[j]`` for `cols` into `req_id`'s row of group `g`
+        """Copies ``table[j]`` for `cols` into `req_id`'s row of group `g`.
+
+        Copies ``table[j]`` for `cols` into `req_id`'s row of group `g`
         (columns past the width are left out: a batch refuses such a request).
-        """  # noqa: D205
+        """
         row, width = self._row_of(req_id), self.widths[g]
         for j in cols:
             if j < width:
@@ -105,9 +109,11 @@ class TableRows:
         is_mamba: Sequence[bool],
         max_model_len: int,
     ) -> StepBlocks:
-        """A batch's block tables (gathered rows) and slot mappings (from each
+        """A batch's block tables and slot mappings.
+
+        A batch's block tables (gathered rows) and slot mappings (from each
         request's block list `rows`, its tokens from ``num_computed`` on).
-        """  # noqa: D205
+        """
         num_tokens = sum(n for _, n in batch)
         req_ids = [req.req_id for req, _ in batch]
         tables, slots = [], []

@@ -1,6 +1,8 @@
-"""serve: a loop over the scheduler, the step builder and a step function of
+"""serve: a loop over the scheduler, the step builder and your step.
+
+serve: a loop over the scheduler, the step builder and a step function of
 yours, with sampling, stop tokens, streaming, warm-up and fault resumption.
-"""  # noqa: D205
+"""
 
 from jaxkv.serve._device_step import Forward
 from jaxkv.serve._loop import ServingLoop

@@ -1,7 +1,9 @@
-"""What ServingLoop refuses: arguments of the wrong kind, and a `forward` that
+"""What ServingLoop refuses: bad arguments and a bad `forward` result.
+
+What ServingLoop refuses: arguments of the wrong kind, and a `forward` that
 returns something other than the pools it was given and one logits row per
 sampled token (checked while tracing, so a mistake is named before it runs).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ _T = TypeVar("_T")
 def check_forward_result(
     out: Any, pools: Pools, sample: jax.Array, *, vocab_size: int | None = None
 ) -> tuple[Any, Any]:
-    """Trace-time check of what `forward` returned: ``(pools, logits)`` with
+    """Trace-time check of what `forward` returned.
+
+    Trace-time check of what `forward` returned: ``(pools, logits)`` with
     the pools' shapes and dtypes (and not the very arrays it was given: its
     writes would be lost), one logits row per sampled token, and exactly
     `vocab_size` columns (a wider row could sample an id the scheduler
     refuses; a narrower one never samples the last ids).
-    """  # noqa: D205
+    """
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(
             "ServingLoop: forward must return (pools, logits), got "

@@ -1,8 +1,10 @@
-"""The program every step runs: metadata from the packed step, the decode
+"""The program every step runs, on one device or per data rank.
+
+The program every step runs: metadata from the packed step, the decode
 placeholders filled from the previous step's tokens, your `forward`, sampling;
 on a mesh, the same per data-parallel rank under ``shard_map``, each rank on
 its own row of the step's inputs.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ class Forward(Protocol):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class DeviceStep:
-    """``(pools, params, inputs, seeds, prev_tokens) -> (pools, tokens,
+    """One step's program, traced once per bucket.
+
+    ``(pools, params, inputs, seeds, prev_tokens) -> (pools, tokens,
     logits)``, traced once per bucket by :class:`ServingLoop`'s programs.
 
     Attributes:
@@ -67,7 +71,7 @@ class DeviceStep:
       sampling: Sampling parameters of requests without their own.
       per_request_sampling: Whether each row samples with its own parameters.
       vocab_size: The loop's vocabulary: `forward`'s logits may not be wider.
-    """  # noqa: D205
+    """
 
     builder: StepMetadataBuilder
     forward: Forward
@@ -117,7 +121,9 @@ class DeviceStep:
         seeds: jax.Array,
         prev_tokens: jax.Array,
     ) -> tuple[Pools, jax.Array, jax.Array, jax.Array]:
-        """Several decode iterations in one program (multi-step decoding):
+        """Several decode iterations in one program (multi-step decoding).
+
+        Several decode iterations in one program (multi-step decoding):
         `inputs` packs one row per iteration (:func:`decode_step_inputs`);
         each iteration is :meth:`rank_step`, its input tokens the previous
         iteration's sampled ones, the pools carried through a ``lax.scan``.
@@ -126,7 +132,7 @@ class DeviceStep:
           ``(pools, tokens (num_steps, width), logits (num_steps, samples,
           vocab), last (width,))``: `last` is the last iteration's tokens,
           which the next step's placeholders index.
-        """  # noqa: D205
+        """
 
         def body(
             carry: tuple[Pools, jax.Array], packed: jax.Array
@@ -149,10 +155,12 @@ class DeviceStep:
         seeds: jax.Array,
         prev_tokens: jax.Array,
     ) -> Any:
-        """One step; on a mesh every leaf of `inputs`, `seeds` and
+        """One step (on a mesh, each input has a leading ranks axis).
+
+        One step; on a mesh every leaf of `inputs`, `seeds` and
         `prev_tokens` has a leading ranks axis (one row per data-parallel rank,
         :meth:`StepMetadataBuilder.prepare_ranks`).
-        """  # noqa: D205
+        """
         sp = self.sharded
         if sp is None:
             return self.rank_step(pools, params, inputs, seeds, prev_tokens)

@@ -1,6 +1,8 @@
-"""A serving loop for your own model: arrivals, scheduling, the step in one
+"""A serving loop for your own model.
+
+A serving loop for your own model: arrivals, scheduling, the step in one
 jitted program per bucket, sampling, stop tokens, streaming and resumption.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -220,9 +222,11 @@ class ServingLoop:
         self._prev_tokens = self._no_tokens()
 
     def _schedulers(self, *, num_blocks: int | None) -> list[Scheduler]:
-        """One scheduler per data-parallel rank under :attr:`scheduling`, each
+        """One scheduler per data-parallel rank under :attr:`scheduling`.
+
+        One scheduler per data-parallel rank under :attr:`scheduling`, each
         with its own host tier (on a mesh, the rank's copies of the pools).
-        """  # noqa: D205
+        """
         opts = self.scheduling
 
         def host(rank: int) -> HostKVCache | None:
@@ -250,9 +254,11 @@ class ServingLoop:
         ]
 
     def _place(self, params: Any, param_specs: Any) -> tuple[Any, Pools, Any]:
-        """``(params, pools, param specs)``: on the device, or over the mesh
+        """``(params, pools, param specs)``, placed on the device or mesh.
+
+        ``(params, pools, param specs)``: on the device, or over the mesh
         (parameters replicated unless `param_specs` shard them).
-        """  # noqa: D205
+        """
         if self.sharded is None:
             return params, self.plan.allocate(), None
         mesh = self.sharded.mesh
@@ -270,9 +276,11 @@ class ServingLoop:
 
     @property
     def overlap(self) -> bool:
-        """Whether the next step is scheduled while one runs (see the class);
+        """Whether the next step is scheduled while one runs.
+
+        Whether the next step is scheduled while one runs (see the class);
         change it with :meth:`set_overlap`.
-        """  # noqa: D205
+        """
         return self._overlap
 
     def set_overlap(self, value: bool) -> None:
@@ -326,9 +334,11 @@ class ServingLoop:
 
     @property
     def host(self) -> HostKVCache | None:
-        """The host tier of evicted prefix blocks (``host_blocks``), or None
+        """The host tier of evicted prefix blocks, or None.
+
+        The host tier of evicted prefix blocks (``host_blocks``), or None
         (on a mesh, rank 0's: each rank's is ``schedulers[rank].manager.host``).
-        """  # noqa: D205
+        """
         return self.schedulers[0].manager.host
 
     @property
@@ -352,7 +362,9 @@ class ServingLoop:
         scheduling: SchedulingOptions | None = None,
         num_blocks: int | None = None,
     ) -> None:
-        """New schedulers: requests, cached prefixes (the host tier's too) and
+        """New schedulers; pools and compiled programs stay.
+
+        New schedulers: requests, cached prefixes (the host tier's too) and
         recorded logits are forgotten; pools and compiled programs stay.
 
         Args:
@@ -364,7 +376,7 @@ class ServingLoop:
         Raises:
           RuntimeError: Inside ``run()`` (from ``on_token``, while a step's
             tokens are being applied): the step would be left half applied.
-        """  # noqa: D205
+        """
         if self._on_token is not None:
             raise RuntimeError(
                 "ServingLoop.reset: cannot reset inside run() (from on_token, "
@@ -400,11 +412,13 @@ class ServingLoop:
         )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> float:
-        """Compiles the step for every bucket from shapes (allocating nothing);
+        """Compiles the step for every bucket; returns the seconds spent.
+
+        Compiles the step for every bucket from shapes (allocating nothing);
         returns the seconds spent. Without it each bucket compiles the first
         time a step meets it (never more than once). `progress(done, total)`
         is called after each bucket.
-        """  # noqa: D205
+        """
 
         def abstract(x: Any) -> Any:
             return jax.ShapeDtypeStruct(
@@ -435,10 +449,12 @@ class ServingLoop:
         return time.perf_counter() - t0
 
     def _decode_inputs(self) -> dict[Any, StepInputs]:
-        """Abstract inputs of every multi-step decode program, by key: the
+        """Abstract inputs of every multi-step decode program, by key.
+
+        Abstract inputs of every multi-step decode program, by key: the
         programs a decode of 1 to ``max_num_seqs`` requests prepares to (found
         by preparing such a step on the host).
-        """  # noqa: D205
+        """
         if self.decode_steps == 1:
             return {}
         out: dict[Any, StepInputs] = {}
@@ -474,7 +490,9 @@ class ServingLoop:
     def submit(
         self, request: Request, *, sampling: SamplingParams | None = None
     ) -> bool:
-        """Queues `request` (on the data-parallel rank with the fewest live
+        """Queues `request` on the least loaded rank, or rejects it.
+
+        Queues `request` (on the data-parallel rank with the fewest live
         requests), or rejects it (``request.reject_reason`` says why).
 
         Args:
@@ -486,7 +504,7 @@ class ServingLoop:
           ValueError: If `sampling` is given to a loop without
             ``per_request_sampling``.
           TypeError: If `sampling` is not a :class:`SamplingParams`.
-        """  # noqa: D205
+        """
         if sampling is not None:
             if not isinstance(sampling, SamplingParams):
                 raise TypeError(
@@ -511,13 +529,15 @@ class ServingLoop:
         return any(s.has_unfinished for s in self.schedulers) or bool(self._pipeline)
 
     def step(self) -> list[Request]:
-        """Schedules and runs one step (every rank's); returns the requests it
+        """Schedules and runs one step; returns the requests it finished.
+
+        Schedules and runs one step (every rank's); returns the requests it
         finished.
 
         With ``overlap=True`` the step is dispatched and the one before it
         applied (its requests are those returned); the last step is applied
         by the call that finds nothing more to schedule.
-        """  # noqa: D205
+        """
         if self.overlap:
             self._recover()
         else:
@@ -579,7 +599,9 @@ class ServingLoop:
         return requests
 
     def export_request(self, req: Request) -> RequestKV:
-        """The KV cache of running request `req`: its computed tokens, after
+        """The KV cache of running request `req`.
+
+        The KV cache of running request `req`: its computed tokens, after
         every step in flight is applied (:meth:`resume`); see
         :func:`export_request`. On a mesh, read from the request's
         data-parallel rank with every tensor rank's heads joined
@@ -588,7 +610,7 @@ class ServingLoop:
 
         Raises:
           ValueError: If `req` is not running.
-        """  # noqa: D205
+        """
         self.resume()
         rank = next(
             (d for d, s in enumerate(self.schedulers) if req in s.running), None
@@ -607,7 +629,9 @@ class ServingLoop:
         )
 
     def adopt(self, req: Request, kv: RequestKV) -> bool:
-        """Continues `req` from a KV cache computed elsewhere (another loop's
+        """Continues `req` from a KV cache computed elsewhere.
+
+        Continues `req` from a KV cache computed elsewhere (another loop's
         :meth:`export_request`, on any plan of the same layers: prefill/decode
         disaggregation): :meth:`Scheduler.adopt` holds its blocks,
         :func:`import_request` writes the cache into them. Returns ``False``
@@ -624,7 +648,7 @@ class ServingLoop:
 
         Raises:
           ValueError: As :meth:`Scheduler.adopt` and :func:`import_request`.
-        """  # noqa: D205
+        """
         self.resume()
         rank, sched = min(
             enumerate(self.schedulers),
@@ -647,9 +671,11 @@ class ServingLoop:
 
     @property
     def decode_steps(self) -> int:
-        """Decode iterations per dispatch in steady decoding (read-only: its
+        """Decode iterations per dispatch in steady decoding (read-only).
+
+        Decode iterations per dispatch in steady decoding (read-only: its
         programs are compiled by :meth:`warm_up`; make a new loop to change it).
-        """  # noqa: D205
+        """
         return self._decode_steps
 
     def _rows(self) -> NamedSharding | None:
@@ -666,9 +692,11 @@ class ServingLoop:
         )
 
     def _seeds(self, steps: list[ScheduledStep], num_samples: int) -> Any:
-        """Per rank and sampled row: the request's seed, and with
+        """Per rank and sampled row: the request's seed and parameters.
+
+        Per rank and sampled row: the request's seed, and with
         ``per_request_sampling`` its parameters (padding rows: greedy).
-        """  # noqa: D205
+        """
         return sampling_rows(
             [[r.req_id for r in s.sampled] for s in steps],
             num_samples,
@@ -714,13 +742,15 @@ class ServingLoop:
         return ("decode", inputs.program)
 
     def _decode_ahead(self) -> tuple[bool, list[Request]]:
-        """Multi-step decoding (``decode_steps > 1``, one device): when the
+        """Multi-step decoding: runs a block of iterations when it can.
+
+        Multi-step decoding (``decode_steps > 1``, one device): when the
         batch is in steady decoding, runs ``decode_steps`` iterations in one
         program. With overlap the block is dispatched before the one in flight
         is read (:meth:`Scheduler.advance`), so the host schedules,
         packs and reads back while the device computes. Returns whether it
         ran and the requests finished.
-        """  # noqa: D205
+        """
         sched = self.schedulers[0]
         blocks = bool(self._pipeline) and self._pipeline[-1][0][0].num_steps > 1
         if sched.waiting or not sched.running:
@@ -745,10 +775,12 @@ class ServingLoop:
     def _dispatch_decode(
         self, step: ScheduledStep, prev_tokens: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Dispatches a multi-step decode: ``(tokens (num_steps, width),
+        """Dispatches a multi-step decode.
+
+        Dispatches a multi-step decode: ``(tokens (num_steps, width),
         logits, its last iteration's tokens)``; `prev_tokens` fills its first
         iteration's placeholders.
-        """  # noqa: D205
+        """
         first = self.builder.prepare(step)
         inputs = decode_step_inputs(
             first, num_reqs=step.num_reqs, step_slots=step.step_slots or []
@@ -925,7 +957,9 @@ class ServingLoop:
         return finished
 
     def resume(self) -> str | None:
-        """Brings the loop back to a consistent state after an exception inside
+        """Brings the loop back to a consistent state after an exception.
+
+        Brings the loop back to a consistent state after an exception inside
         a step; returns what it did (``None``: nothing was in flight).
 
         - ``"applied"``: the step's program had returned (the pools hold its
@@ -940,7 +974,7 @@ class ServingLoop:
         With ``overlap=True`` every step in flight is finished the same way
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
-        """  # noqa: D205
+        """
         if not self._overlap:
             decoding = self._inflight is not None and self._inflight[0].num_steps > 1
             if self._inflight is None:
@@ -974,9 +1008,11 @@ class ServingLoop:
         self._inflight = self._results = None
 
     def _recover(self) -> str | None:
-        """Overlap: finishes a step whose dispatch or advance raised; steps in
+        """Overlap: finishes a step whose dispatch or advance raised.
+
+        Overlap: finishes a step whose dispatch or advance raised; steps in
         flight that ran stay in flight (a normal state).
-        """  # noqa: D205
+        """
         unadvanced = bool(self._pipeline) and any(
             sched.last_applied is not step
             for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)
@@ -1002,9 +1038,11 @@ def _unadopt(sched: Scheduler, req: Request) -> None:
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
-    """The whole array on this host; over several processes, gathered from all
+    """The whole array on this host (gathered over processes).
+
+    The whole array on this host; over several processes, gathered from all
     (sampled tokens and logits only: a few KB a step).
-    """  # noqa: D205
+    """
     if x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

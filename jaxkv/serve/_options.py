@@ -1,6 +1,8 @@
-"""The options of a :class:`ServingLoop`, as two records: how requests are
+"""The options of a :class:`ServingLoop`, as two records.
+
+The options of a :class:`ServingLoop`, as two records: how requests are
 scheduled, and how each step runs.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Token sampling inside the step: greedy, or temperature with top-k / top-p,
+"""Token sampling inside the step, seeded per request and position.
+
+Token sampling inside the step: greedy, or temperature with top-k / top-p,
 seeded per request and position so a request samples the same tokens however
 it is batched, preempted or resumed.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -148,7 +150,9 @@ def sample_tokens_per_row(
     request_seeds: Int[Array, " n"],
     positions: Int[Array, " n"],
 ) -> Int[Array, " n"]:
-    """:func:`sample_tokens` with each row's own parameters, as traced arrays
+    """:func:`sample_tokens` with each row's own parameters.
+
+    :func:`sample_tokens` with each row's own parameters, as traced arrays
     (one compiled program serves any mix): row ``i`` draws as
     ``sample_tokens`` with ``SamplingParams(temperature[i], top_k[i],
     top_p[i], seed[i])`` would, the same token (checked in the tests).
@@ -162,7 +166,7 @@ def sample_tokens_per_row(
       ...     seed=jnp.array([0, 0]), request_seeds=jnp.array([1, 2]),
       ...     positions=jnp.array([7, 3])).tolist()  # greedy; top-1
       [1, 0]
-    """  # noqa: D205
+    """
     x = logits.astype(jnp.float32)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     vocab = x.shape[-1]

@@ -1,5 +1,7 @@
 """step: from a scheduled batch to every layer's metadata inside your jit.
 
+step: from a scheduled batch to every layer's metadata inside your jit.
+
 A step passes through three records: :class:`StepArrays` (host arrays, what
 a scheduler produces) -> :class:`StepInputs` (the packed buffer and staged
 indices, what your jitted step takes) -> :class:`StepFields` (the buffer
@@ -14,7 +16,7 @@ kernel, per rank on a mesh). Device side: ``_attn_metadata`` unpacks the
 buffer into ``_common_metadata``'s record per group (``_reduced_metadata``
 for fast-prefill layers); ``_programs`` keeps one compiled executable per
 step program.
-"""  # noqa: D205
+"""
 
 from jaxkv.step._attn_metadata import build_attn_metadata, build_attn_metadata_from_step
 from jaxkv.step._buckets import (

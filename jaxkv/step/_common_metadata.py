@@ -110,7 +110,9 @@ class CommonAttentionMetadata:
         return self.seq_lens.shape[0]
 
     def mamba_state_blocks(self, block_size: int | None = None) -> tuple[Array, Array]:
-        """Per request, the block holding its Mamba state before this step's
+        """Per request, the blocks its Mamba state is read from and written to.
+
+        Per request, the block holding its Mamba state before this step's
         tokens and the block that receives the state after them.
 
         A Mamba group's block table has one column per `block_size` tokens; the
@@ -141,7 +143,7 @@ class CommonAttentionMetadata:
           ...                                   [0, 0, 0, 0]]))
           >>> [x.tolist() for x in m.mamba_state_blocks(16)]
           [[-1, 8, -1], [7, 9, -1]]
-        """  # noqa: D205
+        """
         own = self.block_size
         if block_size is None:
             if own is None:

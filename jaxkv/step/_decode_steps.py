@@ -1,6 +1,8 @@
-"""Several decode iterations in one dispatch: a decode step's packed buffer
+"""Several decode iterations in one dispatch (multi-step decoding).
+
+Several decode iterations in one dispatch: a decode step's packed buffer
 advanced on the host, one row per iteration (multi-step decoding).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ def decode_step_inputs(
     inputs: StepInputs, *, num_reqs: int, step_slots: Sequence[np.ndarray]
 ) -> StepInputs:
     """The inputs of `num_steps` decode iterations from those of the first.
+
+    The inputs of `num_steps` decode iterations from those of the first.
 
     Iteration ``i`` is the decode step ``i`` tokens later: positions, context
     lengths and the longest context ``+ i``, each group's slots from
@@ -60,7 +64,7 @@ def decode_step_inputs(
       >>> [(int(row[off["seq_lens"][0]]), int(row[off["max_seq_len"][0]]))
       ...  for row in out.packed]  # the longest context grows with the rest
       [(5, 5), (6, 6), (7, 7)]
-    """  # noqa: D205
+    """
     capacity = inputs.capacity
     groups = len(capacity.block_table_widths)
     if not capacity.num_samples:

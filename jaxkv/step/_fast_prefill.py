@@ -116,9 +116,11 @@ def _stage_packed(
 
 
 def _rank_stager(rows: NamedSharding) -> Any:
-    """:func:`_stage_packed` on every data-parallel rank's row, under
+    """:func:`_stage_packed` on every data-parallel rank's row.
+
+    :func:`_stage_packed` on every data-parallel rank's row, under
     ``shard_map`` (each rank stages its own indices; nothing crosses ranks).
-    """  # noqa: D205
+    """
 
     def per_rank(buffer: jax.Array, packed: jax.Array) -> Any:
         buffer, meta = _stage_packed(buffer[0], packed[0])
@@ -133,7 +135,9 @@ def _rank_stager(rows: NamedSharding) -> Any:
 
 
 class FastPrefillHelper:
-    """Decides per step whether to arm the KV-sharing fast prefill path, and
+    """Arms the KV-sharing fast prefill path per step and stages its indices.
+
+    Decides per step whether to arm the KV-sharing fast prefill path, and
     stages the logits indices it runs on.
 
     Owns a persistent int32 staging buffer of ``max_num_tokens`` entries,
@@ -164,7 +168,7 @@ class FastPrefillHelper:
       [3, 7, 12, 12]
       >>> m.num_logits_indices_cpu, m.max_logits_per_req_cpu
       (3, 1)
-    """  # noqa: D205
+    """
 
     def __init__(
         self,
@@ -193,10 +197,12 @@ class FastPrefillHelper:
     def _stage(
         self, padded: int, host: np.ndarray | jax.Array
     ) -> FastPrefillBatchMetadata:
-        """Runs the staging kernel. Every entry of the buffer is rewritten
+        """Runs the staging kernel.
+
+        Runs the staging kernel. Every entry of the buffer is rewritten
         each call, so a buffer consumed by a call that failed is replaced by
         a fresh one with no change to any later step.
-        """  # noqa: D205
+        """
         if self.buffer.is_deleted():
             self.buffer = self._new_buffer()
         self.buffer, meta = self.programs(padded, self.buffer, host)
@@ -222,9 +228,11 @@ class FastPrefillHelper:
 
     @staticmethod
     def armed(has_prefill: bool, batch_desc: BatchDescriptor) -> bool:
-        """The arming rule: a step with a prefill, not one fully compiled
+        """The arming rule.
+
+        The arming rule: a step with a prefill, not one fully compiled
         executable (``FULL``), not split into micro-batches.
-        """  # noqa: D205
+        """
         return (
             has_prefill
             and batch_desc.cg_mode != CompileMode.FULL
@@ -328,7 +336,9 @@ class FastPrefillHelper:
         batch_desc: BatchDescriptor,
         padding: int,
     ) -> FastPrefillBatchMetadata | None:
-        """Every data-parallel rank's :meth:`prepare` in one staging call:
+        """Every data-parallel rank's :meth:`prepare` in one staging call.
+
+        Every data-parallel rank's :meth:`prepare` in one staging call:
         armed for all ranks (one program) or none; leaves ``(ranks, ...)``.
 
         Args:
@@ -346,7 +356,7 @@ class FastPrefillHelper:
         Raises:
           ValueError: For a count of ranks other than the helper's, a rank with
             more indices than `padding`, or device-resident indices.
-        """  # noqa: D205
+        """
         if not self.armed(has_prefill, batch_desc):
             return None
         self._check_ranks("prepare_ranks", len(logits_indices))

@@ -302,9 +302,11 @@ class StepFields:
     def of_layout_fields(
         cls, arrays: Mapping[str, jax.Array], capacity: StepCapacity
     ) -> StepFields:
-        """The record of arrays named as :meth:`StepCapacity.fields` names them
+        """The record of arrays named as :meth:`StepCapacity.fields` names them.
+
+        The record of arrays named as :meth:`StepCapacity.fields` names them
         (``"block_table.0"``, ...), each of its field's shape.
-        """  # noqa: D205
+        """
         raw = dict(arrays)
         groups = range(len(capacity.block_table_widths))
         return cls(

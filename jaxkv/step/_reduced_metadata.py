@@ -1,6 +1,8 @@
-"""The reduced record of the KV-sharing fast-prefill layers: the same batch
+"""The reduced record of the KV-sharing fast-prefill layers.
+
+The reduced record of the KV-sharing fast-prefill layers: the same batch
 seen from the sampled tokens only (spec §2.17).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 

@@ -310,9 +310,11 @@ class StepMetadataBuilder:
         return d.token_bucket(d.max_num_reqs) or d.max_num_tokens
 
     def _check_limits(self, query_start_loc: object) -> None:
-        """Refuses a step above the limits the programs are sized for (it would
+        """Refuses a step above the limits the programs are sized for.
+
+        Refuses a step above the limits the programs are sized for (it would
         compile a new program mid-serving).
-        """  # noqa: D205
+        """
         qsl = np.asarray(query_start_loc)
         if qsl.ndim != 1 or not qsl.size or not np.issubdtype(qsl.dtype, np.integer):
             return  # validate_step names what is wrong
@@ -526,10 +528,12 @@ class StepMetadataBuilder:
     def _num_samples(
         self, n: int, num_samples: int | None, desc: BatchDescriptor
     ) -> int:
-        """Room for the step's `n` sampled tokens in its model inputs: none
+        """Room for the step's `n` sampled tokens in its model inputs.
+
+        Room for the step's `n` sampled tokens in its model inputs: none
         without model inputs, the caller's `num_samples` (the staged indices'
         padding with fast prefill armed), or the smallest bucket holding `n`.
-        """  # noqa: D205
+        """
         if not self.model_inputs:
             return 0
         if num_samples is None:

@@ -1,8 +1,10 @@
-"""A step's two records on its way to the device: its host arrays
+"""A step's host arrays and device inputs.
+
+A step's two records on its way to the device: its host arrays
 (:class:`StepArrays`, what a scheduler produces) and its device inputs
 (:class:`StepInputs`, what :meth:`StepMetadataBuilder.prepare` returns and your
 jitted step takes).
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -136,7 +138,9 @@ class StepInputs:
         )
 
     def local(self) -> StepInputs:
-        """Inside ``shard_map`` over a data axis: this rank's row of a
+        """This rank's row of a :meth:`StepMetadataBuilder.prepare_ranks` step.
+
+        Inside ``shard_map`` over a data axis: this rank's row of a
         :meth:`StepMetadataBuilder.prepare_ranks` step (leaves ``(1, ...)`` ->
         ``(...)``), the argument :meth:`StepMetadataBuilder.metadata` takes.
 
@@ -149,6 +153,6 @@ class StepInputs:
           ...                         fast_prefill=None, capacity=capacity)
           >>> rows.local().packed.shape == (capacity.size,)
           True
-        """  # noqa: D205
+        """
         row: Any = jax.tree.map(lambda x: x[0], self)
         return row

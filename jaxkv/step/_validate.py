@@ -1,6 +1,8 @@
-"""Host checks of a step's arrays before they are packed: nothing wraps, nothing
+"""Host checks of a step's arrays before they are packed.
+
+Host checks of a step's arrays before they are packed: nothing wraps, nothing
 reads keys it should not, every error names the argument.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -272,7 +274,9 @@ def validate_logits_indices(
     *,
     buffer_size: int | None = None,
 ) -> None:
-    """Host-side check of a step's logits indices against its batch (the same
+    """Host-side check of a step's logits indices against its batch.
+
+    Host-side check of a step's logits indices against its batch (the same
     check :func:`validate_step` makes).
 
     Raises:
@@ -288,7 +292,7 @@ def validate_logits_indices(
       Traceback (most recent call last):
       ...
       ValueError: logits_indices[1] = 10 is outside the batch of 10 tokens.
-    """  # noqa: D205
+    """
     qsl = _ints(query_start_loc, "query_start_loc", 1)
     _check_query_start_loc(qsl)
     idx = _ints(logits_indices, "logits_indices", 1)

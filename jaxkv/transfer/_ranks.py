@@ -1,4 +1,6 @@
-"""A request's KV cache on a mesh: read from every tensor-parallel rank of its
+"""A request's KV cache on a mesh: heads joined, or split and written.
+
+A request's KV cache on a mesh: read from every tensor-parallel rank of its
 data-parallel rank and joined into all heads (:func:`export_rank_request`), or
 split into any other tensor-parallel degree's heads and written on each rank
 (:func:`import_rank_request`).
@@ -8,7 +10,7 @@ heads ``[t * H / T, (t + 1) * H / T)``, or, with fewer heads than ranks, head
 ``t // (T / H)`` replicated; Mamba states along their ``shard_axes``. Each
 rank's pool shard is read and written on its own device: nothing gathers a
 pool.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -72,7 +74,9 @@ def export_rank_request(
     block_ids: Sequence[Sequence[int]],
     num_tokens: int,
 ) -> RequestKV:
-    """Reads a request of data-parallel rank `data` from every tensor rank and
+    """Reads a request of data rank `data` from every tensor rank, joined.
+
+    Reads a request of data-parallel rank `data` from every tensor rank and
     joins the heads (and Mamba state slices): the :class:`RequestKV` of the
     global model, which :func:`import_request` or :func:`import_rank_request`
     writes into a plan of any tensor-parallel degree.
@@ -96,7 +100,7 @@ def export_rank_request(
       ...     block_ids=[[1], [2], [3]], num_tokens=5)
       >>> kv.attention["layers.0.self_attn"].keys.shape  # every KV head
       (5, 2, 32)
-    """  # noqa: D205
+    """
     d = _check_rank(sharded, data, "export_rank_request")
     parts = [
         export_request(
@@ -206,7 +210,9 @@ def import_rank_request(
     data: int,
     block_ids: Sequence[Sequence[int]],
 ) -> Pools:
-    """Writes a global :class:`RequestKV` (from :func:`export_request` on one
+    """Writes a global :class:`RequestKV` into data rank `data` of a mesh.
+
+    Writes a global :class:`RequestKV` (from :func:`export_request` on one
     device, or :func:`export_rank_request` on any mesh) into data-parallel rank
     `data` of `sharded`'s pools: each tensor rank gets its heads and Mamba
     state slices, written on its own device.
@@ -237,7 +243,7 @@ def import_rank_request(
       ...                                   block_ids=[[4], [5], [6]])
       >>> [p.shape[:2] for p in pools]  # (data, tensor) ranks
       [(1, 1), (1, 1)]
-    """  # noqa: D205
+    """
     d = _check_rank(sharded, data, "import_rank_request")
     tp = sharded.tensor_parallel
     for name, layer in kv.attention.items():

@@ -1,4 +1,6 @@
-"""A request's KV cache sent to another process with JAX's own transfer
+"""A request's KV cache sent to another process (``jax.experimental.transfer``).
+
+A request's KV cache sent to another process with JAX's own transfer
 library (``jax.experimental.transfer``): prefill/decode disaggregation.
 
 The sender offers two pulls: a one-entry int32 header (the token count), then
@@ -7,7 +9,7 @@ from its own plan (the layers, per-token shapes and dtypes must match the
 sender's, as :func:`import_request` requires) and the header, and pulls them
 onto its device. No transport of jaxkv's own: the bytes move through the
 transfer server's connection.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -53,9 +55,11 @@ def _deadline(timeout: Any) -> datetime.datetime | None:
 def _pull(
     connection: Any, uuid: int, specs: list[Any], deadline: datetime.datetime | None
 ) -> Any:
-    """``connection.pull`` that returns or raises by `deadline`, whatever the
+    """``connection.pull`` that returns or raises by `deadline`.
+
+    ``connection.pull`` that returns or raises by `deadline`, whatever the
     transport does (a worker thread, abandoned at the deadline).
-    """  # noqa: D205
+    """
     if deadline is None:
         return connection.pull(uuid, specs)
     done: dict[str, Any] = {}
@@ -82,7 +86,9 @@ def _pull(
 
 
 def send_request(server: Any, kv: RequestKV, *, uuid: int) -> None:
-    """Offers `kv` to one :func:`receive_request` of the same `uuid` (and
+    """Offers `kv` to one :func:`receive_request` of the same `uuid`.
+
+    Offers `kv` to one :func:`receive_request` of the same `uuid` (and
     ``uuid + 1``) through `server` (``jax.experimental.transfer.
     start_transfer_server``); returns once the pulls are scheduled (the server
     serves them while it lives).
@@ -107,7 +113,7 @@ def send_request(server: Any, kv: RequestKV, *, uuid: int) -> None:
       ...     receiver.connect(sender.address()), plan, uuid=1)
       >>> got.num_tokens, got.attention["layers.0.self_attn"].keys.shape
       (5, (5, 2, 32))
-    """  # noqa: D205
+    """
     if isinstance(uuid, bool) or not isinstance(uuid, int) or uuid < 0:
         raise ValueError(
             f"send_request: uuid must be a non-negative int, got {uuid!r}."
@@ -162,7 +168,9 @@ def _shapes(plan: KVCachePlan, n: int, sharding: Any) -> list[tuple[str, Any]]:
 def receive_request(
     connection: Any, plan: KVCachePlan, *, uuid: int, timeout: Any = None
 ) -> RequestKV:
-    """Pulls a request's cache that a :func:`send_request` of `uuid` offers,
+    """Pulls a request's cache that a :func:`send_request` of `uuid` offers.
+
+    Pulls a request's cache that a :func:`send_request` of `uuid` offers,
     shaped for `plan` (onto its first device), ready for
     :func:`import_request` or :meth:`ServingLoop.adopt`.
 
@@ -182,7 +190,7 @@ def receive_request(
 
     Example:
       See :func:`send_request`.
-    """  # noqa: D205
+    """
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     deadline = _deadline(timeout)

@@ -1,5 +1,7 @@
 """A request's KV cache, moved between plans through views.
 
+A request's KV cache, moved between plans through views.
+
 :func:`export_request` reads a request's blocks through every layer's view
 into a layout-neutral :class:`RequestKV`: per attention layer its keys and
 values token by token (``(num_tokens, kv_heads, head_size)``, what
@@ -13,7 +15,7 @@ dtype of its keys, values and states, and anything else is refused naming the
 layer and what differs. Tokens whose block the source no longer holds (a
 sliding window's blocks behind the window, block 0) are carried as absent and
 written nowhere.
-"""  # noqa: D205
+"""
 
 from __future__ import annotations
 
@@ -120,9 +122,11 @@ def _check_distinct(
     layers: list[tuple[int, str, AttentionGroup | None]],
     tables: list[np.ndarray],
 ) -> None:
-    """No block listed twice in a table, nor in two tables whose groups'
+    """No block listed twice in a table, nor in two tables sharing a pool.
+
+    No block listed twice in a table, nor in two tables whose groups'
     layers share a pool (block ``b`` of each is then the same page bytes).
-    """  # noqa: D205
+    """
     for g, ids in enumerate(tables):
         real = ids[ids != 0]
         values, counts = np.unique(real, return_counts=True)
@@ -152,9 +156,11 @@ def _check_distinct(
 
 @runtime_checkable
 class BlockOwner(Protocol):
-    """What :func:`import_request` asks of a block manager
+    """What :func:`import_request` asks of a block manager.
+
+    What :func:`import_request` asks of a block manager
     (:class:`jaxkv.KVCacheManager` is one).
-    """  # noqa: D205
+    """
 
     def holds_blocks(self, req: Any) -> bool:  # noqa: D102
         ...
@@ -166,9 +172,11 @@ class BlockOwner(Protocol):
 def _check_owned(
     tables: list[np.ndarray], manager: BlockOwner | None, request: Any
 ) -> None:
-    """Every block of `tables` (but the null block) is one `manager` gave
+    """Every block of `tables` is one `manager` gave `request`.
+
+    Every block of `tables` (but the null block) is one `manager` gave
     `request` in that group.
-    """  # noqa: D205
+    """
     if manager is None and request is None:
         return
     if manager is None or request is None:
@@ -200,9 +208,11 @@ def _check_owned(
 
 
 def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Array:
-    """The block holding the Mamba state after `n` tokens (its table's column
+    """The block holding the Mamba state after `n` tokens.
+
+    The block holding the Mamba state after `n` tokens (its table's column
     ``(n - 1) // bs``), as a ``(1,)`` id array.
-    """  # noqa: D205
+    """
     block = int(ids[(n - 1) // bs])
     if block == 0:
         raise ValueError(
@@ -213,9 +223,11 @@ def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Ar
 
 
 def _kernel_table(group: AttentionGroup, ids: np.ndarray) -> Any:
-    """The request's kernel block ids (a packed pool's strided kernel view: a
+    """The request's kernel block ids.
+
+    The request's kernel block ids (a packed pool's strided kernel view: a
     manager block's pieces ``b * stride + j``).
-    """  # noqa: D205
+    """
     return group.map_to_kernel_block_table(ids[None, :])
 
 
@@ -304,9 +316,11 @@ def _checked_layer(
     name: str,
     group: AttentionGroup | None,
 ) -> Any:
-    """Refuses a layer of `kv` that does not fit `plan`'s (named); returns the
+    """Refuses a layer of `kv` that does not fit `plan`'s.
+
+    Refuses a layer of `kv` that does not fit `plan`'s (named); returns the
     view to write through.
-    """  # noqa: D205
+    """
     view = plan.views[name]
     if isinstance(view, MambaView):
         got = kv.states.get(name)
