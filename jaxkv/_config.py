@@ -11,7 +11,7 @@ import jax
 from jaxkv._backends import AttentionBackend, KVCacheLayout
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import KVCacheSpec, MLAAttentionSpec
-from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv._util import check_non_negative_int, check_positive_int, checks_own_arguments
 
 LayerType = Literal["attention", "mla", "mamba"]
 AttnType = Literal["decoder", "encoder", "encoder_only", "encoder_decoder"]
@@ -20,6 +20,7 @@ _ATTN_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks_own_arguments
 class LayerConfig:
     """One attention-like layer, as registered in execution order.
 
@@ -127,6 +128,7 @@ _CACHE_DTYPES = (
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks_own_arguments
 class RunnerConfig:
     """Everything jaxkv needs to know about a model and its serving limits.
 

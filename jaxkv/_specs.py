@@ -30,6 +30,8 @@ _T = TypeVar("_T")
 def spec_dataclass(cls: type[_T]) -> type[_T]:
     """Frozen keyword-only dataclass registered as a leafless pytree."""
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    # Specs check their own fields with named errors (checks_own_arguments).
+    cls.__no_type_check__ = True  # pyright: ignore[reportAttributeAccessIssue]
     return jax.tree_util.register_static(cls)
 
 

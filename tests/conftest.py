@@ -1,3 +1,4 @@
+import importlib
 import os
 import pathlib
 
@@ -16,24 +17,27 @@ import jax
 from hypothesis import settings
 from jaxtyping import install_import_hook
 
-# Run-time shape and dtype checks: every function and dataclass of each module
-# whose signatures carry jaxtyping array annotations (found by scanning the
-# package, so a new one is checked too) is checked by beartype on each call
-# (at trace time under jit) for the whole suite; entry points marked
-# @checks_own_arguments are skipped (their named errors are what the suite
-# checks). Installed before any test imports jaxkv. Modules without array
-# annotations are left alone: their bad-input errors are jaxkv's own, which
-# the suite checks word for word.
+# Run-time type and shape checks over the whole package: beartype checks every
+# annotated function and dataclass of every module on each call (at trace
+# time under jit), jaxtyping's array annotations included. Entry points that
+# validate their own arguments with named errors are marked
+# @checks_own_arguments and skipped (those errors are what the suite checks).
+# The namespace modules (the package's, its public sub-packages' ``__init__``
+# and ``jaxkv.vllm``), which only re-export, are left out so their ``dir()`` stays
+# exactly their API. Installed before any test imports jaxkv.
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
 _TYPECHECKED = tuple(
     sorted(
-        ".".join(path.relative_to(_PACKAGE.parent).with_suffix("").parts)
+        ".".join(path.relative_to(_PACKAGE.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        )
         for path in _PACKAGE.rglob("*.py")
-        if "from jaxtyping import" in (text := path.read_text())
-        or "@checks_own_arguments" in text
+        if (path.name != "__init__.py" or path.parent.name.startswith("_"))
+        and path != _PACKAGE / "vllm.py"
     )
 )
-install_import_hook(_TYPECHECKED, "beartype.beartype")
+importlib.import_module("tests._typecheck")  # the hook's checker, by name
+install_import_hook(_TYPECHECKED, "tests._typecheck.typecheck")
 
 # Deterministic examples by default, so CI is reproducible; set
 # JAXKV_HYPOTHESIS_PROFILE=random to explore new ones locally.

@@ -166,3 +166,16 @@ def test_the_suite_checks_shapes_and_dtypes_at_run_time():
             request_seeds=jnp.zeros(3, jnp.int32),
             positions=jnp.zeros(3, jnp.float32),
         )
+
+
+def test_the_whole_package_is_type_checked_in_the_suite():
+    # Not only the modules with array annotations: a plain annotation of a
+    # host-side planning function is enforced too (tests/conftest.py).
+    import jaxtyping
+
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    assert jaxkv.vllm.hnc_shape(spec) == (1, 16, 64)  # K then V, 8 floats each
+    with pytest.raises(jaxtyping.TypeCheckError, match="kernel_block_size"):
+        jaxkv.vllm.hnc_shape(spec, kernel_block_size="16")  # pyright: ignore[reportArgumentType]

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
-from jaxkv._util import check_positive_int
+from jaxkv._util import check_positive_int, checks_own_arguments
 from jaxkv.pictures._common import _check_index, _pyplot
 from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 
@@ -62,6 +62,7 @@ def _parts(name: str, view: Any) -> list[tuple[str, KVCacheView, dict[int, int]]
     return [(name, view, {})]
 
 
+@checks_own_arguments
 def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> ByteMap:
     """The owner of every byte of `pool`: which layer's K, V or Mamba state.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from jaxkv._util import check_positive_int, is_int
+from jaxkv._util import check_positive_int, checks_own_arguments, is_int
 
 
 class BlockAllocator:
@@ -85,6 +85,7 @@ class BlockAllocator:
         """The prefix-cache key `block` is registered under, or ``None``."""
         return self._key_of.get(block)
 
+    @checks_own_arguments
     def allocate(self, n: int) -> list[int]:
         """`n` blocks from the front of the free queue, each held once.
 

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv._util import checks_own_arguments
+
 INT32_LIMIT = 2**31  # token ids travel to the device as int32
 
 
@@ -29,6 +31,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclasses.dataclass(eq=False)
+@checks_own_arguments
 class Request:
     """One generation request and its progress.
 

@@ -16,7 +16,12 @@ from typing import cast
 
 import numpy as np
 
-from jaxkv._util import check_non_negative_int, check_positive_int, host_int_array
+from jaxkv._util import (
+    check_non_negative_int,
+    check_positive_int,
+    checks_own_arguments,
+    host_int_array,
+)
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
@@ -100,6 +105,7 @@ class Scheduler:
       ([('a', 64)], [64])
     """
 
+    @checks_own_arguments
     def __init__(
         self,
         plan: KVCachePlan,
@@ -236,6 +242,7 @@ class Scheduler:
             )
         return None
 
+    @checks_own_arguments
     def add_request(self, req: Request) -> bool:
         """Queues `req`, or rejects it (``req.reject_reason`` says why).
 
@@ -709,6 +716,7 @@ class Scheduler:
         self._latest = step
         return step
 
+    @checks_own_arguments
     def update(
         self, step: ScheduledStep, sampled_token_ids: Sequence[int | Sequence[int]]
     ) -> list[Request]:
@@ -863,6 +871,7 @@ class Scheduler:
         self._applying = None
         return finished
 
+    @checks_own_arguments
     def _update_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
@@ -982,6 +991,7 @@ class Scheduler:
         self._applied = step
         self._unresolved.append(step)
 
+    @checks_own_arguments
     def _resolve_decode(
         self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[Request]:
@@ -1059,6 +1069,7 @@ class Scheduler:
                 "with update(), or advance() and resolve()."
             )
 
+    @checks_own_arguments
     def _checked_rows(
         self, op: str, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
@@ -1120,6 +1131,7 @@ class Scheduler:
                 "each scheduled step once, in order."
             )
 
+    @checks_own_arguments
     def _checked_tokens(
         self, caller: str, step: ScheduledStep, sampled_token_ids: Sequence[int]
     ) -> np.ndarray:
@@ -1213,6 +1225,7 @@ class Scheduler:
         self._applied = step
         self._unresolved.append(step)
 
+    @checks_own_arguments
     def resolve(
         self,
         step: ScheduledStep,

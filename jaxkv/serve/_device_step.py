@@ -87,7 +87,7 @@ class DeviceStep:
         pools: Pools,
         params: Any,
         inputs: StepInputs,
-        seeds: jax.Array,
+        seeds: jax.Array | Mapping[str, jax.Array],
         prev_tokens: jax.Array,
     ) -> tuple[Pools, jax.Array, jax.Array]:
         """One rank's step: ``(pools, tokens padded to width, logits)``."""
@@ -152,7 +152,7 @@ class DeviceStep:
         pools: Pools,
         params: Any,
         inputs: StepInputs,
-        seeds: jax.Array,
+        seeds: jax.Array | Mapping[str, jax.Array],
         prev_tokens: jax.Array,
     ) -> Any:
         """One step (on a mesh, each input has a leading ranks axis).

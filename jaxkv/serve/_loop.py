@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv._util import checks_own_arguments
 from jaxkv.kv import Pools, any_deleted
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import HostKVCache, Request, RequestStatus, ScheduledStep, Scheduler
@@ -135,6 +136,7 @@ class ServingLoop:
       [3, 3]
     """
 
+    @checks_own_arguments
     def __init__(
         self,
         plan: KVCachePlan | ShardedPlan,
@@ -487,6 +489,7 @@ class ServingLoop:
 
     # --- host side ------------------------------------------------------------
 
+    @checks_own_arguments
     def submit(
         self, request: Request, *, sampling: SamplingParams | None = None
     ) -> bool:

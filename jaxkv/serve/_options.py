@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxkv._util import checks_own_arguments
 from jaxkv.step import BucketDispatcher
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks_own_arguments
 class SchedulingOptions:
     """How each data-parallel rank's :class:`Scheduler` admits and batches.
 
@@ -48,6 +50,7 @@ class SchedulingOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks_own_arguments
 class ExecutionOptions:
     """How each step runs on the device.
 

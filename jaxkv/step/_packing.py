@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
 @jax.tree_util.register_static
@@ -151,7 +152,7 @@ def pack_step(
     buf = np.zeros(capacity.size, np.int32) if out is None else out
     offs = capacity.offsets()
 
-    def put(name: str, values: np.ndarray, fill: int = 0) -> None:
+    def put(name: str, values: ArrayLike, fill: int = 0) -> None:
         off, shape = offs[name]
         view = buf[off : off + math.prod(shape)].reshape(shape)
         view[...] = fill
@@ -318,13 +319,15 @@ class StepFields:
         )
 
 
-def unpack_step(packed: jax.Array, capacity: StepCapacity) -> StepFields:
+def unpack_step(packed: jax.Array | np.ndarray, capacity: StepCapacity) -> StepFields:
     """Slices a packed step buffer into its named fields (jittable; static slices).
 
     Empty fields (no multimodal ranges, say) are fresh zero-size arrays, not
     reshaped slices: under ``vmap`` over a buffer sharded on an Explicit mesh
-    axis, JAX refuses to reshape a zero-size sharded slice.
+    axis, JAX refuses to reshape a zero-size sharded slice. A host (NumPy)
+    buffer is taken as a JAX array first, so every field is one.
     """
+    packed = jnp.asarray(packed)
     raw = {}
     for name, (off, shape) in capacity.offsets().items():
         size = math.prod(shape)

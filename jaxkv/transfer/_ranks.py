@@ -119,7 +119,7 @@ def export_rank_request(
             next(t for t in range(tp) if h in _heads_of(t, heads, tp))
             for h in range(heads)
         ]
-        local = [list(_heads_of(t, heads, tp)) for t in range(tp)]
+        local = [_heads_of(t, heads, tp).tolist() for t in range(tp)]
 
         keys = _join_heads([p.attention[name].keys for p in parts], owner, local)
         values = (
@@ -147,8 +147,10 @@ def export_rank_request(
 
 
 def _join_heads(
-    parts: Sequence[jax.Array | None], owner: list[int], local: list[list[int]]
-) -> jax.Array:
+    parts: Sequence[jax.Array | np.ndarray | None],
+    owner: list[int],
+    local: list[list[int]],
+) -> np.ndarray:
     """All heads, head ``h`` from rank ``owner[h]`` (its ``local[t]`` order)."""
     cols = []
     for h, t in enumerate(owner):
@@ -156,7 +158,7 @@ def _join_heads(
         if part is None:  # pragma: no cover - every rank has the same layers
             raise ValueError("export_rank_request: a rank lacks the layer's values.")
         cols.append(np.asarray(jax.device_get(part))[:, local[t].index(h)])
-    return cast(jax.Array, np.stack(cols, axis=1))
+    return np.stack(cols, axis=1)
 
 
 def _global_heads(sharded: ShardedPlan, name: str, local: LayerKV) -> int:
@@ -168,7 +170,7 @@ def _global_heads(sharded: ShardedPlan, name: str, local: LayerKV) -> int:
     return int(heads)
 
 
-def _host(x: jax.Array) -> Any:
+def _host(x: jax.Array | np.ndarray) -> Any:
     """A host copy: the ranks' parts live on their own devices."""
     return np.asarray(jax.device_get(x))
 

@@ -51,8 +51,8 @@ class LayerKV:
         (the others are zeros here and are written nowhere).
     """
 
-    keys: jax.Array
-    values: jax.Array | None
+    keys: jax.Array | np.ndarray
+    values: jax.Array | np.ndarray | None
     present: np.ndarray
 
 
@@ -79,7 +79,7 @@ class RequestKV:
 
     num_tokens: int
     attention: Mapping[str, LayerKV]
-    states: Mapping[str, tuple[jax.Array, ...]]
+    states: Mapping[str, tuple[jax.Array | np.ndarray, ...]]
 
 
 def _checked_ids(
@@ -294,7 +294,9 @@ def export_request(
     return RequestKV(num_tokens=n, attention=attention, states=states)
 
 
-def _check_layer(name: str, want: Any, got: jax.Array | None, what: str) -> None:
+def _check_layer(
+    name: str, want: Any, got: jax.Array | np.ndarray | None, what: str
+) -> None:
     """`want`: the target's abstract pages ``(1, 1, page, *per_token)``."""
     per = None if want is None else (tuple(want.shape[3:]), np.dtype(want.dtype))
     have = None if got is None else (tuple(got.shape[1:]), np.dtype(got.dtype))
