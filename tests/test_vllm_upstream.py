@@ -896,3 +896,27 @@ def test_a_kv_sharing_layer_reads_through_a_uniform_type_group():
     (group,) = plan.kv_cache_config.kv_cache_groups
     assert isinstance(group.kv_cache_spec, jaxkv.vllm.UniformTypeKVCacheSpecs)
     assert plan.views["y"] == plan.views["a"]
+
+
+def test_a_packed_view_refuses_strides_and_splits_it_cannot_address():
+    spec = _SLOTTED  # float32 content: 4-byte elements
+    page = spec.page_size_bytes
+    kw = dict(pool=0, num_blocks=3, kernel_block_size=64)
+    with pytest.raises(ValueError, match=r"Layer 'x'.*offset \(2 bytes\).*float32"):
+        jaxkv.plan.packed_view("x", spec, block_stride=page, offset=2, **kw)
+    with pytest.raises(ValueError, match=r"Layer 'x'.*whole states"):
+        jaxkv.plan.packed_view(
+            "x", spec, block_stride=page, offset=0, pool=0, num_blocks=3,
+            kernel_block_size=3,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Layer 'x'.*dense, unpadded pages"):
+        jaxkv.plan.packed_view(
+            "x", spec, block_stride=page + 64, offset=0, pool=0, num_blocks=3,
+            kernel_block_size=32,
+        )  # fmt: skip
+    split = jaxkv.plan.packed_view(
+        "x", spec, block_stride=page, offset=0, pool=0, num_blocks=3,
+        kernel_block_size=32,
+    )  # fmt: skip
+    assert split.shape == (6, 16, 2, 6)  # 2 kernel blocks of 16 states each
+    assert split.block_stride_bytes == page // 2

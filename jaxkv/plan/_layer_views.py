@@ -173,12 +173,12 @@ def packed_view(
     itemsize = spec.itemsize
     content = spec.state_content_size_bytes // itemsize
     heads = spec.num_heads
-    for what, value in (("block stride", block_stride), ("offset", offset)):
-        if (value // r if what == "block stride" else value) % itemsize:
-            raise ValueError(
-                f"Layer {name!r}: {what} {value} bytes is not a multiple of the "
-                f"{np.dtype(spec.dtype).name} itemsize."
-            )
+    if (block_stride // r) % itemsize or offset % itemsize:
+        raise ValueError(
+            f"Layer {name!r}: its block stride ({block_stride // r} bytes) and "
+            f"offset ({offset} bytes) must be multiples of the "
+            f"{np.dtype(spec.dtype).name} itemsize ({itemsize})."
+        )
     block = block_stride // r // itemsize
     if isinstance(spec, MLAAttentionSpec) and spec.num_head_slots is None:
         shape, strides = (num_blocks * r, int(states), content), (block, content, 1)

@@ -877,33 +877,9 @@ class Scheduler:
     ) -> list[Request]:
         """:meth:`update` of a :meth:`schedule_decode` step.
 
-        Applies a :meth:`~Scheduler.schedule_decode` step; returns the
-        requests that finished.
-
-        Args:
-          step: The step, after its iterations ran.
-          sampled_token_ids: Per request of ``step.batch``, in order, the
-            tokens its iterations sampled (at least ``steps_per_request`` of
-            them; more are ignored). A stop token ends the request there.
-
-        Checked before anything changes (as :meth:`update`); applying again
-        after a fault midway finishes the step, applying no entry twice.
+        Checked before anything changes, and retry-safe, as :meth:`update`;
         ``step.filled_by_iteration`` lists the tokens taken.
-
-        Raises:
-          ValueError: If the step is not the latest scheduled one, was
-            applied, is not a multi-step decode, or the tokens are not one
-            row per request, each with its count of valid ids.
-          TypeError: If the tokens are not integers.
-          RuntimeError: If steps :meth:`advance` applied are not
-            resolved.
         """
-        if self._unresolved:
-            raise RuntimeError(
-                f"update: {len(self._unresolved)} advanced steps are not "
-                "resolved; with advance() every step is finished by resolve()."
-            )
-        self._check_decode_step(step, "update")
         self._check_latest(step, "update", "schedule_decode()")
         rows = self._checked_rows("update", step, sampled_token_ids)
         self._applying = step
@@ -958,20 +934,9 @@ class Scheduler:
           ([], [(0, Request(req_id='a', ...), 3)])
           >>> [r.output for r in s.resolve(second, [[4, 5, 6]])]
           [[5, 1, 2, 3, 4, 5, 6]]
-
-        Raises:
-          RuntimeError: If :meth:`update` of the latest step raised midway.
-          ValueError: If `step` is not a multi-step decode, not the latest
-            scheduled step, or was already applied.
         """
-        if self._applying is not None:
-            raise RuntimeError(
-                "advance: update() of the latest step raised midway; call "
-                "update(step, tokens) again with the same step first."
-            )
-        self._check_decode_step(step, "advance")
         self._check_latest(step, "advance", "schedule_decode()")
-        counts = cast(np.ndarray, step.steps_per_request)  # checked above
+        counts = cast(np.ndarray, step.steps_per_request)  # a decode step
         for k, ((req, _), (computed, outputs), n) in enumerate(
             zip(step.batch, step._before, counts.tolist(), strict=True)
         ):
@@ -1011,12 +976,10 @@ class Scheduler:
         lists the tokens taken.
 
         Raises:
-          ValueError: If `step` is not the oldest unresolved one, is not a
-            multi-step decode, or the tokens are not one row per request with
-            its count of valid ids.
+          ValueError: If `step` is not the oldest unresolved one, or the
+            tokens are not one row per request with its count of valid ids.
           TypeError: If the tokens are not integers.
         """
-        self._check_decode_step(step, "resolve")
         if not self._unresolved or step is not self._unresolved[0]:
             raise ValueError(
                 "resolve: the step is not the oldest advanced and unresolved "
@@ -1060,14 +1023,6 @@ class Scheduler:
                 done.append(req)
         self._unresolved.popleft()
         return done
-
-    @staticmethod
-    def _check_decode_step(step: ScheduledStep, op: str) -> None:
-        if step.steps_per_request is None:
-            raise ValueError(
-                f"{op}: the step is not a schedule_decode() step; it is applied "
-                "with update(), or advance() and resolve()."
-            )
 
     @checks_own_arguments
     def _checked_rows(
