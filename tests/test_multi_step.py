@@ -277,6 +277,35 @@ def test_advance_and_resolve_pipeline_multi_step_blocks():
     assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
 
+@pytest.mark.parametrize("num_steps", [None, 2])
+def test_advance_raising_midway_and_called_again_applies_each_request_once(num_steps):
+    # The block manager raises committing the second request: the first was
+    # already advanced. advance() again finishes the step without giving the
+    # first its placeholders twice; resolving gives what a clean run gives.
+    def run(fault):
+        s = _decoding_scheduler()
+        step = s.schedule() if num_steps is None else s.schedule_decode(num_steps)
+        assert step is not None
+        real, calls = s.manager.commit, [0]
+
+        def commit(req):
+            calls[0] += 1
+            if fault and calls[0] == 2:
+                raise RuntimeError("injected")
+            return real(req)
+
+        s.manager.commit = commit
+        if fault:
+            with pytest.raises(RuntimeError, match="injected"):
+                s.advance(step)
+        s.advance(step)
+        tokens = [[1], [2]] if num_steps is None else [[1, 2], [3, 4]]
+        s.resolve(step, [t[0] for t in tokens] if num_steps is None else tokens)
+        return [(r.req_id, list(r.output), r.num_computed) for r, _ in step.batch]
+
+    assert run(fault=True) == run(fault=False)
+
+
 def _caching_scheduler() -> jaxkv.Scheduler:
     """A one-layer model's scheduler with prefix caching, blocks of 8."""
     cfg = jaxkv.pattern_config(

@@ -179,6 +179,24 @@ def test_mamba_prompt_boundary_state_is_held_while_its_last_chunk_runs(
     assert m.allocate(d, 2, num_cached=4)
 
 
+def test_a_request_freed_before_its_step_ran_releases_the_state_it_held():
+    # `a` holds its boundary state while its last chunk is scheduled, then is
+    # preempted (freed) before that step runs: the hold goes with it, so the
+    # next step's hit on that state is taken (not refused for ever).
+    m = jaxkv.KVCacheManager(
+        _plan(mamba=True, num_blocks=19), enable_prefix_caching=True
+    )
+    a = jaxkv.Request("a", prompt=[5, 6, 7, 8, 1, 2, 3], max_new_tokens=1)
+    b = jaxkv.Request("b", prompt=[5, 6, 7, 8, *range(20, 31)], max_new_tokens=1)
+    _run(m, a, 4)
+    assert m.allocate(a, 3)
+    assert not m.allocate(b, 8, num_cached=4)  # held this step
+    m.free(a)
+    a.num_computed = 0
+    assert m.find_cache_hit(b) == 4
+    assert m.allocate(b, 8, num_cached=4)
+
+
 def test_mamba_hit_on_a_prefix_another_block_is_computing_waits():
     # vLLM keys "cached this step" by hash (vllm_parity.py seed 148): `a` was
     # preempted after computing 4 tokens (its state stays cached); readmitted
