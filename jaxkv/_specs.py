@@ -240,6 +240,15 @@ class AttentionSpec(KVCacheSpec):
             or self.state_content_bytes is not None
         )
 
+    def view_block_size(self, kernel_block_size: int | None = None) -> int:
+        """Tokens one block of a layer's view holds.
+
+        `kernel_block_size` (default: the whole block). An MLA spec with
+        ``storage_block_size`` views its storage in blocks of that width
+        instead, whatever the kernel block.
+        """
+        return kernel_block_size or self.block_size
+
     @property
     def real_page_size_bytes(self) -> int:
         """``U = H * N * C`` (by default ``B * H * (D + Dv) * E``)."""
@@ -355,19 +364,54 @@ class MLAAttentionSpec(AttentionSpec):
     ``num_kv_heads`` must be 1 and ``head_size_v`` is 0, so
     ``U = B * D * E``.
 
+    ``storage_block_size`` (vLLM's field of that name, DeepSeek-V4-style
+    indexers): the token width the layer's storage is viewed in when it
+    differs from the kernel block (a kernel tiling pages more finely, as
+    DeepGEMM's, does not split the view); it divides ``block_size`` into
+    whole states and leaves the page size unchanged. Such a layer is read
+    only by backends that read packed pages (:attr:`is_packed`).
+
     Example:
       >>> import jaxkv
       >>> jaxkv.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
       ...     dtype="bfloat16").page_size_bytes
       73728
+      >>> idx = jaxkv.MLAAttentionSpec(block_size=256, num_kv_heads=1,
+      ...     head_size=128, dtype="bfloat16", tokens_per_state=4,
+      ...     storage_block_size=256)
+      >>> idx.view_block_size(64), jaxkv.vllm.hnc_shape(idx, kernel_block_size=64)
+      (256, (1, 64, 256))
     """
+
+    storage_block_size: int | None = None
 
     def _default_head_size_v(self) -> int:
         return 0
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether a page departs from a K/V slot per KV head and token."""
+        return super().is_packed or self.storage_block_size is not None
+
+    def view_block_size(self, kernel_block_size: int | None = None) -> int:
+        """Tokens one block of a layer's view holds (see the class)."""
+        if self.storage_block_size is not None:
+            return self.storage_block_size
+        return super().view_block_size(kernel_block_size)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = type(self).__name__
+        if self.storage_block_size is not None:
+            s = check_positive_int(owner, "storage_block_size", self.storage_block_size)
+            states = s / Fraction(self.tokens_per_state)
+            if self.block_size % s or states.denominator != 1:
+                raise ValueError(
+                    f"{owner}.storage_block_size={s} must divide block_size="
+                    f"{self.block_size} into blocks of whole states "
+                    f"(tokens_per_state={self.tokens_per_state})."
+                )
+            object.__setattr__(self, "storage_block_size", int(s))
         if self.num_kv_heads != 1:
             raise ValueError(
                 f"{owner}.num_kv_heads must be 1 (one latent vector), "

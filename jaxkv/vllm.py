@@ -24,7 +24,8 @@ Which vLLM each follows:
   ``unify_page_sizes`` and the specs (``kv_cache_interface``).
 * vLLM 0.33 (the layout refactor): ``TensorLayout``, ``LayerTensor``,
   ``hnc_shape``, ``layout_strides``, ``resolve_layout``, ``tensor_views``,
-  ``layout_of_view``, ``allocate_layer_tensors``, ``plan_tensors``.
+  ``layout_of_view``, ``allocate_layer_tensors``, ``plan_tensors``,
+  ``copy_kv_cache_blocks`` (``copy_kv_cache_blocks_inplace``, functional).
 
 Example (the seeds' flow: groups, then pools and views, then binding):
   >>> import jaxkv, jaxkv.vllm as vllm
@@ -82,6 +83,7 @@ from jaxkv.groups import (
     prepare_kernel_block_sizes,
     select_common_block_size,
 )
+from jaxkv.kv import copy_kv_cache_blocks
 from jaxkv.plan import (
     AttentionLayer,
     BoundKVCaches,
@@ -160,6 +162,7 @@ __all__ = [
     "bind_kv_caches",
     "build_attn_metadata",
     "compute_mm_prefix_ranges",
+    "copy_kv_cache_blocks",
     "create_fast_prefill_custom_backend",
     "get_attn_cg_support",
     "get_kv_cache_config_from_groups",

@@ -1,8 +1,10 @@
 """vLLM's own tests of the functions jaxkv ports, case for case.
 
-Each test names the upstream test it translates
-(``tests/v1/core/test_kv_cache_utils.py`` in vLLM's repository), with the
-same inputs and expected numbers. vLLM's helpers are kept:
+Each test names the upstream test it translates, from three files of vLLM's
+repository: ``tests/v1/core/test_kv_cache_utils.py``,
+``tests/v1/worker/test_attn_utils.py`` and
+``tests/v1/core/test_mamba_align_chunk_split.py`` (each has a section below),
+with the same inputs and expected numbers. vLLM's helpers are kept:
 ``new_kv_cache_spec`` is a full-attention layer of 2 KV heads of 64 in float32
 with blocks of 16 tokens (16 KiB per block), ``new_sliding_window_spec`` the
 same with a window of 1. jaxkv's config names pools by the layers sharing
@@ -21,6 +23,19 @@ Not ported, and why:
 - HiSparse host pools, DCP, kpool tails, GLM-5-style Mamba slot sharing,
   packed cross-layer blocks, ``estimate_max_model_len`` of a Hugging Face model:
   CUDA-only features, or capabilities jaxkv does not have.
+
+From ``test_attn_utils.py``, not ported: HiSparse block-size resolution,
+host pools and their profiling clean-up and roll-back (CUDA host regions);
+the fast-prefill LoRA dispatch (a CUDA-graph manager's padding). Upstream
+copies block 0, which jaxkv keeps as the null block: the ports copy block 1 to
+3. ``storage_block_size`` (the compressed-MLA case) is a field of vLLM releases
+after 0.32 (DeepSeek-V4), followed as its test states it.
+
+From ``test_mamba_align_chunk_split.py``, not ported: EAGLE block dropping,
+prefill checkpoint blocks and ``prefix_match_unit`` partial hits (features of
+vLLM after 0.32 that jaxkv's scheduler does not have: speculative decoding is refused on
+Mamba models). The split is called directly, as upstream calls the private
+``_mamba_block_aligned_split`` on a stub.
 
 Packed pages (``tokens_per_state``, ``num_head_slots``, ``state_content_bytes``:
 DeepSeek-V3.2/V4 indexers and compressed caches) are checked against vLLM
@@ -686,6 +701,36 @@ def test_packed_fields_are_checked_naming_the_field(fields, message):
         )
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(storage_block_size=0), r"storage_block_size must be positive"),
+        (dict(storage_block_size=24), r"storage_block_size=24 must divide block_size"),
+        (dict(storage_block_size=2, tokens_per_state=4), "whole states"),
+        (dict(storage_block_size=16.0), r"storage_block_size must be an int"),
+    ],
+)
+def test_storage_block_size_is_checked_naming_the_field(fields, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        jaxkv.MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=8, dtype="float32", **fields
+        )
+
+
+def test_a_storage_block_layer_needs_a_backend_that_reads_packed_pages():
+    spec = jaxkv.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=8,
+        dtype="float32",
+        storage_block_size=64,
+    )
+    assert spec.is_packed
+    assert spec.page_size_bytes == 64 * 8 * 4
+    with pytest.raises(ValueError, match=r"storage_block_size=64\), but"):
+        jaxkv.make_plan(_config({"idx": spec}), num_blocks=4)
+
+
 def _packed_models():
     full, mla = jaxkv.FullAttentionSpec, jaxkv.MLAAttentionSpec
     swa, swa_mla = jaxkv.SlidingWindowSpec, jaxkv.SlidingWindowMLASpec
@@ -920,3 +965,388 @@ def test_a_packed_view_refuses_strides_and_splits_it_cannot_address():
     )  # fmt: skip
     assert split.shape == (6, 16, 2, 6)  # 2 kernel blocks of 16 states each
     assert split.block_stride_bytes == page // 2
+
+
+# tests/v1/worker/test_attn_utils.py --------------------------------------------
+
+
+def _shared_eligible(names, shared, draft=None, fast_prefill=True):
+    spec = new_kv_cache_spec()
+    cfg = jaxkv.RunnerConfig(
+        kv_sharing_fast_prefill=fast_prefill,
+        layers=[
+            jaxkv.LayerConfig(
+                name=n,
+                spec=spec,
+                backend=jaxkv.get_backend("JAX_PAGED"),
+                kv_sharing_target=shared.get(n),
+            )
+            for n in names
+        ],
+    )
+    return jaxkv.vllm.get_kv_sharing_fast_prefill_eligible_layers(cfg, draft)
+
+
+def test_get_kv_sharing_fast_prefill_eligible_layers():
+    t = ["t0", "t1", "t2", "t3"]
+    d = [*t, "d0", "d1"]
+    assert _shared_eligible(["t0", "t1"], {}) == set()
+    assert _shared_eligible(t, {"t2": "t1", "t3": "t1"}) == {"t2", "t3"}
+    # A non-sharing layer after a sharing one breaks the suffix.
+    assert _shared_eligible(t, {"t1": "t0", "t3": "t0"}) == {"t3"}
+    shared = {"t2": "t1", "t3": "t1", "d0": "t1", "d1": "t1"}
+    assert _shared_eligible(d, shared) == {"t2", "t3", "d0", "d1"}
+    # Draft layers excluded: skipped, not collected, not breaking the run.
+    assert _shared_eligible(d, shared, {"d0", "d1"}) == {"t2", "t3"}
+    assert _shared_eligible(t, {"t2": "t1"}, fast_prefill=False) == set()
+
+
+def _cg_group(name, support, layers, mismatch):
+    backend = jaxkv.AttentionBackend(
+        name=name,
+        layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
+        cudagraph_support=support,
+        supports_query_lens_mismatch=mismatch,
+    )
+    return jaxkv.vllm.AttentionGroup(
+        backend=backend,
+        layer_names=tuple(layers),
+        kv_cache_spec=new_kv_cache_spec(num_kv_heads=1, head_size=128),
+        kv_cache_group_id=0,
+    )
+
+
+def test_attention_checks_preserve_global_and_target_scoped_support():
+    S = jaxkv.vllm.AttentionCGSupport
+    cg = jaxkv.vllm.get_attn_cg_support
+    mismatch = jaxkv.vllm.get_query_lens_mismatch_unsupported_backend
+    target = _cg_group("_TargetBackend", S.ALWAYS, ["target"], True)
+    draft = _cg_group("_DraftBackend", S.UNIFORM_BATCH, ["draft"], False)
+    # The runner-wide mode still honours the drafter's limit.
+    unfiltered = cg([[target, draft]], None)
+    assert unfiltered.min_cg_support == S.UNIFORM_BATCH
+    assert unfiltered.min_cg_attn_backend == "_DraftBackend"
+    # Adaptive verification checks only the target's varlen graphs.
+    target_only = cg([[target, draft]], None, checked_layer_names={"target"})
+    assert target_only.min_cg_support == S.ALWAYS
+    assert target_only.min_cg_attn_backend is None
+    assert mismatch([[target, draft]], checked_layer_names={"target"}) is None
+    # A group the target shares with the draft takes part in target checks.
+    shared = _cg_group("_DraftBackend", S.UNIFORM_BATCH, ["draft", "target"], False)
+    scoped = cg([[target, shared]], None, checked_layer_names={"target"})
+    assert scoped.min_cg_support == S.UNIFORM_BATCH
+    assert mismatch([[target, shared]], checked_layer_names={"target"}) == (
+        "_DraftBackend"
+    )
+
+
+def test_reshape_padded_kv_cache_strides_by_padded_page():
+    spec = new_kv_cache_spec(num_kv_heads=1, head_size=2, page_size_padded=384)
+    assert spec.real_page_size_bytes == 256
+    t = jaxkv.vllm.LayerTensor(
+        size=3 * 384, layers=("l",), layer_stride=3 * 384, block_stride=384
+    )
+    (view,) = jaxkv.vllm.tensor_views(
+        t, spec, num_blocks=3, layout=jaxkv.vllm.TensorLayout.LBHNC
+    ).values()
+    assert view.shape == (3, 1, 16, 4)  # K and V: 2 * head_size
+    assert view.strides[0] == 384 // 4  # the padded page, in float32 elements
+    assert view.byte_address((1, 0, 0, 0)) == 384
+    # Within a block the unpadded content stays compact (C-contiguous).
+    assert view.strides[1:] == (64, 4, 1)
+
+
+@pytest.mark.parametrize(
+    ("kernel_block_size", "storage_block_size", "num_blocks", "num_states"),
+    [(None, None, 4, 64), (256, None, 4, 64), (64, None, 16, 16), (64, 256, 4, 64)],
+)
+def test_allocate_compressed_mla_cache(
+    kernel_block_size, storage_block_size, num_blocks, num_states
+):
+    spec = jaxkv.MLAAttentionSpec(
+        block_size=256,
+        num_kv_heads=1,
+        head_size=128,
+        dtype="bfloat16",
+        tokens_per_state=4,
+        storage_block_size=storage_block_size,
+    )
+    page = spec.page_size_bytes
+    t = jaxkv.vllm.LayerTensor(
+        size=4 * page, layers=("layer.0",), layer_stride=4 * page, block_stride=page
+    )
+    view = jaxkv.vllm.tensor_views(
+        t,
+        spec,
+        num_blocks=4,
+        layout=jaxkv.vllm.TensorLayout.LBHNC,
+        kernel_block_size=kernel_block_size,
+    )["layer.0"]
+    # vLLM's (blocks, 1, states, 128): jaxkv's MLA views have no head axis.
+    assert view.shape == (num_blocks, num_states, 128)
+    assert jaxkv.vllm.hnc_shape(spec, kernel_block_size) == (1, num_states, 256)
+    assert page == 64 * 256  # 64 states of 256 bytes: a storage block changes no page
+
+
+def test_fixed_block_stride_propagates_outward_in_lhbnc():
+    spec = new_kv_cache_spec(block_size=2, num_kv_heads=2, head_size=2)
+    layout = jaxkv.vllm.TensorLayout.LHBNC
+    _, natural = jaxkv.vllm.layout_strides(
+        spec, num_blocks=3, num_layers=2, layout=layout
+    )
+    block_stride = natural[1] + 8
+    _, strides = jaxkv.vllm.layout_strides(
+        spec, num_blocks=3, num_layers=2, layout=layout, block_stride=block_stride
+    )
+    assert strides[1] == block_stride
+    assert strides[2] == block_stride * 3
+    assert strides[0] == strides[2] * spec.num_heads
+
+
+def _filled_views(spec, layout, *, num_blocks, num_layers, kernel_block_size=None):
+    """vLLM's ``dense_kv_cache_views`` over one raw tensor, each (kernel) block
+    of layer ``l``, head slot ``h`` filled with ``100 l + 10 h + b``."""  # noqa: D205
+    _, (layer_stride, block_stride, *_) = jaxkv.vllm.layout_strides(
+        spec, num_blocks=num_blocks, num_layers=num_layers, layout=layout
+    )
+    t = jaxkv.vllm.LayerTensor(
+        size=num_blocks * num_layers * spec.page_size_bytes,
+        layers=tuple(f"l{i}" for i in range(num_layers)),
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    views = jaxkv.vllm.tensor_views(
+        t,
+        spec,
+        num_blocks=num_blocks,
+        layout=layout,
+        kernel_block_size=kernel_block_size,
+    )
+    raw = np.zeros(t.size // 4, np.float32)
+    for li, view in enumerate(views.values()):
+        for b, h, n, c in np.ndindex(*view.shape):
+            raw[view.byte_address((b, h, n, c)) // 4] = 100 * li + 10 * h + b
+    return views, raw
+
+
+def _read(raw, view, block):
+    return np.array(
+        [
+            [
+                [
+                    raw[view.byte_address((block, h, n, c)) // 4]
+                    for c in range(view.shape[3])
+                ]
+                for n in range(view.shape[2])
+            ]
+            for h in range(view.shape[1])
+        ]
+    )
+
+
+def _copied(views, raw, *, num_blocks, src, dst):
+    pools = (jax.numpy.asarray(raw.view(np.uint32)),)
+    out = jaxkv.vllm.copy_kv_cache_blocks(
+        pools, views, num_blocks=num_blocks, src=[src], dst=[dst]
+    )
+    return np.asarray(out[0]).view(np.float32)
+
+
+@pytest.mark.parametrize("layout", list(jaxkv.vllm.TensorLayout))
+def test_copy_kv_cache_blocks_shared_storage(layout):
+    # vLLM copies block 0 to 2; jaxkv's block 0 is the null block: 1 to 3.
+    spec = new_kv_cache_spec(block_size=2, num_kv_heads=2, head_size=2)
+    views, raw = _filled_views(spec, layout, num_blocks=5, num_layers=2)
+    after = _copied(views, raw, num_blocks=5, src=1, dst=3)
+    for view in views.values():
+        np.testing.assert_array_equal(_read(after, view, 3), _read(raw, view, 1))
+        for b in (0, 1, 2, 4):
+            np.testing.assert_array_equal(_read(after, view, b), _read(raw, view, b))
+    # Every other byte of the tensor is as it was.
+    assert (after != raw).sum() == sum(_read(raw, v, 1).size for v in views.values())
+
+
+def test_copy_kv_cache_blocks_separate_head_groups():
+    # LHBNC stores each head slot apart: a block's bytes are scattered
+    # across L * H regions.
+    spec = new_kv_cache_spec(
+        block_size=2,
+        num_kv_heads=2,
+        head_size=2,
+        num_head_slots=2,
+        state_content_bytes=2 * 2 * 4,
+    )
+    layout = jaxkv.vllm.TensorLayout.LHBNC
+    views, raw = _filled_views(spec, layout, num_blocks=5, num_layers=2)
+    after = _copied(views, raw, num_blocks=5, src=1, dst=3)
+    for li, view in enumerate(views.values()):
+        got = _read(after, view, 3)
+        np.testing.assert_array_equal(got, _read(raw, view, 1))
+        assert [got[h, 0, 0] for h in range(2)] == [100 * li + 1, 100 * li + 11]
+        np.testing.assert_array_equal(_read(after, view, 2), _read(raw, view, 2))
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_layers"),
+    [
+        (jaxkv.vllm.TensorLayout.LBHNC, 2),
+        # A split needs a manager block to be one dense page, which a
+        # block-outermost layout only gives when the block holds one layer.
+        (jaxkv.vllm.TensorLayout.BLHNC, 1),
+    ],
+)
+def test_copy_kv_cache_blocks_with_virtual_block_splitting(layout, num_layers):
+    spec = new_kv_cache_spec(block_size=4, num_kv_heads=1, head_size=2)
+    views, raw = _filled_views(
+        spec, layout, num_blocks=5, num_layers=num_layers, kernel_block_size=2
+    )
+    assert views["l0"].shape[0] == 10  # two kernel blocks per manager block
+    after = _copied(views, raw, num_blocks=5, src=1, dst=3)
+    for view in views.values():
+        for piece in range(2):  # manager block 3 = kernel blocks 6, 7
+            np.testing.assert_array_equal(
+                _read(after, view, 6 + piece), _read(raw, view, 2 + piece)
+            )
+        for b in (0, 1, 2, 3, 4, 5, 8, 9):
+            np.testing.assert_array_equal(_read(after, view, b), _read(raw, view, b))
+
+
+def test_copy_kv_cache_blocks_refuses_what_it_cannot_copy():
+    spec = new_kv_cache_spec(block_size=4, num_kv_heads=1, head_size=2)
+    layout = jaxkv.vllm.TensorLayout.LBHNC
+    views, raw = _filled_views(spec, layout, num_blocks=5, num_layers=1)
+    pools = (jax.numpy.asarray(raw.view(np.uint32)),)
+    with pytest.raises(ValueError, match=r"views\['l0'\] has 5 blocks.*num_blocks=3"):
+        jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=3, src=[1], dst=[2])
+    with pytest.raises(ValueError, match=r"copy_kv_cache_blocks: dst\[0\] = 1 is also"):
+        jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[1], dst=[1])
+    with pytest.raises(ValueError, match=r"src\[0\] = 5 is not a block"):
+        jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[5], dst=[2])
+    with pytest.raises(TypeError, match=r"views\['x'\] must be a layer view"):
+        jaxkv.vllm.copy_kv_cache_blocks(
+            pools,
+            {"x": raw},  # pyright: ignore[reportArgumentType]
+            num_blocks=5,
+            src=[1],
+            dst=[2],
+        )
+
+
+# tests/v1/core/test_mamba_align_chunk_split.py ---------------------------------
+#
+# Invariant: the Mamba state cached for column p of a request's table is the
+# state after exactly (p + 1) * block_size tokens. A chunk ending mid-block
+# leaves its state there, and a later chunk crossing the boundary must not
+# publish it (vLLM #43559). Attention blocks of 16, Mamba blocks of 1600
+# (Qwen3.6-27B's), a budget of 16,384 tokens.
+
+ATTN_BLOCK_SIZE = 16
+MAMBA_BLOCK_SIZE = 1600
+
+
+def _align_scheduler(mamba_block_size=MAMBA_BLOCK_SIZE, max_model_len=49152):
+    full = new_kv_cache_spec(num_kv_heads=1, head_size=8)  # 1 KiB pages
+    state = jaxkv.MambaSpec(
+        block_size=mamba_block_size, shapes=((256,),), dtypes=("float32",)
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=(
+            jaxkv.LayerConfig(
+                name="full_layer", spec=full, backend=jaxkv.get_backend("JAX_PAGED")
+            ),
+            jaxkv.LayerConfig(
+                name="mamba_layer", spec=state, backend=jaxkv.get_backend("MAMBA2")
+            ),
+        ),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=16384,
+        token_buckets=(16384,),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=max_model_len // ATTN_BLOCK_SIZE + 8)
+    return jaxkv.Scheduler(
+        plan, max_num_batched_tokens=16384, enable_prefix_caching=True
+    )
+
+
+def _split(s, req, num_new_tokens):
+    """The scheduler's aligned split (vLLM's ``_mamba_block_aligned_split``)."""
+    return s._chunk(req, num_new_tokens, req.num_computed)
+
+
+def _prefill(prompt_len, budgets, mamba_block_size=MAMBA_BLOCK_SIZE):
+    """Prefills one request, a step per budget (a 0-token split waits a step),
+    then checks every cached Mamba state holds the state its column claims;
+    returns how many it checked."""  # noqa: D205
+    s = _align_scheduler(mamba_block_size)
+    m = s.manager
+    g = m.is_mamba.index(True)
+    req = jaxkv.Request("r", prompt=list(range(1, prompt_len + 1)), max_new_tokens=1)
+    state_at = {}  # block id -> the token count of the state it holds
+    for step in range(len(budgets) + 64):
+        computed = req.num_computed
+        if computed >= prompt_len:
+            break
+        budget = budgets[step] if step < len(budgets) else prompt_len
+        n = _split(s, req, min(prompt_len - computed, budget))
+        if not n:
+            continue
+        assert m.allocate(req, n)
+        req.num_computed = computed + n
+        table = m.blocks_of(req)[g]
+        running = -(-req.num_computed // mamba_block_size) - 1
+        state_at[table[running]] = req.num_computed
+        m.commit(req)
+    assert req.num_computed == prompt_len, "prefill did not complete"
+    checked = 0
+    for p, block in enumerate(m.blocks_of(req)[g]):
+        if block and m.allocator.key_of(block) is not None:
+            assert state_at.get(block) == (p + 1) * mamba_block_size, (p, block)
+            checked += 1
+    return checked
+
+
+def test_fragmented_first_chunk_does_not_poison_mamba_prefix_cache():
+    # A 364-token first chunk cannot end on a boundary: it waits, and the
+    # next chunk stops at 1600.
+    _prefill(2002, budgets=[364, 2002])
+
+
+def test_fragmented_tail_chunk_does_not_poison_mamba_prefix_cache():
+    assert _prefill(3602, budgets=[1600, 1000, 3602]) > 0
+
+
+@pytest.mark.parametrize("first_chunk", [800, 900, 1599, 1601, 2000])
+def test_intermediate_chunk_ends_stay_block_aligned(first_chunk):
+    _prefill(2002, budgets=[first_chunk, 2002, 2002])
+
+
+@pytest.mark.parametrize(
+    ("block_size", "prompt_len", "budgets"),
+    [
+        (1536, 30000, [27648, 1024, 30000]),
+        (12288, 30000, [12288, 4000, 30000]),
+        (12288, 41000, [24576, 8000, 41000]),
+    ],
+)
+def test_poisoning_is_block_size_independent(block_size, prompt_len, budgets):
+    assert _prefill(prompt_len, budgets, mamba_block_size=block_size) > 0
+
+
+@pytest.mark.parametrize("resume_at", [331, 1599, 1601, 2531, 3011])
+def test_unaligned_resume_never_runs_past_its_block(resume_at):
+    # Upstream's partial_hit=False, no EAGLE, no checkpoint blocks: a prefill
+    # resuming mid-block (unaligned external tokens) re-aligns first.
+    prompt_len = 3602
+    s = _align_scheduler()
+    req = jaxkv.Request("r", prompt=list(range(1, prompt_len + 1)), max_new_tokens=1)
+    pos, ends = resume_at, []
+    while pos < prompt_len:
+        req.num_computed = pos
+        n = _split(s, req, prompt_len - pos)
+        assert n > 0, f"no progress at {pos}"
+        if pos % MAMBA_BLOCK_SIZE:
+            block_end = (pos // MAMBA_BLOCK_SIZE + 1) * MAMBA_BLOCK_SIZE
+            assert pos + n <= block_end, (pos, n)
+        pos += n
+        ends.append(pos)
+    assert all(end % MAMBA_BLOCK_SIZE == 0 for end in ends[:-1]), ends

@@ -18,7 +18,7 @@ from jaxkv.kv._checks import (
     validate_block_ids,
     validate_slot_mapping,
 )
-from jaxkv.kv._copy import copy_blocks
+from jaxkv.kv._copy import copy_blocks, copy_kv_cache_blocks
 from jaxkv.kv._kernel_handoff import (
     kernel_cache,
     put_kernel_cache,
@@ -51,6 +51,7 @@ __all__ = [
     "check_layer",
     "check_pools_alive",
     "copy_blocks",
+    "copy_kv_cache_blocks",
     "gather_kv_pages",
     "kernel_cache",
     "layer_index",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Int
 
-from jaxkv._util import checks_own_arguments, host_int_array
+from jaxkv._util import check_positive_int, checks_own_arguments, host_int_array
 from jaxkv.kv import _typed as typed
 from jaxkv.kv._checks import (
     Pools,
@@ -83,7 +83,7 @@ def copy_blocks(
         raise TypeError(
             f"copy_blocks: plan must be a KVCachePlan, got {type(plan).__name__}."
         )
-    src_ids, dst_ids = _checked_pairs(plan.num_blocks, src, dst)
+    src_ids, dst_ids = _checked_pairs("copy_blocks", plan.num_blocks, src, dst)
     views: list[LayerView] = []
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
@@ -99,21 +99,100 @@ def copy_blocks(
     return _copy(tuple(pools), tuple(views), tuple(srcs), tuple(dsts))
 
 
+@checks_own_arguments  # named errors for the ids and views, before anything changes
+def copy_kv_cache_blocks(
+    pools: Pools,
+    views: Mapping[str, LayerView],
+    *,
+    num_blocks: int,
+    src: Int[ArrayLike, " n"] | Sequence[int],
+    dst: Int[ArrayLike, " n"] | Sequence[int],
+) -> Pools:
+    """Copies block ``src[i]`` to ``dst[i]`` through each layer's view.
+
+    vLLM's ``copy_kv_cache_blocks_inplace(caches, num_blocks, copies)`` for
+    views made without a plan (:func:`jaxkv.vllm.tensor_views`, a
+    :class:`~jaxkv.KVCacheView` of your own): the bytes each view addresses
+    for block ``src[i]`` land in block ``dst[i]``; a view of ``r *
+    num_blocks`` kernel blocks copies the ``r`` kernel blocks of each manager
+    block. Layers whose views overlay one another's bytes are copied once
+    each, in the order given (equal bytes land). The pools are donated;
+    nothing pool-sized is copied. With a plan, :func:`jaxkv.copy_blocks`.
+
+    Args:
+      pools: The pools the views address.
+      views: Layer name -> its view.
+      num_blocks: Manager blocks of the pools (ids range over ``[1,
+        num_blocks)``: block 0 is the null block).
+      src: Blocks to copy from (host integers).
+      dst: Blocks to copy to, as many, distinct, none of them in `src`.
+
+    Returns:
+      The pools with block ``dst[i]`` holding what block ``src[i]`` holds.
+
+    Raises:
+      ValueError: For ids as :func:`jaxkv.copy_blocks` refuses them, or a
+        view whose block count is not a multiple of `num_blocks` (named).
+      TypeError: If a view is not a layer view or the ids are not integers.
+
+    Example (vLLM 0.33's LBHNC tensor of two layers):
+      >>> import jax.numpy as jnp
+      >>> import jaxkv, jaxkv.vllm as vllm
+      >>> spec = jaxkv.FullAttentionSpec(block_size=2, num_kv_heads=2,
+      ...                                head_size=2, dtype="float32")
+      >>> t = vllm.LayerTensor(size=2 * 4 * 64, layers=("l0", "l1"),
+      ...                      layer_stride=4 * 64, block_stride=64)
+      >>> views = vllm.tensor_views(t, spec, num_blocks=4,
+      ...                           layout=vllm.TensorLayout.LBHNC)
+      >>> pools = (jnp.arange(128, dtype=jnp.uint32),)
+      >>> pools = vllm.copy_kv_cache_blocks(pools, views, num_blocks=4,
+      ...                                   src=[1], dst=[3])
+      >>> pools[0][48:52].tolist(), pools[0][112:116].tolist()  # l0, l1: block 3
+      ([16, 17, 18, 19], [80, 81, 82, 83])
+    """
+    check_pools_alive(pools, "copy_kv_cache_blocks")
+    num_blocks = check_positive_int("copy_kv_cache_blocks", "num_blocks", num_blocks)
+    src_ids, dst_ids = _checked_pairs("copy_kv_cache_blocks", num_blocks, src, dst)
+    chosen: list[LayerView] = []
+    srcs: list[np.ndarray] = []
+    dsts: list[np.ndarray] = []
+    for name, view in views.items():
+        if not isinstance(view, LayerView):
+            raise TypeError(
+                f"copy_kv_cache_blocks: views[{name!r}] must be a layer view "
+                f"(KVCacheView or MambaView), got {type(view).__name__}."
+            )
+        leaf = view.states[0] if isinstance(view, MambaView) else view
+        n = leaf.num_blocks
+        if n % num_blocks:
+            raise ValueError(
+                f"copy_kv_cache_blocks: views[{name!r}] has {n} blocks, not a "
+                f"multiple of num_blocks={num_blocks} (kernel blocks per manager "
+                "block must be a whole number)."
+            )
+        r = n // num_blocks
+        pieces = np.arange(r)
+        chosen.append(view)
+        srcs.append((src_ids[:, None] * r + pieces).reshape(-1).astype(np.int32))
+        dsts.append((dst_ids[:, None] * r + pieces).reshape(-1).astype(np.int32))
+    return _copy(tuple(pools), tuple(chosen), tuple(srcs), tuple(dsts))
+
+
 def _checked_pairs(
-    num_blocks: int, src: object, dst: object
+    op: str, num_blocks: int, src: object, dst: object
 ) -> tuple[np.ndarray, np.ndarray]:
     ids = {}
     for name, value in (("src", src), ("dst", dst)):
-        arr = host_int_array(value, f"copy_blocks: {name}")
+        arr = host_int_array(value, f"{op}: {name}")
         if arr.ndim != 1:
             raise ValueError(
-                f"copy_blocks: {name} must be 1-D block ids, got shape {arr.shape}."
+                f"{op}: {name} must be 1-D block ids, got shape {arr.shape}."
             )
         bad = np.flatnonzero((arr < 1) | (arr >= num_blocks))
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"copy_blocks: {name}[{i}] = {int(arr[i])} is not a block of the "
+                f"{op}: {name}[{i}] = {int(arr[i])} is not a block of the "
                 f"pools: expected 1 <= id < num_blocks={num_blocks} (block 0 is "
                 "the null block)."
             )
@@ -121,21 +200,21 @@ def _checked_pairs(
     src_ids, dst_ids = ids["src"], ids["dst"]
     if src_ids.shape != dst_ids.shape:
         raise ValueError(
-            f"copy_blocks: src has {src_ids.size} blocks and dst {dst_ids.size}; "
+            f"{op}: src has {src_ids.size} blocks and dst {dst_ids.size}; "
             "give one destination per source."
         )
     _, first, counts = np.unique(dst_ids, return_index=True, return_counts=True)
     if (counts > 1).any():
         i = int(np.sort(first[counts > 1])[0])
         raise ValueError(
-            f"copy_blocks: dst repeats block {int(dst_ids[i])} (dst[{i}] and a later "
+            f"{op}: dst repeats block {int(dst_ids[i])} (dst[{i}] and a later "
             "entry); each destination is written once."
         )
     both = np.flatnonzero(np.isin(dst_ids, src_ids))
     if both.size:
         i = int(both[0])
         raise ValueError(
-            f"copy_blocks: dst[{i}] = {int(dst_ids[i])} is also a source; copies "
+            f"{op}: dst[{i}] = {int(dst_ids[i])} is also a source; copies "
             "between overlapping blocks would depend on their order (copy in two "
             "calls)."
         )

@@ -155,7 +155,7 @@ def packed_view(
       >>> v.shape, v.strides, v.axes
       ((3, 16, 68), (1088, 68, 1), ('block', 'state', 'dim'))
     """
-    k = kernel_block_size
+    k = spec.view_block_size(kernel_block_size)
     states = k / Fraction(spec.tokens_per_state)
     if spec.block_size % k or states.denominator != 1:
         raise ValueError(

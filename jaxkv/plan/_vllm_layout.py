@@ -130,7 +130,7 @@ def hnc_shape(
         return 1, 1, spec.real_page_size_bytes
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"{type(spec).__name__} has no [L, B, H, N, C] view.")
-    k = kernel_block_size or spec.block_size
+    k = spec.view_block_size(kernel_block_size)
     states = k / Fraction(spec.tokens_per_state)
     if spec.block_size % k or states.denominator != 1:
         raise ValueError(
@@ -172,7 +172,7 @@ def layout_strides(
     """
     heads, states, content = hnc_shape(spec, kernel_block_size)
     ratio = (
-        spec.block_size // (kernel_block_size or spec.block_size)
+        spec.block_size // spec.view_block_size(kernel_block_size)
         if isinstance(spec, AttentionSpec)
         else 1
     )
