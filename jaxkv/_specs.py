@@ -240,6 +240,17 @@ class AttentionSpec(KVCacheSpec):
             or self.state_content_bytes is not None
         )
 
+    def states_in(self, num_tokens: int) -> int | None:
+        """States a block of `num_tokens` tokens stores.
+
+        ``None`` unless `num_tokens` divides ``block_size`` into blocks of
+        whole states (``num_tokens / tokens_per_state`` a whole number).
+        """
+        states = num_tokens / Fraction(self.tokens_per_state)
+        if self.block_size % num_tokens or states.denominator != 1:
+            return None
+        return int(states)
+
     def view_block_size(self, kernel_block_size: int | None = None) -> int:
         """Tokens one block of a layer's view holds.
 
@@ -404,8 +415,7 @@ class MLAAttentionSpec(AttentionSpec):
         owner = type(self).__name__
         if self.storage_block_size is not None:
             s = check_positive_int(owner, "storage_block_size", self.storage_block_size)
-            states = s / Fraction(self.tokens_per_state)
-            if self.block_size % s or states.denominator != 1:
+            if self.states_in(s) is None:
                 raise ValueError(
                     f"{owner}.storage_block_size={s} must divide block_size="
                     f"{self.block_size} into blocks of whole states "

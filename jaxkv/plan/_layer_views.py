@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 
 import numpy as np
 
@@ -156,8 +155,8 @@ def packed_view(
       ((3, 16, 68), (1088, 68, 1), ('block', 'state', 'dim'))
     """
     k = spec.view_block_size(kernel_block_size)
-    states = k / Fraction(spec.tokens_per_state)
-    if spec.block_size % k or states.denominator != 1:
+    states = spec.states_in(k)
+    if states is None:
         raise ValueError(
             f"Layer {name!r}: kernel block size {k} must divide block_size="
             f"{spec.block_size} into blocks of whole states (tokens_per_state="
@@ -181,10 +180,10 @@ def packed_view(
         )
     block = block_stride // r // itemsize
     if isinstance(spec, MLAAttentionSpec) and spec.num_head_slots is None:
-        shape, strides = (num_blocks * r, int(states), content), (block, content, 1)
+        shape, strides = (num_blocks * r, states, content), (block, content, 1)
         axes: tuple[str, ...] = ("block", "state", "dim")
     else:
-        shape = (num_blocks * r, int(states), heads, content)
+        shape = (num_blocks * r, states, heads, content)
         strides = (block, heads * content, content, 1)
         axes = ("block", "state", "head", "dim")
     return KVCacheView(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
-from fractions import Fraction
 
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import AttentionSpec, KVCacheSpec
@@ -131,13 +130,13 @@ def hnc_shape(
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"{type(spec).__name__} has no [L, B, H, N, C] view.")
     k = spec.view_block_size(kernel_block_size)
-    states = k / Fraction(spec.tokens_per_state)
-    if spec.block_size % k or states.denominator != 1:
+    states = spec.states_in(k)
+    if states is None:
         raise ValueError(
             f"kernel_block_size={k} does not divide the block size {spec.block_size} "
             f"into blocks of whole states (tokens_per_state={spec.tokens_per_state})."
         )
-    return spec.num_heads, int(states), spec.state_content_size_bytes
+    return spec.num_heads, states, spec.state_content_size_bytes
 
 
 def layout_strides(
