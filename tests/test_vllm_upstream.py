@@ -1222,9 +1222,31 @@ def test_copy_kv_cache_blocks_refuses_what_it_cannot_copy():
         jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[1], dst=[1])
     with pytest.raises(ValueError, match=r"src\[0\] = 5 is not a block"):
         jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[5], dst=[2])
+    elsewhere = jaxkv.vllm.tensor_views(
+        jaxkv.vllm.LayerTensor(
+            size=raw.nbytes, layers=("l0",), layer_stride=raw.nbytes, block_stride=128
+        ),
+        spec,
+        num_blocks=5,
+        layout=layout,
+        pool=1,
+    )
+    with pytest.raises(
+        ValueError, match=r"views\['l0'\]: The view reads pool 1, but 1"
+    ):
+        jaxkv.vllm.copy_kv_cache_blocks(
+            pools, elsewhere, num_blocks=5, src=[1], dst=[2]
+        )
+    half = (pools[0][: raw.size // 2],)  # the views run past it: never clamped
+    with pytest.raises(ValueError, match=r"views\['l0'\]: The view reaches byte"):
+        jaxkv.vllm.copy_kv_cache_blocks(half, views, num_blocks=5, src=[1], dst=[2])
+    done = jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[1], dst=[2])
+    assert (np.asarray(done[0]).view(np.float32) != raw).any()
+    with pytest.raises(ValueError, match=r"pools\[0\] was donated"):
+        jaxkv.vllm.copy_kv_cache_blocks(pools, views, num_blocks=5, src=[1], dst=[2])
     with pytest.raises(TypeError, match=r"views\['x'\] must be a layer view"):
         jaxkv.vllm.copy_kv_cache_blocks(
-            pools,
+            done,
             {"x": raw},  # pyright: ignore[reportArgumentType]
             num_blocks=5,
             src=[1],

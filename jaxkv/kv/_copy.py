@@ -22,6 +22,7 @@ from jaxkv.kv import _typed as typed
 from jaxkv.kv._checks import (
     Pools,
     _check_dtype_supported,
+    check_fits,
     check_pools_alive,
 )
 from jaxkv.kv._ops import _plan
@@ -131,8 +132,9 @@ def copy_kv_cache_blocks(
       The pools with block ``dst[i]`` holding what block ``src[i]`` holds.
 
     Raises:
-      ValueError: For ids as :func:`jaxkv.copy_blocks` refuses them, or a
-        view whose block count is not a multiple of `num_blocks` (named).
+      ValueError: For ids as :func:`jaxkv.copy_blocks` refuses them, a view
+        whose block count is not a multiple of `num_blocks`, or one that
+        reads a pool not given or bytes past its pool (the layer named).
       TypeError: If a view is not a layer view or the ids are not integers.
 
     Example (vLLM 0.33's LBHNC tensor of two layers):
@@ -162,6 +164,10 @@ def copy_kv_cache_blocks(
                 f"copy_kv_cache_blocks: views[{name!r}] must be a layer view "
                 f"(KVCacheView or MambaView), got {type(view).__name__}."
             )
+        try:
+            check_fits(pools, view)
+        except ValueError as e:
+            raise ValueError(f"copy_kv_cache_blocks: views[{name!r}]: {e}") from None
         leaf = view.states[0] if isinstance(view, MambaView) else view
         n = leaf.num_blocks
         if n % num_blocks:
