@@ -10,6 +10,7 @@ globals.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ from jaxkv.attention._native import native_attention, native_unfit
 from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
 from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
 from jaxkv.attention._rows import Mask
-from jaxkv.attention._xla import resolve_contraction, xla_attention
+from jaxkv.attention._xla import resolve_contraction, tuning, xla_attention
 from jaxkv.kv import Pools, check_fits, check_layer, check_pools_alive
 from jaxkv.plan import AttentionLayer, KVCacheView, LayerView
 from jaxkv.step import CommonAttentionMetadata
@@ -32,6 +33,7 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
 """What ``paged_attention(implementation=)`` takes."""
 
 _GPU_PLATFORMS = ("cuda", "rocm")
+_PLATFORMS = ("cpu", *_GPU_PLATFORMS, "tpu")
 
 
 def paged_attention(
@@ -204,15 +206,18 @@ def paged_attention(
         query_tile=query_tile,
         contraction=contraction,
     )
-    resolve_contraction(contraction, query_tile)  # a bad name raises here
+    resolve_contraction(contraction, query_tile, platform="cpu")  # a bad name raises
     _check_heads(q.shape, view)
     check_pools_alive(pools, "paged_attention")
     check_fits(pools, view)  # the native kernel reads these bytes directly
     check_layer(layer, view, pools, "paged_attention")
+    platform = _platform_of(pools[view.pool])
     choice = choose_implementation(
-        implementation, view, call, q.shape, platform=_platform_of(pools[view.pool])
+        implementation, view, call, q.shape, platform=platform
     )
-    return _attend(q, pools, view, meta, layer, call=call, choice=choice)
+    return _attend(
+        q, pools, view, meta, layer, call=call, choice=choice, platform=platform
+    )
 
 
 def _check_heads(q_shape: tuple[int, ...], view: KVCacheView) -> None:
@@ -299,7 +304,7 @@ def choose_implementation(
             f"paged_attention: implementation={implementation!r}, expected one "
             f"of {IMPLEMENTATIONS}."
         )
-    platforms = (platform,) if platform is not None else ("cpu", *_GPU_PLATFORMS, "tpu")
+    platforms = (platform,) if platform is not None else _PLATFORMS
     if implementation is None:
         picks = tuple((p, _best(p, view, call, q_shape)) for p in platforms)
     elif implementation == "pallas":
@@ -343,7 +348,51 @@ def _unfit(
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("call", "choice"))
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+    """One platform's kernel, as a callable ``platform_dependent`` can merge.
+
+    Branches equal by value are traced and lowered once; ``tuned_for`` is the
+    platform XLA's path tunes its defaults for (``"cpu"`` or ``"device"``).
+    """
+
+    name: str
+    interpret: bool
+    tuned_for: str | None
+    view: KVCacheView
+    call: Call
+
+    def __call__(self, q, pools, meta, layer):
+        """``(T, H, Dv)`` attention on this branch's kernel."""
+        view, call = self.view, self.call
+        if self.name == "native":
+            return native_attention(q, pools, view, meta, layer, call)
+        if self.name == "pallas_gpu":
+            return gpu_attention(
+                q, pools, view, meta, layer, call, interpret=self.interpret
+            )
+        if self.name == "pallas_tpu":
+            return tpu_attention(
+                q, pools, view, meta, layer, call, interpret=self.interpret
+            )
+        return xla_attention(
+            q, pools, view, meta, layer, call, platform=self.tuned_for or "device"
+        )
+
+
+def _branch(name: str, platform: str, view: KVCacheView, call: Call) -> _Branch:
+    """What `platform` runs for implementation `name` (its own kernel compiled)."""
+    own = {"pallas_gpu": _GPU_PLATFORMS, "pallas_tpu": ("tpu",)}.get(name, ())
+    tuned_for = None
+    if name == "xla":
+        cpu_tuning = tuning(call, platform="cpu")
+        device_tuning = tuning(call, platform="device")
+        if cpu_tuning != device_tuning:
+            tuned_for = "cpu" if platform == "cpu" else "device"
+    return _Branch(name, bool(own) and platform not in own, tuned_for, view, call)
+
+
+@functools.partial(jax.jit, static_argnames=("call", "choice", "platform"))
 def _attend(
     q: jax.Array,
     pools: Pools,
@@ -353,36 +402,14 @@ def _attend(
     *,
     call: Call,
     choice: Choice,
+    platform: str | None,
 ) -> jax.Array:
-    def run(name: str, platform: str | None):
-        def go(q, pools, meta, layer):
-            if name == "native":
-                return native_attention(q, pools, view, meta, layer, call)
-            if name == "pallas_gpu":
-                interpret = platform not in _GPU_PLATFORMS
-                return gpu_attention(
-                    q, pools, view, meta, layer, call, interpret=interpret
-                )
-            if name == "pallas_tpu":
-                interpret = platform != "tpu"
-                return tpu_attention(
-                    q, pools, view, meta, layer, call, interpret=interpret
-                )
-            return xla_attention(q, pools, view, meta, layer, call)
-
-        return go
-
     args = (q, pools, meta, layer)
-    per = dict(choice.by_platform)
-    if not per and choice.default in ("pallas_gpu", "pallas_tpu"):
-        # A Pallas kernel everywhere: compiled on its own platform(s),
-        # interpreted elsewhere.
-        own = _GPU_PLATFORMS if choice.default == "pallas_gpu" else ("tpu",)
-        per = dict.fromkeys(own, choice.default)
-    if not per:
-        return run(choice.default, None)(*args)
+    if platform is not None:  # the pools' own device
+        return _branch(choice.on(platform), platform, view, call)(*args)
+    # Decided at lowering: only the branch of the platform compiled for is
+    # lowered (a device never holds an interpreter loop); equal branches
+    # are traced once.
     return jax.lax.platform_dependent(
-        *args,
-        **{p: run(name, p) for p, name in per.items()},
-        default=run(choice.default, None),
+        *args, **{p: _branch(choice.on(p), p, view, call) for p in _PLATFORMS}
     )

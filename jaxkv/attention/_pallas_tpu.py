@@ -1,29 +1,37 @@
-"""Paged attention as a Mosaic TPU Pallas kernel.
+"""Paged attention as a Mosaic TPU Pallas kernel: many pages per DMA wave.
 
-The grid is (query row, page step). Each row's request, first and end page
-column, and the block table ride in SMEM as scalar prefetch, so the
-pipeline's index map reads a row's next page id from the table and Pallas
-DMAs exactly that page of the layer's slot from HBM into VMEM, double
-buffered, while the current page is being used: the pool itself is never
-copied, converted or sliced outside the kernel. The design follows jax's
-``jax.experimental.pallas.ops.tpu.paged_attention`` (scalar-prefetched
-block tables driving the K/V BlockSpecs, an online softmax kept in VMEM
-scratch across the sequential page axis), made ragged as tpu-inference's
-ragged paged attention is: rows are up to ``query_tile`` consecutive query
-tokens of one request, and a row's page steps past its last visible page
-re-point at that page (same block index: no new DMA) and skip the compute.
+The design follows tpu-inference's ragged paged attention v3
+(``kernels/ragged_paged_attention/v3/kernel.py``) and jax's
+``pallas.ops.tpu.ragged_paged_attention``: the grid is one step per query
+row (up to ``query_tile`` consecutive query tokens of one request), and a
+row walks only its own page columns ``[first, end)`` (those holding a key
+one of its queries sees: :func:`jaxkv.attention._call.row_plan`), in
+*waves* of ``pages_per_wave`` pages. A wave's pages are DMA'd from the
+pool in HBM (left there: ``memory_space=pl.ANY``, never copied, converted
+or sliced outside the kernel) into one half of a double buffer in VMEM, all
+on that half's one semaphore, while the previous wave is computed; the
+last wave of a row starts the next row's first wave, so the DMA engine
+never waits for a grid step to begin. The block table, each row's request
+and page range and the layer slot ride in SMEM as scalar prefetch; a page
+id or layer slot outside the pool is DMA'd clamped and reads as NaN, as
+XLA's gather fills it.
 
-A page is loaded with all of its KV heads (its last two dims are then whole,
-as Mosaic's (8, 128) tiling asks); each KV head's ``tile * G`` query rows
-(GQA) meet it as one matmul. The layer slot may be traced (``lax.scan``
-over a stack). On CPU the kernel runs in the TPU interpret mode
-(``pltpu.InterpretParams``), which simulates its DMAs and SMEM: that is how
-CI checks it against XLA's path.
+A wave is computed per KV head as one matmul of the row's ``tile * G``
+query heads of that KV head (GQA packed into the matmul's rows) against
+every key of the wave (``pages_per_wave * block_size`` of them), with an
+online softmax kept in VMEM scratch.
+
+The wave size is data (:data:`TPU_TUNING`): bytes of K/V per wave by chip,
+within the VMEM every chip jaxkv compiles for gives a kernel by default.
+On CPU the kernel runs in Pallas's interpret mode, which is how CI checks
+it against XLA's path; ``benchmarks/kernel_report.py`` compiles it for
+v5e and v6e and states its bandwidth model.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +53,51 @@ from jaxkv.step import CommonAttentionMetadata
 _MASKED = -1e30
 
 
+class TpuTuning(NamedTuple):
+    """How the TPU kernel sizes its DMA waves on one chip.
+
+    ``wave_bytes``: K/V bytes a wave aims at (its pages in flight at once);
+    ``max_pages``: the most pages in one wave (each is one DMA, unrolled);
+    ``vmem_budget``: the VMEM the double buffer may take.
+    """
+
+    wave_bytes: int
+    max_pages: int
+    vmem_budget: int
+
+
+TPU_TUNING: dict[str, TpuTuning] = {
+    # 16 MiB of scoped VMEM by default on v5e, 32 MiB on v6e; the double
+    # buffer stays within a quarter of it (queries, outputs and the
+    # softmax state take the rest).
+    "v5e": TpuTuning(wave_bytes=1 << 20, max_pages=64, vmem_budget=4 << 20),
+    "v6e": TpuTuning(wave_bytes=2 << 20, max_pages=64, vmem_budget=8 << 20),
+}
+"""The TPU kernel's wave sizes by chip. A program compiled without knowing
+its chip (the usual case: ``jax.jit`` lowers before it sees a device) takes
+the smallest entry, which every chip in the table can run."""
+
+
 def tpu_unfit(view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str | None:
     """Why the TPU kernel cannot take this call (``None``: it can)."""
     del q_shape
     return pallas_unfit(view, call)
+
+
+def pages_per_wave(page_bytes: int, cols: int, tuning: TpuTuning | None = None) -> int:
+    """Pages per DMA wave for pages of `page_bytes` in a table of `cols` columns.
+
+    Example:
+      >>> from jaxkv.attention._pallas_tpu import pages_per_wave
+      >>> pages_per_wave(64 << 10, cols=256)  # bf16, block 16, 8 KV heads of 128
+      16
+      >>> pages_per_wave(256 << 10, cols=2)  # never more than the table holds
+      2
+    """
+    t = tuning or min(TPU_TUNING.values(), key=lambda t: t.vmem_budget)
+    pages = max(1, t.wave_bytes // max(page_bytes, 1))
+    pages = min(pages, t.max_pages, max(1, t.vmem_budget // (2 * page_bytes)))
+    return max(1, min(pages, cols))
 
 
 def tpu_attention(
@@ -75,52 +124,37 @@ def tpu_attention(
     qr = q[tok].reshape(num_rows, tile, kvh, groups, head_dim)
     qr = jnp.transpose(qr, (0, 2, 1, 3, 4)).reshape(num_rows, kvh, m, head_dim)
     bounds = jnp.repeat(plan.bounds, groups, axis=1)  # (R, tile * G, 2)
-    head_first = lay.roles.index("head") < lay.roles.index("token")
-    page_block = tuple(
-        None if r in ("block", "kv") else lay.slots_shape[1 + i]
-        for i, r in enumerate(lay.roles)
-    )
-
-    def page_map(half: int):
-        def index_map(r, c, info_ref, table_ref, layer_ref):
-            req, first, end = info_ref[4 * r], info_ref[4 * r + 2], info_ref[4 * r + 3]
-            # Past the row's last page: stay on it (the same block, no DMA).
-            col = jnp.minimum(first + c, jnp.maximum(end - 1, first))
-            page = table_ref[req * cols + jnp.minimum(col, cols - 1)]
-            page = jnp.clip(page, 0, view.num_blocks - 1)
-            slot = jnp.clip(layer_ref[0], 0, lay.slots_shape[0] - 1)
-            by_role = {"block": page, "kv": half, "token": 0, "head": 0, "dim": 0}
-            return (slot, *(by_role[r] for r in lay.roles))
-
-        return pl.BlockSpec((None, *page_block), index_map)
-
-    kv_specs = [page_map(0)] if lay.fused else [page_map(0), page_map(1)]
-    kv_args = [slots] if lay.fused else [slots, slots]
+    page_shape = page_block_shape(lay)
+    halves = 1 if lay.fused else 2
+    page_bytes = halves * slots.dtype.itemsize * _prod(page_shape)
+    wave = call.pages_per_chunk or pages_per_wave(page_bytes, cols)
     kernel = functools.partial(
         _kernel,
         lay=lay,
-        head_first=head_first,
         kvh=kvh,
         block_size=view.block_size,
         dk=dk,
-        dv=dv,
         cols=cols,
+        wave=wave,
         scale=call.scale,
         cap=call.logits_soft_cap,
         num_blocks=view.num_blocks,
-        fused=lay.fused,
     )
-    row = lambda r, c, *_: (r, 0, 0, 0)  # noqa: E731
+    row = lambda r, *_: (r, 0, 0, 0)  # noqa: E731
+    buffers = [pltpu.VMEM((2, wave, *page_shape), slots.dtype)] * halves
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(num_rows, cols),
+        grid=(num_rows,),
         in_specs=[
-            pl.BlockSpec((None, m, 2), lambda r, c, *_: (r, 0, 0)),
+            pl.BlockSpec((None, m, 2), lambda r, *_: (r, 0, 0)),
             pl.BlockSpec((None, kvh, m, head_dim), row),
-            *kv_specs,
+            pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=pl.BlockSpec((None, kvh, m, dv), row),
         scratch_shapes=[
+            *buffers,
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((1,), jnp.int32),  # the buffer half the row's wave 0 is in
             pltpu.VMEM((kvh, m, 1), jnp.float32),
             pltpu.VMEM((kvh, m, 1), jnp.float32),
             pltpu.VMEM((kvh, m, dv), jnp.float32),
@@ -133,7 +167,7 @@ def tpu_attention(
             layer_of(layer, view),
             bounds,
             qr,
-            *kv_args,
+            slots,
         ),
         (num_rows, kvh, m, dv),
         jnp.float32,
@@ -143,14 +177,31 @@ def tpu_attention(
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary")
+            # Sequential: a row's last wave prefetches the next row's first.
+            dimension_semantics=("arbitrary",)
         ),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
         name="jaxkv_paged_attention_tpu",
     )(*operands)
     out = out.reshape(num_rows, kvh, tile, groups, dv)
     out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(num_rows, tile, heads, dv)
     return rows_to_tokens(out, rows, num_tokens, q.dtype)
+
+
+def page_block_shape(lay: PageLayout) -> tuple[int, ...]:
+    """One page of one K/V half (all its heads), as the pool lays it out."""
+    return tuple(
+        lay.slots_shape[1 + i]
+        for i, r in enumerate(lay.roles)
+        if r not in ("block", "kv")
+    )
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _kernel(
@@ -159,58 +210,115 @@ def _kernel(
     layer_ref,
     bounds_ref,
     q_ref,
-    *refs,
+    pool_ref,
+    o_ref,
+    *scratch,
     lay: PageLayout,
-    head_first: bool,
     kvh: int,
     block_size: int,
     dk: int,
-    dv: int,
     cols: int,
+    wave: int,
     scale: float,
     cap: float | None,
     num_blocks: int,
-    fused: bool,
 ) -> None:
-    if fused:
-        (kv_ref, o_ref, top_ref, denom_ref, acc_ref) = refs
-        k_ref = v_ref = kv_ref
-    else:
-        (k_ref, v_ref, o_ref, top_ref, denom_ref, acc_ref) = refs
-    r, c = pl.program_id(0), pl.program_id(1)
-    req, first, end = info_ref[4 * r], info_ref[4 * r + 2], info_ref[4 * r + 3]
-    col = first + c
-    page = table_ref[req * cols + jnp.minimum(col, cols - 1)]
+    halves = 1 if lay.fused else 2
+    bufs = scratch[:halves]
+    sems, half_ref, top_ref, denom_ref, acc_ref = scratch[halves:]
+    num_layers = lay.slots_shape[0]
+    r = pl.program_id(0)
+    num_rows = pl.num_programs(0)
     layer = layer_ref[0]
-    # A layer slot or page id outside the pool reads as NaN, as XLA's gather
-    # fills it (the DMA itself was clamped to a real page).
-    ok = (page >= 0) & (page < num_blocks) & (layer >= 0) & (layer < lay.slots_shape[0])
-    live = col < end
+    layer_ok = (layer >= 0) & (layer < num_layers)
+    layer_c = jnp.clip(layer, 0, num_layers - 1)
 
-    @pl.when(c == 0)
-    def _init():
-        top_ref[...] = jnp.full(top_ref.shape, _MASKED, jnp.float32)
-        denom_ref[...] = jnp.zeros(denom_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    def waves_of(row):
+        first, end = info_ref[4 * row + 2], info_ref[4 * row + 3]
+        # lax.div, not //: jnp's floor division lowers through sign, which
+        # needs the TPU's generation at lowering (absent on a compile host).
+        return jax.lax.div(jnp.maximum(end - first, 0) + wave - 1, wave)
 
-    @pl.when(live)
-    def _page():
-        k_page = k_ref[...]
-        v_page = v_ref[...]
-        if k_page.dtype != lay.dtype:  # a bits pool: the same bytes, as floats
-            k_page = jax.lax.bitcast_convert_type(k_page, lay.dtype)
-            v_page = jax.lax.bitcast_convert_type(v_page, lay.dtype)
-        lo = bounds_ref[:, 0:1]  # (M, 1)
-        hi = bounds_ref[:, 1:2]
-        m = lo.shape[0]
-        j = col * block_size + jax.lax.broadcasted_iota(jnp.int32, (m, block_size), 1)
-        vis = (j >= lo) & (j < hi)  # (M, N)
-        seen = jnp.max(vis.astype(jnp.float32), axis=0, keepdims=True) > 0  # (1, N)
+    def page_at(row, w, i):
+        """Page id (raw), whether the column is live, for page `i` of wave `w`."""
+        req, first, end = info_ref[4 * row], info_ref[4 * row + 2], info_ref[4 * row + 3]
+        col = first + w * wave + i
+        page = table_ref[req * cols + jnp.minimum(col, cols - 1)]
+        return page, col < end
+
+    def copies(row, w, half_slot):
+        """The DMAs of wave `w` of `row` into buffer half `half_slot`."""
+        out = []
+        for i in range(wave):
+            page, live = page_at(row, w, i)
+            page = jnp.clip(page, 0, num_blocks - 1)
+            for h, buf in enumerate(bufs):
+                src = pool_ref.at[lay.at(layer_c, page, slice(None), h, slice(None))]
+                dst = buf.at[half_slot, i]
+                out.append((live, pltpu.make_async_copy(src, dst, sems.at[half_slot])))
+        return out
+
+    def start(row, w, half_slot):
+        for live, cp in copies(row, w, half_slot):
+            pl.when(live)(cp.start)
+
+    def wait(row, w, half_slot):
+        for live, cp in copies(row, w, half_slot):
+            pl.when(live)(cp.wait)
+
+    n_waves = waves_of(r)
+
+    @pl.when(r == 0)
+    def _first_row():
+        half_ref[0] = 0
+        start(r, 0, 0)  # pages past the row's end start nothing
+
+    top_ref[...] = jnp.full(top_ref.shape, _MASKED, jnp.float32)
+    denom_ref[...] = jnp.zeros(denom_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    h0 = half_ref[0]
+    lo = bounds_ref[:, 0:1]  # (M, 1)
+    hi = bounds_ref[:, 1:2]
+    m = lo.shape[0]
+    width = wave * block_size
+
+    def body(w, carry):
+        half_slot = jax.lax.rem(h0 + w, 2)
+
+        @pl.when(w + 1 < n_waves)
+        def _next_wave():
+            start(r, w + 1, 1 - half_slot)
+
+        @pl.when((w + 1 == n_waves) & (r + 1 < num_rows))
+        def _next_row():
+            start(r + 1, 0, 1 - half_slot)
+
+        wait(r, w, half_slot)
+        _compute(w, half_slot)
+        return carry
+
+    def _compute(w, half_slot):
+        first = info_ref[4 * r + 2]
+        base = (first + w * wave) * block_size
+        j = base + jax.lax.broadcasted_iota(jnp.int32, (m, width), 1)
+        vis = (j >= lo) & (j < hi)  # (M, wave * N)
+        seen = jnp.max(vis.astype(jnp.float32), axis=0, keepdims=True) > 0
+        # Pages outside the pool (or a layer slot outside it) read as NaN.
+        which = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        bad = jnp.zeros((1, width), jnp.bool_)
+        for i in range(wave):
+            page, _ = page_at(r, w, i)
+            ok = layer_ok & (page >= 0) & (page < num_blocks)
+            in_page = (which >= i * block_size) & (which < (i + 1) * block_size)
+            bad = bad | (in_page & jnp.logical_not(ok))
+        pages = [buf[half_slot] for buf in bufs]  # (wave, *page)
+        if pages[0].dtype != lay.dtype:  # a bits pool: the same bytes, as floats
+            pages = [jax.lax.bitcast_convert_type(p, lay.dtype) for p in pages]
+        head_first = _head_first(lay)
         for h in range(kvh):
-            k = k_page[h] if head_first else k_page[:, h]  # (N, D[k|v])
-            v = v_page[h] if head_first else v_page[:, h]
-            k = jnp.where(ok, k[:, :dk].astype(jnp.float32), jnp.nan)
-            v = jnp.where(ok, (v[:, dk:] if fused else v).astype(jnp.float32), jnp.nan)
+            heads = [_head(p, h, head_first) for p in pages]  # (wave * N, D)
+            k = heads[0][:, :dk].astype(jnp.float32)
+            v = (heads[0][:, dk:] if lay.fused else heads[1]).astype(jnp.float32)
             q = q_ref[h].astype(jnp.float32)  # (M, Dk)
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -218,13 +326,15 @@ def _kernel(
             s = s * scale
             if cap is not None:
                 s = cap * jnp.tanh(s / cap)
+            s = jnp.where(bad, jnp.nan, s)
             s = jnp.where(vis, s, _MASKED)
             top = top_ref[h]  # (M, 1)
             new_top = jnp.maximum(top, jnp.max(s, axis=1, keepdims=True))
             p = jnp.where(vis, jnp.exp(s - new_top), 0.0)
             rescale = jnp.exp(top - new_top)
             denom_ref[h] = denom_ref[h] * rescale + jnp.sum(p, axis=1, keepdims=True)
-            # Keys no query of the row sees may be NaN padding: zero them.
+            # Keys no query of the row sees may be stale or NaN: zero them,
+            # as their weight 0 times NaN is NaN.
             v = jnp.where(seen.T, v, 0.0)
             pv = jax.lax.dot_general(
                 p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -232,7 +342,22 @@ def _kernel(
             acc_ref[h] = acc_ref[h] * rescale + pv
             top_ref[h] = new_top
 
-    @pl.when(c == pl.num_programs(1) - 1)
-    def _store():
-        denom = denom_ref[...]
-        o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
+    jax.lax.fori_loop(0, n_waves, body, 0)
+
+    @pl.when((n_waves == 0) & (r + 1 < num_rows))
+    def _next_row_from_empty():
+        start(r + 1, 0, h0)
+
+    half_ref[0] = jax.lax.rem(h0 + n_waves, 2)
+    denom = denom_ref[...]
+    o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
+
+
+def _head_first(lay: PageLayout) -> bool:
+    return lay.roles.index("head") < lay.roles.index("token")
+
+
+def _head(page: jax.Array, h: int, head_first: bool) -> jax.Array:
+    """``(wave, *page)`` -> ``(wave * N, D)``: one KV head's rows of a wave."""
+    x = page[:, h] if head_first else page[:, :, h]  # (wave, N, D)
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])

@@ -31,12 +31,17 @@ from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
 
-def resolve_contraction(contraction: str, query_tile: int) -> str:
+def resolve_contraction(
+    contraction: str, query_tile: int, *, platform: str | None = None
+) -> str:
     """What `contraction` means on XLA's path for rows of `query_tile` tokens.
 
     Args:
       contraction: One of :data:`CONTRACTIONS`.
       query_tile: Query tokens per row.
+      platform: The platform compiled for (``"cpu"``, or anything else for a
+        device); ``None``: the default backend's (on the host, never while
+        tracing: the same program may be lowered for another platform).
 
     Returns:
       ``"dot"`` or ``"reduce"``: ``"auto"`` is ``"reduce"`` on CPU for rows
@@ -66,14 +71,18 @@ def resolve_contraction(contraction: str, query_tile: int) -> str:
         )
     if contraction != "auto":
         return contraction
-    return "reduce" if query_tile > 1 and jax.default_backend() == "cpu" else "dot"
+    cpu = (platform or jax.default_backend()) == "cpu"
+    return "reduce" if query_tile > 1 and cpu else "dot"
 
 
 CONTRACTIONS = ("auto", "dot", "reduce")
 
 
-def auto_pages_per_chunk() -> int:
-    """Pages per chunk that ``pages_per_chunk=None`` means on this platform.
+def auto_pages_per_chunk(platform: str | None = None) -> int:
+    """Pages per chunk that ``pages_per_chunk=None`` means on `platform`.
+
+    `platform`: ``"cpu"``, or anything else for a device; ``None``: the
+    default backend's (on the host, never while tracing).
 
     4 on CPU, 64 elsewhere: on XLA:CPU the page gather dominates, so chunks
     past a row's context cost more than the loop's trips, while on a GPU
@@ -86,7 +95,29 @@ def auto_pages_per_chunk() -> int:
       >>> auto_pages_per_chunk() == (4 if jax.default_backend() == "cpu" else 64)
       True
     """
-    return 4 if jax.default_backend() == "cpu" else 64
+    return 4 if (platform or jax.default_backend()) == "cpu" else 64
+
+
+def tuning(call: Call, *, platform: str) -> tuple[str, int | None]:
+    """XLA's path's ``(contraction, pages per chunk)`` for `call` on `platform`.
+
+    Decided per platform at lowering (``platform`` is the one compiled for),
+    never from the process's default backend while tracing.
+
+    Example:
+      >>> from jaxkv.attention._call import Call
+      >>> from jaxkv.attention._rows import Mask
+      >>> from jaxkv.attention._xla import tuning
+      >>> call = Call(Mask(True, None, None, False, False), 1.0, None, None, 16,
+      ...             "auto")
+      >>> tuning(call, platform="cpu"), tuning(call, platform="tpu")
+      (('reduce', 4), ('dot', 64))
+    """
+    contraction = resolve_contraction(
+        call.contraction, call.query_tile, platform=platform
+    )
+    pages = call.pages_per_chunk or auto_pages_per_chunk(platform)
+    return contraction, pages
 
 
 def xla_attention(
@@ -96,19 +127,23 @@ def xla_attention(
     meta: CommonAttentionMetadata,
     layer: jax.Array | None,
     call: Call,
+    *,
+    platform: str,
 ) -> jax.Array:
-    """``(T, H, Dv)`` attention of a ragged batch on XLA's path (the reference)."""
+    """``(T, H, Dv)`` attention of a ragged batch on XLA's path (the reference).
+
+    `platform`: the one compiled for (``"cpu"`` or a device's), which tunes
+    the contraction and chunk defaults (:func:`tuning`).
+    """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = kv_heads_of(view)
     opts = call.mask
     scale, logits_soft_cap = call.scale, call.logits_soft_cap
-    query_tile, pages_per_chunk = call.query_tile, call.pages_per_chunk
-    contraction = resolve_contraction(call.contraction, query_tile)
+    query_tile = call.query_tile
+    contraction, pages_per_chunk = tuning(call, platform=platform)
     groups = num_heads // kv_heads
     head_dim_v = value_dim(view, head_dim)
     cols = meta.block_table_tensor.shape[1]
-    if pages_per_chunk is None:
-        pages_per_chunk = auto_pages_per_chunk()
     chunk = max(1, min(pages_per_chunk, cols))
     num_chunks = -(-cols // chunk)
     span = chunk * view.block_size

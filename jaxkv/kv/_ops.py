@@ -150,8 +150,8 @@ def write_kv(
         possibly traced (``lax.scan`` over layers); ``None``: the view's own.
         A traced slot outside the pool writes nothing.
       implementation: Which kernel writes (as ``paged_attention``'s):
-        ``None``: jaxkv's Pallas write on GPU where the view fits
-        (:func:`pallas_view_unfit`), else XLA's scatter (CPU, TPU);
+        ``None``: jaxkv's Pallas write on GPU and TPU where the view fits
+        (:func:`pallas_view_unfit`), else XLA's scatter (and on CPU);
         ``"xla"``: XLA's scatter, every platform and view;
         ``"pallas"``: the platform's Pallas write (Triton on GPU, Mosaic
         on TPU; on CPU the GPU kernel in interpret mode);
@@ -228,24 +228,38 @@ def write_kv(
         args = (pool, key, value, slots, layer)
         if choice == "native":
             new = kernel("native", "cpu")(*args)
-        elif choice == "auto":  # the GPU's Pallas write, XLA's elsewhere
-            new = jax.lax.platform_dependent(
-                *args,
-                **{p: kernel("pallas_gpu", p) for p in _GPU_PLATFORMS},
-                default=kernel("xla", None),
-            )
         else:
-            own = ("tpu",) if choice == "pallas_tpu" else _GPU_PLATFORMS
+            # Each platform's branch is lowered only when compiling for it:
+            # a device never holds an interpreter, and CPU interprets.
+            per = _write_platforms(choice)
             new = jax.lax.platform_dependent(
                 *args,
-                **{p: kernel(choice, p) for p in own},
-                default=kernel(choice, None),
+                **{p: kernel(name, p) for p, name in per.items() if p != "cpu"},
+                default=kernel(per["cpu"], "cpu"),
             )
         return _replace(pools, view.pool, new)
     return _xla_write(pools, view, key, value, slots, layer)
 
 
 _GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def _write_platforms(choice: str) -> dict[str, str]:
+    """The write each platform runs for `choice` (``"auto"``, ``"pallas"``, a kernel).
+
+    Example:
+      >>> from jaxkv.kv._ops import _write_platforms
+      >>> _write_platforms("auto")
+      {'cuda': 'pallas_gpu', 'rocm': 'pallas_gpu', 'tpu': 'pallas_tpu', 'cpu': 'xla'}
+      >>> _write_platforms("pallas")["cpu"], _write_platforms("pallas_tpu")["cuda"]
+      ('pallas_gpu', 'pallas_tpu')
+    """
+    own = {**dict.fromkeys(_GPU_PLATFORMS, "pallas_gpu"), "tpu": "pallas_tpu"}
+    if choice == "auto":
+        return {**own, "cpu": "xla"}
+    if choice == "pallas":  # on CPU: the GPU kernel, interpreted
+        return {**own, "cpu": "pallas_gpu"}
+    return dict.fromkeys((*_GPU_PLATFORMS, "tpu", "cpu"), choice)
 
 
 def _write_choice(
@@ -276,7 +290,7 @@ def _write_choice(
             f"write_kv: implementation={implementation!r} cannot take this view: "
             f"{reason}."
         )
-    return "pallas_gpu" if implementation == "pallas" else implementation
+    return implementation
 
 
 def _xla_write(

@@ -8,9 +8,11 @@ layer slot outside the pool writes nothing, as XLA's dropping scatter.
 
 - GPU (Triton): one program per (token, KV head) stores that head's K and V
   rows at the token's slot.
-- TPU (Mosaic): one grid step per token; the token's ``(H, D)`` K and V are
-  DMA'd from VMEM into the slot's HBM rows (the slot ids and the layer ride
-  in SMEM as scalar prefetch).
+- TPU (Mosaic): the tokens whose slots follow one another inside a page
+  form runs; each run moves HBM to HBM in one DMA per set bit of its length
+  (a page's prefill in one, a decode token in one), every DMA started
+  before any is waited on (the slots, run lengths and layer ride in SMEM
+  as scalar prefetch).
 
 On CPU both run in their interpret modes (what CI checks against XLA).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -109,46 +112,83 @@ def tpu_write(
     *,
     interpret: bool = False,
 ) -> jax.Array:
-    """The pool with the tokens' K/V stored at their slots (Mosaic TPU kernel)."""
+    """The pool with the tokens' K/V stored at their slots (Mosaic TPU kernel).
+
+    Tokens whose slots continue one another inside one page form a *run*; a
+    run of ``L`` tokens is moved HBM to HBM by one DMA per set bit of ``L``
+    (block 16: a whole page's prefill in one DMA, a decode token in one),
+    all started before any is waited on.
+    """
     lay, key, value, slots_arr = _staged(pool, view, key, value)
-    (n, heads, dk), dv = key.shape, value.shape[2]
+    n = key.shape[0]
+    bs = view.block_size
+    layer_arr = layer_index(layer, view).reshape(1)
+    ok = _slot_ok(slots, layer_arr[0], lay, view)
+    runs = run_lengths(slots, ok, bs)
+    # The new tokens in the order a page lays out its non-block axes, so a
+    # run of them is the same shape at both ends of its DMA.
+    roles = [r for r in lay.roles if r not in ("block", "kv")]
+    order = [("token", "head", "dim").index(r) for r in roles]
+    halves = (
+        [jnp.concatenate([key, value], axis=-1)] if lay.fused else [key, value]
+    )
+    halves = [jnp.transpose(x, order) for x in halves]
+    token_axis = roles.index("token")
+    # Run lengths' bits (a run is at most a page and at most the tokens).
+    pieces = tuple(reversed(range(min(bs, n).bit_length())))
 
-    def kernel(slots_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref, sems):
-        t = pl.program_id(0)
-        slot, slot_layer = slots_ref[t], layer_ref[0]
-        ok = _slot_ok(slot, slot_layer, lay, view)
-        block, token = slot // view.block_size, slot % view.block_size
+    def kernel(slots_ref, runs_ref, layer_ref, *refs):
+        srcs, (_pool_in, pool_ref, sem) = refs[: len(halves)], refs[len(halves) :]
+        slot_layer = jnp.clip(layer_ref[0], 0, lay.slots_shape[0] - 1)
 
-        @pl.when(ok)
-        def _store():
-            heads_all = slice(None)
-            k_dst = pool_ref.at[
-                _row(lay, slot_layer, block, heads_all, 0, 0, dk, token)
-            ]
-            v_at = dk if lay.fused else 0
-            v_dst = pool_ref.at[
-                _row(lay, slot_layer, block, heads_all, 1, v_at, dv, token)
-            ]
-            k_copy = pltpu.make_async_copy(k_ref, k_dst, sems.at[0])
-            v_copy = pltpu.make_async_copy(v_ref, v_dst, sems.at[1])
-            k_copy.start()
-            v_copy.start()
-            k_copy.wait()
-            v_copy.wait()
+        def dmas(t, go):
+            length = runs_ref[t]
+            slot = jnp.maximum(slots_ref[t], 0)
+            # lax.div, not //: jnp's floor division lowers through sign,
+            # which needs the TPU's generation at lowering.
+            block, token = jax.lax.div(slot, bs), jax.lax.rem(slot, bs)
+            at = jnp.int32(0)
+            for bit in pieces:
+                size = 1 << bit
+                has = jax.lax.bitwise_and(length, size) != 0
+                for h, src in enumerate(srcs):
+                    src_at = [slice(None)] * len(roles)
+                    src_at[token_axis] = pl.ds(t + at, size)
+                    dst = pool_ref.at[
+                        lay.at(
+                            slot_layer,
+                            block,
+                            slice(None),
+                            h,
+                            slice(None),
+                            token=pl.ds(token + at, size),
+                        )
+                    ]
+                    copy = pltpu.make_async_copy(src.at[tuple(src_at)], dst, sem.at[0])
+                    pl.when(has)(copy.start if go else copy.wait)
+                at = at + jnp.where(has, size, 0)
 
+        def start(t, carry):
+            dmas(t, True)
+            return carry
+
+        def wait(t, carry):
+            dmas(t, False)
+            return carry
+
+        jax.lax.fori_loop(0, n, start, 0)
+        jax.lax.fori_loop(0, n, wait, 0)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(n,),
-        in_specs=[
-            pl.BlockSpec((None, heads, dk), lambda t, *_: (t, 0, 0)),
-            pl.BlockSpec((None, heads, dv), lambda t, *_: (t, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
+        num_scalar_prefetch=3,
+        grid=(1,),
+        in_specs=[any_spec] * (len(halves) + 1),
+        out_specs=any_spec,
+        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
     )
     operands, out_shape = kernel_operands(
-        (slots, layer_index(layer, view).reshape(1), key, value, slots_arr),
+        (slots, runs, layer_arr, *halves, slots_arr),
         slots_arr.shape,
         slots_arr.dtype,
     )
@@ -156,13 +196,40 @@ def tpu_write(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        # Operand 4 counts the two scalar-prefetch operands.
-        input_output_aliases={4: 0},
+        # The pool's operand index counts the three scalar-prefetch operands.
+        input_output_aliases={3 + len(halves): 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
         name="jaxkv_kv_write_tpu",
     )(*operands)
     return out.reshape(pool.shape)
+
+
+def run_lengths(slots: jax.Array, ok: jax.Array, block_size: int) -> jax.Array:
+    """Per token: the length of the run of slots it starts (0 if none).
+
+    A run is tokens whose slots follow one another inside one page
+    (``slot[t + 1] == slot[t] + 1``, not crossing a page boundary); tokens
+    that write nothing (`ok` false) start no run and end the one before.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxkv.kv._pallas_write import run_lengths
+      >>> slots = jnp.array([14, 15, 16, 17, 40, -1, 41, 3])
+      >>> ok = slots >= 0
+      >>> run_lengths(slots, ok, 16).tolist()
+      [2, 0, 2, 0, 1, 0, 1, 1]
+    """
+    n = slots.shape[0]
+    prev_ok = jnp.concatenate([jnp.zeros((1,), bool), ok[:-1]])
+    prev = jnp.concatenate([jnp.full((1,), -2, slots.dtype), slots[:-1]])
+    cont = ok & prev_ok & (slots == prev + 1) & (slots % block_size != 0)
+    idx = jnp.arange(n, dtype=jnp.int32)
+    # The first token after t that does not continue t's run.
+    brk = jnp.where(jnp.logical_not(cont), idx, n)
+    nxt = jnp.concatenate([brk[1:], jnp.full((1,), n, jnp.int32)])
+    end = jax.lax.cummin(nxt, reverse=True)
+    return jnp.where(ok & jnp.logical_not(cont), end - idx, 0).astype(jnp.int32)
 
 
 def _slot_ok(slot, slot_layer, lay: PageLayout, view: KVCacheView):
