@@ -53,6 +53,7 @@ class Case:
     cols: int = 5  # block table columns per request
     max_reqs: int = 4
     pad_tokens: int = 3
+    pages: int | None = None  # pages_per_chunk (the TPU kernel's DMA wave)
 
 
 CASES = (
@@ -95,6 +96,19 @@ CASES = (
     Case("decode_past_table", reqs=((1, 30), (1, 16)), cols=2),
     Case("mixed_empty_requests", reqs=((0, 5), (3, 7), (0, 0)), tile=2),
     Case("decode_gqa8", kv_heads=1, q_heads=8, head=32, window=4),
+    # Waves of 2 pages: rows of 3, 1 and 3 waves, the last wave part-empty,
+    # the next row's first wave started by the row before.
+    Case("decode_waves_of_2", reqs=((1, 33), (1, 9), (1, 40)), pages=2),
+    # A window: rows start past their first page, mid-wave ends.
+    Case(
+        "mixed_kv_waves_window",
+        layout="kv",
+        dtype="bfloat16",
+        reqs=((6, 37), (1, 12), (3, 25)),
+        tile=4,
+        window=11,
+        pages=2,
+    ),
 )
 
 
@@ -201,6 +215,8 @@ def build(case: Case, seed: int = 0) -> Built:
         kw["attention_chunk_size"] = case.chunk
     if case.cap is not None:
         kw["logits_soft_cap"] = case.cap
+    if case.pages is not None:
+        kw["pages_per_chunk"] = case.pages
     if case.cross:
         kw["cross_attention"] = True
     return Built(

@@ -22,6 +22,8 @@ _QUICK = {
     "decode_hnd_cap",
     "mixed_kernel_blocks_window_cap",
     "decode_past_table",  # one rule for keys past the table, native included
+    "decode_waves_of_2",  # the TPU kernel's DMA waves, several per row
+    "mixed_kv_waves_window",
 }
 
 
@@ -174,3 +176,35 @@ def test_write_implementation_writes_the_bytes_xla_writes(case, implementation):
             np.testing.assert_array_equal(a, b)
         if layer == 5:
             np.testing.assert_array_equal(got[0], bits(build(case).pools)[0])
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu", "native"])
+def test_a_page_id_at_the_pools_end_or_negative_reads_as_nan_as_on_xla(
+    implementation,
+):
+    # The boundary ids: num_blocks itself (one past the last block) and -1,
+    # on pages the rows read; a bad id past what a row reads changes nothing.
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    if implementation == "native" and not available():
+        pytest.skip("no C++ compiler for the native kernel")
+    case = next(c for c in CASES if c.name == "decode_waves_of_2")
+    built = build(case)
+    table = np.asarray(built.meta.block_table_tensor).copy()
+    orig = table.copy()
+    table[0, 3] = built.view.num_blocks  # request 0 (33 keys) reads page 3
+    table[1, 0] = -1  # request 1 (9 keys) reads page 0
+    table[2, 4] = built.view.num_blocks  # request 2 (40 keys) reads page 4
+    table[1, 3] = built.view.num_blocks  # past request 1's keys: never read
+    meta = dataclasses.replace(built.meta, block_table_tensor=jnp.asarray(table))
+    bad = dataclasses.replace(built, meta=meta)
+    want = run(bad, "xla")
+    got = run(bad, implementation)
+    assert np.isnan(want[:3]).all()  # each request's row sees a bad page
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    table[0, 3], table[1, 0], table[2, 4] = orig[0, 3], orig[1, 0], orig[2, 4]
+    meta = dataclasses.replace(built.meta, block_table_tensor=jnp.asarray(table))
+    fine = run(dataclasses.replace(built, meta=meta), implementation)
+    assert np.isfinite(fine).all()

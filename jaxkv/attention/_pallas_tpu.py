@@ -16,10 +16,14 @@ and page range and the layer slot ride in SMEM as scalar prefetch; a page
 id or layer slot outside the pool is DMA'd clamped and reads as NaN, as
 XLA's gather fills it.
 
+A token-major page ``(N, H, D)`` is DMA'd as ``(N, H * D)`` (a bitcast of
+the pool), so a KV head's keys are a lane slice of the wave (no sublane
+shuffle); a head-first page ``(H, N, D)`` gives them as a leading index.
 A wave is computed per KV head as one matmul of the row's ``tile * G``
 query heads of that KV head (GQA packed into the matmul's rows) against
-every key of the wave (``pages_per_wave * block_size`` of them), with an
-online softmax kept in VMEM scratch.
+every key of the wave (``pages_per_wave * block_size`` of them), bf16 pages
+as bf16 on the MXU with float32 accumulation, with an online softmax kept
+in VMEM scratch.
 
 The wave size is data (:data:`TPU_TUNING`): bytes of K/V per wave by chip,
 within the VMEM every chip jaxkv compiles for gives a kernel by default.
@@ -125,12 +129,17 @@ def tpu_attention(
     qr = jnp.transpose(qr, (0, 2, 1, 3, 4)).reshape(num_rows, kvh, m, head_dim)
     bounds = jnp.repeat(plan.bounds, groups, axis=1)  # (R, tile * G, 2)
     page_shape = page_block_shape(lay)
+    lanes = _token_major(lay)
+    if lanes:  # (N, H, D) pages as (N, H * D): a bitcast; heads are lane slices
+        page_shape = (page_shape[0], page_shape[1] * page_shape[2])
+        slots = slots.reshape(*slots.shape[:-2], -1)
     halves = 1 if lay.fused else 2
     page_bytes = halves * slots.dtype.itemsize * _prod(page_shape)
     wave = call.pages_per_chunk or pages_per_wave(page_bytes, cols)
     kernel = functools.partial(
         _kernel,
         lay=lay,
+        lanes=lanes,
         kvh=kvh,
         block_size=view.block_size,
         dk=dk,
@@ -214,6 +223,7 @@ def _kernel(
     o_ref,
     *scratch,
     lay: PageLayout,
+    lanes: bool,
     kvh: int,
     block_size: int,
     dk: int,
@@ -241,7 +251,8 @@ def _kernel(
 
     def page_at(row, w, i):
         """Page id (raw), whether the column is live, for page `i` of wave `w`."""
-        req, first, end = info_ref[4 * row], info_ref[4 * row + 2], info_ref[4 * row + 3]
+        req, first = info_ref[4 * row], info_ref[4 * row + 2]
+        end = info_ref[4 * row + 3]
         col = first + w * wave + i
         page = table_ref[req * cols + jnp.minimum(col, cols - 1)]
         return page, col < end
@@ -253,7 +264,7 @@ def _kernel(
             page, live = page_at(row, w, i)
             page = jnp.clip(page, 0, num_blocks - 1)
             for h, buf in enumerate(bufs):
-                src = pool_ref.at[lay.at(layer_c, page, slice(None), h, slice(None))]
+                src = pool_ref.at[_page_index(lay, lanes, layer_c, page, h)]
                 dst = buf.at[half_slot, i]
                 out.append((live, pltpu.make_async_copy(src, dst, sems.at[half_slot])))
         return out
@@ -311,17 +322,39 @@ def _kernel(
             ok = layer_ok & (page >= 0) & (page < num_blocks)
             in_page = (which >= i * block_size) & (which < (i + 1) * block_size)
             bad = bad | (in_page & jnp.logical_not(ok))
-        pages = [buf[half_slot] for buf in bufs]  # (wave, *page)
-        if pages[0].dtype != lay.dtype:  # a bits pool: the same bytes, as floats
-            pages = [jax.lax.bitcast_convert_type(p, lay.dtype) for p in pages]
-        head_first = _head_first(lay)
+
+        def head_rows(buf, h):
+            """``(wave * N, D)``: KV head `h`'s rows of the wave."""
+            if lanes:  # a lane slice (free when D is a multiple of 128)
+                width = buf.shape[-1] // kvh
+                x = buf[half_slot, :, :, pl.ds(h * width, width)]
+            else:  # head-first pages: a head is a leading index
+                x = buf[half_slot, :, h]
+            if x.dtype != lay.dtype:  # a bits pool: the same bytes, as floats
+                x = jax.lax.bitcast_convert_type(x, lay.dtype)
+            return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+        # bf16 pages meet the MXU as bf16 (float32 accumulation); other
+        # dtypes in float32.
+        mxu = jnp.bfloat16 if lay.dtype == jnp.bfloat16 else jnp.float32
+        # Explicit, whatever jax_default_matmul_precision says: bf16 operands
+        # take one MXU pass (a float32 contract precision would refuse them).
+        precision = (
+            jax.lax.Precision.DEFAULT
+            if mxu == jnp.bfloat16
+            else jax.lax.Precision.HIGHEST
+        )
         for h in range(kvh):
-            heads = [_head(p, h, head_first) for p in pages]  # (wave * N, D)
-            k = heads[0][:, :dk].astype(jnp.float32)
-            v = (heads[0][:, dk:] if lay.fused else heads[1]).astype(jnp.float32)
-            q = q_ref[h].astype(jnp.float32)  # (M, Dk)
+            heads = [head_rows(buf, h) for buf in bufs]  # (wave * N, D)
+            k = heads[0][:, :dk].astype(mxu)
+            v = (heads[0][:, dk:] if lay.fused else heads[1]).astype(mxu)
+            q = q_ref[h].astype(mxu)  # (M, Dk)
             s = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
             )
             s = s * scale
             if cap is not None:
@@ -335,9 +368,13 @@ def _kernel(
             denom_ref[h] = denom_ref[h] * rescale + jnp.sum(p, axis=1, keepdims=True)
             # Keys no query of the row sees may be stale or NaN: zero them,
             # as their weight 0 times NaN is NaN.
-            v = jnp.where(seen.T, v, 0.0)
+            v = jnp.where(seen.T, v, jnp.zeros((), mxu))
             pv = jax.lax.dot_general(
-                p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                p.astype(mxu),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
             )
             acc_ref[h] = acc_ref[h] * rescale + pv
             top_ref[h] = new_top
@@ -353,11 +390,13 @@ def _kernel(
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
 
 
-def _head_first(lay: PageLayout) -> bool:
-    return lay.roles.index("head") < lay.roles.index("token")
+def _token_major(lay: PageLayout) -> bool:
+    """Whether a page is ``(N, H, D)``: heads and dims then merge into lanes."""
+    return lay.roles[-3:] == ("token", "head", "dim")
 
 
-def _head(page: jax.Array, h: int, head_first: bool) -> jax.Array:
-    """``(wave, *page)`` -> ``(wave * N, D)``: one KV head's rows of a wave."""
-    x = page[:, h] if head_first else page[:, :, h]  # (wave, N, D)
-    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+def _page_index(lay: PageLayout, lanes: bool, layer, page, half: int) -> tuple:
+    """The index of one page of one K/V half in the (maybe lane-merged) pool."""
+    roles = [r for r in lay.roles if not (lanes and r == "head")]
+    by_role = {"block": page, "kv": half}
+    return (layer, *(by_role.get(r, slice(None)) for r in roles))

@@ -98,7 +98,7 @@ def auto_pages_per_chunk(platform: str | None = None) -> int:
     return 4 if (platform or jax.default_backend()) == "cpu" else 64
 
 
-def tuning(call: Call, *, platform: str) -> tuple[str, int | None]:
+def tuning(call: Call, *, platform: str) -> tuple[str, int]:
     """XLA's path's ``(contraction, pages per chunk)`` for `call` on `platform`.
 
     Decided per platform at lowering (``platform`` is the one compiled for),

@@ -8,7 +8,7 @@ view's strides lay them out.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -72,7 +72,7 @@ class PageLayout(NamedTuple):
     fused: bool  # K|V in one dim: K is [:head_size], V the rest
     dtype: np.dtype
 
-    def at(self, layer, block, head, half: int, dim_slice, token=slice(None)) -> tuple:
+    def at(self, layer, block, head, half: int, dim_slice, token: Any = None) -> tuple:
         """An index of the reshaped pool.
 
         An index of the reshaped pool: one page (or one `token`) of one
@@ -81,7 +81,7 @@ class PageLayout(NamedTuple):
         by_role = {
             "block": block,
             "kv": half,
-            "token": token,
+            "token": slice(None) if token is None else token,
             "head": head,
             "dim": dim_slice,
         }

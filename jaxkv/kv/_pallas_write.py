@@ -19,7 +19,7 @@ On CPU both run in their interpret modes (what CI checks against XLA).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,9 +129,7 @@ def tpu_write(
     # run of them is the same shape at both ends of its DMA.
     roles = [r for r in lay.roles if r not in ("block", "kv")]
     order = [("token", "head", "dim").index(r) for r in roles]
-    halves = (
-        [jnp.concatenate([key, value], axis=-1)] if lay.fused else [key, value]
-    )
+    halves = [jnp.concatenate([key, value], axis=-1)] if lay.fused else [key, value]
     halves = [jnp.transpose(x, order) for x in halves]
     token_axis = roles.index("token")
     # Run lengths' bits (a run is at most a page and at most the tokens).
@@ -152,7 +150,7 @@ def tpu_write(
                 size = 1 << bit
                 has = jax.lax.bitwise_and(length, size) != 0
                 for h, src in enumerate(srcs):
-                    src_at = [slice(None)] * len(roles)
+                    src_at: list[Any] = [slice(None)] * len(roles)
                     src_at[token_axis] = pl.ds(t + at, size)
                     dst = pool_ref.at[
                         lay.at(
