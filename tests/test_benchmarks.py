@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
         ("bench_layer_scan", "--layers 3 --tokens 32".split()),
+        ("kernel_report", ["--quick"]),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
         (
             "bench_offload",
@@ -109,6 +110,16 @@ def _attention(r):
     assert r["jaxkv_over_copy"] == pytest.approx(r["jaxkv_ms"] / r["copy_ms"])
     if "decode_max_abs_diff" in r:  # ejkernel ran (head_dim 16 it refuses)
         assert r["decode_max_abs_diff"] < 1e-4
+
+
+def _kernel_report(r):
+    rows = r["tpu"]
+    assert {row["chip"] for row in rows} == {"v5e", "v6e"}
+    for row in rows:
+        assert row["compiled"] == "yes" or row["compiled"].startswith("not tried")
+        assert 0 < row["est. % of HBM"] <= 100
+        assert row["no-overlap bound %"] <= row["est. % of HBM"] + 1e-9
+        assert row["KiB/wave"] >= 256
 
 
 def _step_loop(r):
@@ -190,6 +201,7 @@ FIGURES = {
     "bench_attention": _attention,
     "bench_step_loop": _step_loop,
     "bench_layer_scan": _layer_scan,
+    "kernel_report": _kernel_report,
     "bench_serve": _serve,
     "bench_sched": _sched,
     "bench_prefix": _prefix,
