@@ -84,6 +84,26 @@ def check_non_negative_int(owner: str, name: str, value: object) -> int:
     return int(value)
 
 
+def check_bool(owner: str, name: str, value: object) -> bool:
+    """`value`; raises unless it is a bool (``"no"``, ``1`` or ``None`` are not).
+
+    Example:
+      >>> from jaxkv._util import check_bool
+      >>> check_bool("Opts", "overlap", False)
+      False
+      >>> check_bool("Opts", "overlap", "no")
+      Traceback (most recent call last):
+      ...
+      TypeError: Opts.overlap must be True or False, got 'no' (str).
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"{owner}.{name} must be True or False, got {value!r} "
+            f"({type(value).__name__})."
+        )
+    return bool(value)
+
+
 def reject_unsupported(owner: str, name: str, value: object, default: object) -> None:
     """Raises if a field jaxkv accepts for vLLM parity but does not implement is set.
 

@@ -143,17 +143,11 @@ class Scheduler:
         )
         # Given limits are checked, never replaced by the config's (0 is not
         # "the default").
-        self.max_num_batched_tokens = (
-            cfg.max_num_batched_tokens
-            if max_num_batched_tokens is None
-            else check_positive_int(
-                "Scheduler", "max_num_batched_tokens", max_num_batched_tokens
-            )
+        self.max_num_batched_tokens = _within_config(
+            "max_num_batched_tokens", max_num_batched_tokens, cfg.max_num_batched_tokens
         )
-        self.max_num_seqs = (
-            cfg.max_num_seqs
-            if max_num_seqs is None
-            else check_positive_int("Scheduler", "max_num_seqs", max_num_seqs)
+        self.max_num_seqs = _within_config(
+            "max_num_seqs", max_num_seqs, cfg.max_num_seqs
         )
         self.max_model_len = cfg.max_model_len
         self.vocab_size = (
@@ -1331,3 +1325,22 @@ def _until_stop(req: Request, row: list[int]) -> list[int]:
 def _record(step: ScheduledStep, k: int, req: Request, taken: list[int]) -> None:
     for i, token in enumerate(taken):
         step.filled_by_iteration[i].append((k, req, token))
+
+
+def _within_config(name: str, value: object, limit: int) -> int:
+    """A step budget: the config's `limit` by default, never above it.
+
+    The step buffers and buckets (:class:`StepMetadataBuilder`) are sized to
+    the config's limits: a larger budget would schedule steps no program can
+    take (refused when prepared, every time).
+    """
+    if value is None:
+        return limit
+    value = check_positive_int("Scheduler", name, value)
+    if value > limit:
+        raise ValueError(
+            f"Scheduler: {name}={value} is above the config's {name}={limit} "
+            "(the step buffers and buckets are sized to it); give at most "
+            f"{limit}, or raise it in the RunnerConfig."
+        )
+    return value

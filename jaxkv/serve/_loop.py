@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._util import checks_own_arguments
+from jaxkv._util import check_bool, checks_own_arguments
 from jaxkv.kv import Pools, any_deleted
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import HostKVCache, Request, RequestStatus, ScheduledStep, Scheduler
@@ -223,13 +223,15 @@ class ServingLoop:
         )
         self._prev_tokens = self._no_tokens()
 
-    def _schedulers(self, *, num_blocks: int | None) -> list[Scheduler]:
+    def _schedulers(
+        self, *, num_blocks: int | None, options: SchedulingOptions | None = None
+    ) -> list[Scheduler]:
         """One scheduler per data-parallel rank under :attr:`scheduling`.
 
         One scheduler per data-parallel rank under :attr:`scheduling`, each
         with its own host tier (on a mesh, the rank's copies of the pools).
         """
-        opts = self.scheduling
+        opts = self.scheduling if options is None else options
 
         def host(rank: int) -> HostKVCache | None:
             if not opts.host_blocks:
@@ -322,7 +324,7 @@ class ServingLoop:
           >>> r.output
           [3, 3, 3]
         """
-        value = bool(value)
+        value = check_bool("ServingLoop.set_overlap", "value", value)
         if value == self._overlap:
             return
         if self._on_token is not None:
@@ -395,9 +397,11 @@ class ServingLoop:
             options.host_blocks,
             options.enable_prefix_caching,
         )
+        # The new schedulers first: options they refuse change nothing.
+        schedulers = self._schedulers(num_blocks=num_blocks, options=options)
         self.resume()
         self.scheduling = options
-        self.schedulers = self._schedulers(num_blocks=num_blocks)
+        self.schedulers = schedulers
         self.logits = {}
 
     # --- device side ----------------------------------------------------------

@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv._util import checks_own_arguments
+from jaxkv._util import (
+    check_bool,
+    check_non_negative_int,
+    check_positive_int,
+    checks_own_arguments,
+)
 from jaxkv.step import BucketDispatcher
 
 
@@ -48,6 +53,24 @@ class SchedulingOptions:
     host_blocks: int = 0
     enable_kv_cache_events: bool = False
 
+    def __post_init__(self) -> None:
+        """Each option of the right kind (``"yes"`` is not a bool), named."""
+        owner = "SchedulingOptions"
+        for name in (
+            "enable_prefix_caching",
+            "scheduler_reserve_full_isl",
+            "enable_kv_cache_events",
+        ):
+            check_bool(owner, name, getattr(self, name))
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) is not None:
+                check_positive_int(owner, name, getattr(self, name))
+        check_non_negative_int(owner, "host_blocks", self.host_blocks)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"{owner}.policy must be 'fcfs' or 'priority', got {self.policy!r}."
+            )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 @checks_own_arguments
@@ -83,3 +106,10 @@ class ExecutionOptions:
     param_specs: Any = None
     per_request_sampling: bool = False
     record_logits: bool = False
+
+    def __post_init__(self) -> None:
+        """Each option of the right kind (``"no"`` is not a bool), named."""
+        owner = "ExecutionOptions"
+        for name in ("overlap", "per_request_sampling", "record_logits"):
+            check_bool(owner, name, getattr(self, name))
+        # decode_steps is checked by the loop, against max_model_len.

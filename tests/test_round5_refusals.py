@@ -1,0 +1,73 @@
+"""Round 5 (issue 56): options above the config refused when the loop is built
+or reset, and a refused reset leaves the loop serving; options of the wrong
+kind (``"no"`` for a bool) named; the scheduler's own budgets bounded by the
+config the step buffers are sized to.
+"""  # noqa: D205
+
+import jax.numpy as jnp
+import pytest
+
+import jaxkv
+from tests.test_serve_refusals import CFG, _forward, _request
+
+
+def _loop(**kw):
+    plan = jaxkv.make_plan(CFG, num_blocks=8)
+    layer = plan.attention_layer("layers.0.self_attn")
+    return jaxkv.ServingLoop(plan, _forward(layer), jnp.eye(8), vocab_size=8, **kw)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "limit"),
+    [("max_num_seqs", 100, 2), ("max_num_batched_tokens", 10**6, 16)],
+)
+def test_a_budget_above_the_config_is_refused_when_the_loop_is_built(
+    option, value, limit
+):
+    opts = jaxkv.SchedulingOptions(**{option: value})
+    with pytest.raises(ValueError, match=rf"{option}={value} is above.*{limit}"):
+        _loop(scheduling=opts)
+    plan = jaxkv.make_plan(CFG, num_blocks=8)
+    with pytest.raises(ValueError, match=rf"{option}={value} is above"):
+        jaxkv.Scheduler(plan, **{option: value})
+
+
+def test_a_refused_reset_leaves_the_loop_serving():
+    loop = _loop()
+    want = loop.run([_request("a")])[0].output
+    with pytest.raises(ValueError, match="max_num_seqs=100 is above"):
+        loop.reset(scheduling=jaxkv.SchedulingOptions(max_num_seqs=100))
+    assert loop.scheduling == jaxkv.SchedulingOptions()
+    loop.reset()  # a valid reset still works
+    assert loop.run([_request("b")])[0].output == want
+    # A budget at or below the config's is taken.
+    loop.reset(scheduling=jaxkv.SchedulingOptions(max_num_seqs=1))
+    assert loop.scheduler.max_num_seqs == 1
+    assert loop.run([_request("c")])[0].output == want
+
+
+@pytest.mark.parametrize(
+    ("record", "kw", "name"),
+    [
+        (jaxkv.ExecutionOptions, {"overlap": "no"}, "overlap"),
+        (jaxkv.ExecutionOptions, {"record_logits": 1}, "record_logits"),
+        (jaxkv.SchedulingOptions, {"enable_prefix_caching": "yes"}, "prefix"),
+        (jaxkv.SchedulingOptions, {"scheduler_reserve_full_isl": None}, "isl"),
+        (jaxkv.SchedulingOptions, {"max_num_seqs": 2.5}, "max_num_seqs"),
+        (jaxkv.SchedulingOptions, {"host_blocks": -1}, "host_blocks"),
+        (jaxkv.SchedulingOptions, {"policy": "lifo"}, "policy"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_named(record, kw, name):
+    with pytest.raises((TypeError, ValueError), match=name):
+        record(**kw)
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1])
+def test_set_overlap_takes_a_bool_only(value):
+    loop = _loop()
+    before = loop.execution.overlap
+    # (under the suite, beartype names the argument first; alone, jaxkv does)
+    with pytest.raises(TypeError, match="value"):
+        loop.set_overlap(value)
+    assert loop.execution.overlap == before
