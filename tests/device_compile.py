@@ -67,13 +67,19 @@ def compile_for_tpu(fn: Any, args: tuple[Any, ...], chip: str, donate=()) -> Any
     Outside the persistent compilation cache: an executable for a device
     this host lacks cannot be read back from it.
     """
+    from jax.experimental.compilation_cache import compilation_cache
+
     lowered = jax.jit(fn, donate_argnums=donate).lower(*on_tpu(args, chip))
+    # A persistent cache set up earlier in the process (ejkernel's import
+    # sets one) is decided once: reset it around this compile.
     was = getattr(jax.config, "jax_enable_compilation_cache")  # noqa: B009
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         return lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 def interpreted_ops(text: str) -> list[str]:

@@ -71,3 +71,70 @@ def test_set_overlap_takes_a_bool_only(value):
     with pytest.raises(TypeError, match="value"):
         loop.set_overlap(value)
     assert loop.execution.overlap == before
+
+
+def _attention_case():
+    from tests.attention_cases import CASES, build
+
+    return build(next(c for c in CASES if c.name == "decode_fused_f32"))
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "native", "pallas"])
+def test_attention_refuses_a_q_shorter_than_the_metadata_or_not_float(
+    implementation,
+):
+    built = _attention_case()
+    kw = {**built.kw, "layer": built.layer, "implementation": implementation}
+    n = built.q.shape[0]
+    with pytest.raises(ValueError, match=f"q has {n - 1} tokens, but meta is for {n}"):
+        jaxkv.paged_attention(
+            built.q[: n - 1], built.pools, built.view, built.meta, **kw
+        )
+    with pytest.raises(TypeError, match="q has dtype int32"):
+        jaxkv.paged_attention(
+            built.q.astype(jnp.int32), built.pools, built.view, built.meta, **kw
+        )
+    with pytest.raises(ValueError, match=r"q must be \(num_tokens, num_heads"):
+        jaxkv.paged_attention(built.q[:, 0], built.pools, built.view, built.meta, **kw)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("query_tile", 0),
+        ("query_tile", -1),
+        ("query_tile", 2.5),
+        ("query_tile", True),
+        ("pages_per_chunk", 0),
+        ("pages_per_chunk", -2),
+        ("pages_per_chunk", True),
+    ],
+)
+def test_attention_refuses_a_tile_or_chunk_that_is_not_a_positive_int(option, value):
+    built = _attention_case()
+    kw = {**built.kw, "layer": built.layer, option: value}
+    with pytest.raises((ValueError, TypeError), match=option):
+        jaxkv.paged_attention(built.q, built.pools, built.view, built.meta, **kw)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("sliding_window", 0),
+        ("sliding_window", True),
+        ("attention_chunk_size", -8),
+        ("logits_soft_cap", 0.0),
+        ("logits_soft_cap", "30"),
+        ("cross_attention", "yes"),
+        ("use_mm_prefix", None),
+        ("scale", "0.1"),
+        ("scale", True),
+    ],
+)
+def test_attention_names_a_mask_option_or_scale_of_the_wrong_kind(option, value):
+    built = _attention_case()
+    kw = {**built.kw, "layer": built.layer, option: value}
+    with pytest.raises((ValueError, TypeError), match=option):
+        jaxkv.paged_attention(built.q, built.pools, built.view, built.meta, **kw)
+    with pytest.raises(TypeError, match="meta must be the layer's"):
+        jaxkv.paged_attention(built.q, built.pools, built.view, {}, **built.kw)

@@ -15,10 +15,13 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from jaxkv._native import unavailable_reason
+from jaxkv._util import checks_own_arguments, is_int
 from jaxkv.attention._call import Call, kv_heads_of
 from jaxkv.attention._native import native_attention, native_unfit
 from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
@@ -36,6 +39,7 @@ _GPU_PLATFORMS = ("cuda", "rocm")
 _PLATFORMS = ("cpu", *_GPU_PLATFORMS, "tpu")
 
 
+@checks_own_arguments
 def paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
     pools: Pools,
@@ -145,6 +149,7 @@ def paged_attention(
       >>> bool(np.allclose(out[1, 0], k[:, 0].mean(0) + 1))  # zero q: mean of v
       True
     """
+    _check_call(q, meta, query_tile=query_tile, pages_per_chunk=pages_per_chunk)
     if isinstance(view, AttentionLayer):
         if None not in (view.group, meta.group) and view.group != meta.group:
             raise ValueError(
@@ -190,6 +195,16 @@ def paged_attention(
             f"AttentionLayer, got {type(view).__name__} (a Mamba layer's state "
             "view has no keys)."
         )
+    _check_call(q, meta, query_tile=query_tile, pages_per_chunk=pages_per_chunk)
+    _check_mask_args(
+        sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=logits_soft_cap,
+        cross_attention=cross_attention,
+        use_mm_prefix=use_mm_prefix,
+    )
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating):
+        raise TypeError(f"paged_attention: scale must be a number, got {scale!r}.")
     if query_tile is None:
         query_tile = 16 if q.shape[0] > meta.max_reqs else 1
     call = Call(
@@ -218,6 +233,78 @@ def paged_attention(
     return _attend(
         q, pools, view, meta, layer, call=call, choice=choice, platform=platform
     )
+
+
+def _check_call(
+    q: object,
+    meta: object,
+    *,
+    query_tile: object,
+    pages_per_chunk: object,
+) -> None:
+    """The call's queries and options, named, before anything is traced."""
+    if not isinstance(meta, CommonAttentionMetadata):
+        raise TypeError(
+            "paged_attention: meta must be the layer's CommonAttentionMetadata "
+            f"(builder.metadata(inputs)[name]), got {type(meta).__name__}."
+        )
+    if not hasattr(q, "shape") or not hasattr(q, "dtype"):
+        raise TypeError(f"paged_attention: q must be an array, got {type(q).__name__}.")
+    shape = tuple(q.shape)  # pyright: ignore[reportAttributeAccessIssue]
+    if len(shape) != 3:
+        raise ValueError(
+            "paged_attention: q must be (num_tokens, num_heads, head_dim), got "
+            f"shape {shape}."
+        )
+    dtype = np.dtype(q.dtype)  # pyright: ignore[reportAttributeAccessIssue]
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"paged_attention: q has dtype {dtype}; queries are floating point "
+            "(an integer q would be attended and truncated)."
+        )
+    tokens = meta.slot_mapping.shape[0]
+    if shape[0] != tokens:
+        raise ValueError(
+            f"paged_attention: q has {shape[0]} tokens, but meta is for {tokens} "
+            "(its slot_mapping): every token of the step needs its query row "
+            "(fewer would drop the last ones' outputs); pass the step's whole q."
+        )
+    for name, value, optional in (
+        ("query_tile", query_tile, True),
+        ("pages_per_chunk", pages_per_chunk, True),
+    ):
+        if value is None and optional:
+            continue
+        if not is_int(value) or value < 1:
+            raise ValueError(
+                f"paged_attention: {name} must be a positive int, got {value!r}."
+            )
+
+
+def _check_mask_args(**given: object) -> None:
+    """Windows and chunks positive ints, the cap a positive number, flags bools."""
+    for name in ("sliding_window", "attention_chunk_size"):
+        value = given[name]
+        if value is not None and (not is_int(value) or value < 1):
+            raise ValueError(
+                f"paged_attention: {name} must be None or a positive int, got "
+                f"{value!r}."
+            )
+    cap = given["logits_soft_cap"]
+    if cap is not None and (
+        isinstance(cap, bool)
+        or not isinstance(cap, int | float | np.floating)
+        or not cap > 0
+    ):
+        raise ValueError(
+            f"paged_attention: logits_soft_cap must be None or a positive number, "
+            f"got {cap!r}."
+        )
+    for name, optional in (("cross_attention", True), ("use_mm_prefix", False)):
+        value = given[name]
+        if (value is None and optional) or isinstance(value, bool | np.bool_):
+            continue
+        raise TypeError(f"paged_attention: {name} must be a bool, got {value!r}.")
 
 
 def _check_heads(q_shape: tuple[int, ...], view: KVCacheView) -> None:
