@@ -137,4 +137,4 @@ def test_attention_names_a_mask_option_or_scale_of_the_wrong_kind(option, value)
     with pytest.raises((ValueError, TypeError), match=option):
         jaxkv.paged_attention(built.q, built.pools, built.view, built.meta, **kw)
     with pytest.raises(TypeError, match="meta must be the layer's"):
-        jaxkv.paged_attention(built.q, built.pools, built.view, {}, **built.kw)
+        jaxkv.paged_attention(built.q, built.pools, built.view, {}, **built.kw)  # pyright: ignore[reportArgumentType]
