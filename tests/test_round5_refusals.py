@@ -138,3 +138,37 @@ def test_attention_names_a_mask_option_or_scale_of_the_wrong_kind(option, value)
         jaxkv.paged_attention(built.q, built.pools, built.view, built.meta, **kw)
     with pytest.raises(TypeError, match="meta must be the layer's"):
         jaxkv.paged_attention(built.q, built.pools, built.view, {}, **built.kw)  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("stops", [(8,), (3, 100), (-1,)])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(stops):
+    plan = jaxkv.make_plan(CFG, num_blocks=8)
+    scheduler = jaxkv.Scheduler(plan, vocab_size=8)
+    req = jaxkv.Request("a", prompt=[1, 2], max_new_tokens=2, stop_token_ids=stops)
+    assert not scheduler.add_request(req)
+    assert "stop_token_ids must be in [0, 8)" in str(req.reject_reason)
+    ok = jaxkv.Request("b", prompt=[1, 2], max_new_tokens=2, stop_token_ids=(7,))
+    assert scheduler.add_request(ok)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "1"])
+def test_a_block_id_that_is_not_an_int_is_named_and_changes_nothing(bad):
+    from jaxkv.sched import BlockAllocator
+
+    blocks = BlockAllocator(8)
+    held = blocks.allocate(2)
+    queue = blocks.free_queue()
+    for call in (blocks.free, blocks.touch):
+        with pytest.raises(TypeError, match="is not an int"):
+            call([held[0], bad])  # pyright: ignore[reportArgumentType]
+        assert blocks.free_queue() == queue
+    blocks.free(held)  # each still held once
+
+
+def test_vllm_namespace_has_build_slot_mappings_by_layer():
+    import jaxkv.vllm
+
+    assert jaxkv.vllm.build_slot_mappings_by_layer is (
+        jaxkv.plan.build_slot_mappings_by_layer
+    )
+    assert "build_slot_mappings_by_layer" in jaxkv.vllm.__all__

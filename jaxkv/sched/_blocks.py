@@ -134,6 +134,7 @@ class BlockAllocator:
         out, self._evicted = self._evicted, []
         return out
 
+    @checks_own_arguments
     def free(self, ids: Sequence[int]) -> None:
         """Drops one hold on each id, in eviction order (first evicted first).
 
@@ -167,9 +168,11 @@ class BlockAllocator:
         for block in back:
             self._free[block] = None
 
+    @checks_own_arguments
     def touch(self, ids: Sequence[int]) -> None:
         """Holds each id once more (a prefix-cache hit); free ones leave the queue."""
         for block in ids:
+            _check_id(block)
             if not 0 < block < self.num_blocks:
                 raise ValueError(
                     f"Block id {block} is not in 1..{self.num_blocks - 1}."
@@ -215,9 +218,17 @@ class BlockAllocator:
         self._cached.clear()
         self._key_of.clear()
 
-    def _check_held(self, block: int) -> None:
+    def _check_held(self, block: object) -> None:
+        block = _check_id(block)
         if not 0 < block < self.num_blocks or self._refs[block] == 0:
             raise ValueError(
                 f"Block id {block} is not held (the null block 0, out of range "
                 "or already free)."
             )
+
+
+def _check_id(block: object) -> int:
+    """`block` as an int id; ``1.5`` or ``True`` is not one."""
+    if not is_int(block):
+        raise TypeError(f"Block id {block!r} is not an int ({type(block).__name__}).")
+    return int(block)

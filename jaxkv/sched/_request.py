@@ -161,6 +161,12 @@ def request_problem(req: Request, *, vocab_size: int | None) -> str | None:
         isinstance(t, int | np.integer) and not isinstance(t, bool) for t in stops
     ):
         return f"stop_token_ids must be ints, got {list(stops)!r}"
+    outside = [int(t) for t in stops if not 0 <= t < top]
+    if outside:
+        return (
+            f"stop_token_ids must be in [0, {top}) (no other id is ever "
+            f"sampled, so the request would never stop on them), got {outside}"
+        )
     if req.cache_salt is not None and not isinstance(req.cache_salt, str):
         return (
             "cache_salt must be a str or None, got "
