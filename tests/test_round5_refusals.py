@@ -160,7 +160,7 @@ def test_a_block_id_that_is_not_an_int_is_named_and_changes_nothing(bad):
     queue = blocks.free_queue()
     for call in (blocks.free, blocks.touch):
         with pytest.raises(TypeError, match="is not an int"):
-            call([held[0], bad])  # pyright: ignore[reportArgumentType]
+            call([held[0], bad])
         assert blocks.free_queue() == queue
     blocks.free(held)  # each still held once
 

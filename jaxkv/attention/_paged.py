@@ -263,11 +263,21 @@ def _check_call(
             "(an integer q would be attended and truncated)."
         )
     tokens = meta.slot_mapping.shape[0]
-    if shape[0] != tokens:
+    # A fast-prefill (YOCO) layer may attend the logits tokens alone: the
+    # reduced record's rows (make_kv_sharing_fast_prefill_common_attn_metadata).
+    reduced = meta.logits_indices_padded.shape[0]
+    allowed = (tokens, reduced) if meta.fast_prefill else (tokens,)
+    if shape[0] not in allowed:
+        also = (
+            f" or, for a fast-prefill layer, the {reduced} logits tokens"
+            if meta.fast_prefill
+            else ""
+        )
         raise ValueError(
             f"paged_attention: q has {shape[0]} tokens, but meta is for {tokens} "
-            "(its slot_mapping): every token of the step needs its query row "
-            "(fewer would drop the last ones' outputs); pass the step's whole q."
+            f"(its slot_mapping){also}: every token of the step needs its query "
+            "row (fewer would drop the last ones' outputs); pass the step's "
+            "whole q."
         )
     for name, value, optional in (
         ("query_tile", query_tile, True),
