@@ -566,3 +566,21 @@ def test_receive_request_honours_its_deadline_when_the_peer_never_answers():
     assert time.perf_counter() - t0 < 5
     with pytest.raises(TypeError, match="timeout must be a datetime"):
         jaxkv.transfer.receive_request(Silent(), plan, uuid=7, timeout="5s")
+
+
+def test_receive_request_from_a_real_server_with_no_peer_ends_by_its_deadline():
+    # JAX's transfer library hands back arrays still arriving: reading them
+    # blocked past the deadline (issue 56: not back after 60 s).
+    import time
+
+    from jax.experimental import transfer
+
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+    client = jax.devices()[0].client
+    server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="nothing arrived for uuid 7"):
+        jaxkv.transfer.receive_request(
+            server.connect("127.0.0.1:1"), plan, uuid=7, timeout=1.0
+        )
+    assert time.perf_counter() - t0 < 10

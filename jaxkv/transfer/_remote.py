@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import jax
@@ -58,7 +59,11 @@ def _pull(
     """``connection.pull`` that returns or raises by `deadline`.
 
     ``connection.pull`` that returns or raises by `deadline`, whatever the
-    transport does (a worker thread, abandoned at the deadline).
+    peer does: the call itself runs on a worker thread (a transport may block
+    in it: the thread is abandoned at the deadline), and the arrays it hands
+    back, still arriving with JAX's transfer library, are polled
+    (``is_ready``) until they all are or the deadline passes. Never a wait
+    inside native code the deadline cannot end.
     """
     if deadline is None:
         return connection.pull(uuid, specs)
@@ -70,19 +75,28 @@ def _pull(
         except BaseException as err:  # noqa: BLE001 - re-raised on the caller
             done["error"] = err
 
-    worker = threading.Thread(target=work, name=f"jaxkv-pull-{uuid}", daemon=True)
-    worker.start()
-    left = (deadline - datetime.datetime.now()).total_seconds()
-    worker.join(max(left, 0.0))
-    if worker.is_alive():
-        raise TimeoutError(
+    def late() -> TimeoutError:
+        return TimeoutError(
             f"receive_request: nothing arrived for uuid {uuid} by the deadline "
             f"{deadline.isoformat(timespec='milliseconds')} (is the sender there, "
             "and has it called send_request with this uuid?)."
         )
+
+    worker = threading.Thread(target=work, name=f"jaxkv-pull-{uuid}", daemon=True)
+    worker.start()
+    worker.join(max((deadline - datetime.datetime.now()).total_seconds(), 0.0))
+    if worker.is_alive():
+        raise late()
     if "error" in done:
         raise done["error"]
-    return done["value"]
+    arrays = done["value"]
+    pause = 1e-4
+    while not all(a.is_ready() for a in jax.tree.leaves(arrays)):
+        if datetime.datetime.now() >= deadline:
+            raise late()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return arrays
 
 
 def send_request(server: Any, kv: RequestKV, *, uuid: int) -> None:
