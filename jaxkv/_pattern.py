@@ -19,6 +19,7 @@ from jaxkv._specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from jaxkv._util import check_positive_int
 from jaxkv.plan import align_hybrid_block_size
 
 #: Pattern letters: global (full) attention, local (sliding-window)
@@ -118,6 +119,18 @@ def pattern_config(
     """
     letters = parse_pattern(pattern)
     used = set(letters)
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+    ):
+        check_positive_int("pattern_config", name, value)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"pattern_config: num_heads={num_heads} is not a multiple of "
+            f"num_kv_heads={num_kv_heads} (each KV head serves the same number "
+            "of query heads)."
+        )
     for letter, name, value in (
         ("L", "sliding_window", sliding_window),
         ("C", "attention_chunk_size", attention_chunk_size),

@@ -137,6 +137,8 @@ def host_int_array(value: object, name: str) -> np.ndarray:
             f"{name} is a traced value: host checks look at values before jit "
             "(inside jit, invalid ids are dropped instead)."
         ) from None
+    if arr.size == 0 and arr.dtype.kind == "f":  # [] is float64 to NumPy
+        return arr.astype(np.int32)
     if arr.dtype.kind not in "iu":
         raise TypeError(
             f"{name} must hold integer ids, got dtype {arr.dtype} (float ids would "

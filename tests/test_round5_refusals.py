@@ -172,3 +172,25 @@ def test_vllm_namespace_has_build_slot_mappings_by_layer():
         jaxkv.plan.build_slot_mappings_by_layer
     )
     assert "build_slot_mappings_by_layer" in jaxkv.vllm.__all__
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"num_layers": 0}, "num_layers must be positive"),
+        ({"num_layers": -1}, "num_layers must be positive"),
+        ({"num_heads": 3}, "num_heads=3 is not a multiple of num_kv_heads=2"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be positive"),
+    ],
+)
+def test_pattern_config_names_a_layer_or_head_count_it_cannot_build(kw, match):
+    args = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_size": 8, **kw}
+    with pytest.raises(ValueError, match=match):
+        jaxkv.pattern_config("G", **args)
+
+
+def test_an_empty_block_copy_is_a_no_op():
+    plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=2), num_blocks=8)
+    pools = plan.allocate()
+    out = jaxkv.copy_blocks(pools, plan, src=[], dst=[])
+    assert all(a is b for a, b in zip(out, pools, strict=True))

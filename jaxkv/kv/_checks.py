@@ -55,6 +55,8 @@ def _device_ids(value: ArrayLike, name: str) -> jax.Array:
     int32) become -1 (dropped), never wrapped.
     """
     ids = jnp.asarray(value)
+    if ids.size == 0 and jnp.issubdtype(ids.dtype, jnp.floating):  # [] is float
+        return ids.astype(jnp.int32)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(
             f"{name} must hold integer ids, got dtype {ids.dtype} (float ids would "

@@ -85,6 +85,8 @@ def copy_blocks(
             f"copy_blocks: plan must be a KVCachePlan, got {type(plan).__name__}."
         )
     src_ids, dst_ids = _checked_pairs("copy_blocks", plan.num_blocks, src, dst)
+    if src_ids.size == 0:  # nothing to copy: the pools as they are
+        return tuple(pools)
     views: list[LayerView] = []
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
