@@ -99,6 +99,10 @@ CASES = (
     # Waves of 2 pages: rows of 3, 1 and 3 waves, the last wave part-empty,
     # the next row's first wave started by the row before.
     Case("decode_waves_of_2", reqs=((1, 33), (1, 9), (1, 40)), pages=2),
+    # seq_len past the table (5 pages of 8 = 40 keys) and a table width that
+    # is not a multiple of the chunk (2 pages): the last chunk's second page
+    # is past the table, its keys never seen.
+    Case("decode_past_table_odd_chunks", reqs=((1, 50), (1, 44), (1, 7)), pages=2),
     # A window: rows start past their first page, mid-wave ends.
     Case(
         "mixed_kv_waves_window",

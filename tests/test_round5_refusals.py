@@ -194,3 +194,75 @@ def test_an_empty_block_copy_is_a_no_op():
     pools = plan.allocate()
     out = jaxkv.copy_blocks(pools, plan, src=[], dst=[])
     assert all(a is b for a, b in zip(out, pools, strict=True))
+
+
+def test_the_default_picks_triton_only_for_views_it_can_run():
+    # Head 96 is not a power of two: Triton cannot take it, Mosaic can.
+    from jaxkv.attention._call import Call
+    from jaxkv.attention._rows import Mask
+
+    cfg = jaxkv.llama_like_config(num_layers=1, head_size=96)
+    plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
+    view = plan.views["layers.0.self_attn"]
+    call = Call(Mask(True, None, None, False, False), 1.0, None, None, 1, "auto")
+    choice = jaxkv.attention.choose_implementation(None, view, call, (4, 4, 96))
+    assert choice.on("cuda") == "xla"
+    assert choice.on("tpu") == "pallas_tpu"
+    assert choice.on("cpu") == "xla"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "full", "sliding"),
+    [
+        # 2 full + 3 sliding: groups of the smaller count (3 is not < 2 x 1.5)
+        ("GGLLL", [2], [2, 1]),
+        # 4 + 6: the same rule at the boundary (6 is not < 4 x 1.5)
+        ("GGGGLLLLLL", [4], [3, 3]),
+        # 2 + 2 and 4 + 5: within 1.5x, groups of the larger count
+        ("GGLL", [2], [2]),
+        ("GGGGLLLLL", [4], [5]),
+    ],
+)
+def test_hybrid_layers_group_as_vllm_groups_them(pattern, full, sliding):
+    cfg = jaxkv.pattern_config(
+        pattern,
+        num_layers=len(pattern),
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        sliding_window=16,
+    )
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=8)
+    sizes = {"FullAttentionSpec": [], "SlidingWindowSpec": []}
+    for g in kv.kv_cache_groups:
+        sizes[type(g.kv_cache_spec).__name__].append(len(g.layer_names))
+    assert sizes == {"FullAttentionSpec": full, "SlidingWindowSpec": sliding}
+
+
+def test_a_windowed_and_a_chunked_full_spec_do_not_merge():
+    kw = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": "float32"}
+    windowed = jaxkv.FullAttentionSpec(sliding_window=32, **kw)
+    chunked = jaxkv.FullAttentionSpec(attention_chunk_size=32, **kw)
+    assert jaxkv.vllm.merge_specs([windowed, chunked]) is None
+    assert jaxkv.vllm.merge_specs([windowed, jaxkv.FullAttentionSpec(**kw)]) == windowed
+
+
+def test_lookahead_slots_stop_at_max_model_len():
+    # max_model_len 64, block 16: a request never holds more than 4 blocks,
+    # however many lookahead slots are asked for near its end.
+    plan = jaxkv.make_plan(CFG, num_blocks=16)
+    scheduler = jaxkv.Scheduler(plan, num_lookahead_tokens=3)
+    req = jaxkv.Request("a", prompt=list(range(1, 61)), max_new_tokens=4)
+    assert scheduler.add_request(req)
+    builder = jaxkv.StepMetadataBuilder(plan)
+    for _ in range(20):
+        step = scheduler.schedule()
+        if not step.batch:
+            break
+        builder.prepare(step)
+        for table in scheduler.manager.blocks_of(req):
+            assert len(table) <= 4, table
+        scheduler.update(step, [1] * len(step.sampled))
+        if req.finished:
+            break
+    assert req.finished
