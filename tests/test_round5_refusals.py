@@ -203,7 +203,7 @@ def test_the_default_picks_triton_only_for_views_it_can_run():
 
     cfg = jaxkv.llama_like_config(num_layers=1, head_size=96)
     plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
-    view = plan.views["layers.0.self_attn"]
+    view = plan.attention_layer("layers.0.self_attn").view
     call = Call(Mask(True, None, None, False, False), 1.0, None, None, 1, "auto")
     choice = jaxkv.attention.choose_implementation(None, view, call, (4, 4, 96))
     assert choice.on("cuda") == "xla"
