@@ -266,3 +266,19 @@ def test_lookahead_slots_stop_at_max_model_len():
         if req.finished:
             break
     assert req.finished
+
+
+def test_a_request_live_at_reset_is_finished_not_left_running():
+    loop = _loop()
+    running = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=8)
+    waiting = jaxkv.Request("b", prompt=[1, 2], max_new_tokens=8)
+    third = jaxkv.Request("c", prompt=[3], max_new_tokens=8)
+    for r in (running, waiting, third):
+        assert loop.submit(r)
+    loop.step()
+    loop.step()
+    assert running.status is jaxkv.RequestStatus.RUNNING
+    loop.reset()
+    for r in (running, waiting, third):
+        assert r.status is jaxkv.RequestStatus.FINISHED, r
+    assert loop.run([_request("d")])[0].output

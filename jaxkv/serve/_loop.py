@@ -369,7 +369,10 @@ class ServingLoop:
         """New schedulers; pools and compiled programs stay.
 
         New schedulers: requests, cached prefixes (the host tier's too) and
-        recorded logits are forgotten; pools and compiled programs stay.
+        recorded logits are forgotten; pools and compiled programs stay. A
+        request still running or waiting is aborted: finished, its blocks
+        freed, tokens not yet read dropped (``status`` FINISHED, not left
+        RUNNING forever).
 
         Args:
           scheduling: The new schedulers' options, kept for later resets
@@ -400,6 +403,11 @@ class ServingLoop:
         # The new schedulers first: options they refuse change nothing.
         schedulers = self._schedulers(num_blocks=num_blocks, options=options)
         self.resume()
+        # Requests still live are aborted (finished, as Scheduler.finish
+        # does), not left RUNNING or WAITING in a scheduler nobody drives.
+        for scheduler in self.schedulers:
+            for req in [*scheduler.running, *scheduler.waiting]:
+                scheduler.finish(req)
         self.scheduling = options
         self.schedulers = schedulers
         self.logits = {}
