@@ -282,3 +282,37 @@ def test_a_request_live_at_reset_is_finished_not_left_running():
     for r in (running, waiting, third):
         assert r.status is jaxkv.RequestStatus.FINISHED, r
     assert loop.run([_request("d")])[0].output
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"kernel_block_size": 0}, "kernel_block_size must be positive"),
+        ({"kernel_block_size": -64}, "kernel_block_size must be positive"),
+        ({"num_blocks": 0}, "num_blocks must be positive"),
+        ({"num_blocks": -3}, "num_blocks must be positive"),
+        ({"offset": -68}, "offset must be >= 0"),
+        ({"pool": -1}, "pool must be >= 0"),
+        ({"block_stride": 0}, "block_stride must be positive"),
+        ({"block_stride": 1020}, "shorter than a page of 1088 bytes"),
+    ],
+)
+def test_packed_view_names_a_count_offset_or_stride_it_cannot_lay_out(kw, match):
+    spec = jaxkv.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=68,
+        dtype="uint8",
+        state_content_bytes=68,
+        tokens_per_state=4,
+    )
+    args = {
+        "pool": 0,
+        "num_blocks": 3,
+        "block_stride": spec.page_size_bytes,
+        "offset": 0,
+        "kernel_block_size": 64,
+        **kw,
+    }
+    with pytest.raises(ValueError, match=match):
+        jaxkv.plan.packed_view("idx", spec, **args)

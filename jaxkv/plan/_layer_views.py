@@ -18,6 +18,7 @@ from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
 from jaxkv._layer_queries import get_shared_kv_cache_layers
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._specs import AttentionSpec, MLAAttentionSpec
+from jaxkv._util import check_non_negative_int, check_positive_int
 from jaxkv.groups import (
     AttentionGroup,
     flat_groups,
@@ -142,8 +143,11 @@ def packed_view(
     ``k / tokens_per_state`` states.
 
     Raises:
-      ValueError: If a kernel block holds no whole number of states, or a
-        split page is padded, or a stride is not a multiple of the itemsize.
+      TypeError: If a count, offset or stride is not an int.
+      ValueError: If a count or the kernel block is not positive, the pool
+        or offset negative, a block stride shorter than a page (pages would
+        overlap), a kernel block holds no whole number of states, a split
+        page is padded, or a stride is not a multiple of the itemsize.
 
     Example (a DeepSeek-style compressed indexer: 4 tokens a state):
       >>> import jaxkv
@@ -154,6 +158,17 @@ def packed_view(
       >>> v.shape, v.strides, v.axes
       ((3, 16, 68), (1088, 68, 1), ('block', 'state', 'dim'))
     """
+    owner = f"packed_view({name!r})"
+    check_positive_int(owner, "kernel_block_size", kernel_block_size)
+    check_positive_int(owner, "num_blocks", num_blocks)
+    check_non_negative_int(owner, "pool", pool)
+    check_non_negative_int(owner, "offset", offset)
+    check_positive_int(owner, "block_stride", block_stride)
+    if block_stride < spec.real_page_size_bytes:
+        raise ValueError(
+            f"{owner}.block_stride={block_stride} is shorter than a page of "
+            f"{spec.real_page_size_bytes} bytes: pages would overlap."
+        )
     k = spec.view_block_size(kernel_block_size)
     states = spec.states_in(k)
     if states is None:
