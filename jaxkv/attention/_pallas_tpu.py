@@ -247,7 +247,8 @@ def _kernel(
         first, end = info_ref[4 * row + 2], info_ref[4 * row + 3]
         # lax.div, not //: jnp's floor division lowers through sign, which
         # needs the TPU's generation at lowering (absent on a compile host).
-        return jax.lax.div(jnp.maximum(end - first, 0) + wave - 1, wave)
+        pages = jnp.maximum(end - first, 0).astype(jnp.int32)
+        return jax.lax.div(pages + (wave - 1), jnp.int32(wave))
 
     def page_at(row, w, i):
         """Page id (raw), whether the column is live, for page `i` of wave `w`."""
@@ -294,7 +295,7 @@ def _kernel(
     width = wave * block_size
 
     def body(w, carry):
-        half_slot = jax.lax.rem(h0 + w, 2)
+        half_slot = jax.lax.rem((h0 + w).astype(jnp.int32), jnp.int32(2))
 
         @pl.when(w + 1 < n_waves)
         def _next_wave():
@@ -385,7 +386,7 @@ def _kernel(
     def _next_row_from_empty():
         start(r + 1, 0, h0)
 
-    half_ref[0] = jax.lax.rem(h0 + n_waves, 2)
+    half_ref[0] = jax.lax.rem((h0 + n_waves).astype(jnp.int32), jnp.int32(2))
     denom = denom_ref[...]
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
 

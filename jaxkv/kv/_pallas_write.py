@@ -141,14 +141,15 @@ def tpu_write(
 
         def dmas(t, go):
             length = runs_ref[t]
-            slot = jnp.maximum(slots_ref[t], 0)
+            slot = jnp.maximum(slots_ref[t], 0).astype(jnp.int32)
             # lax.div, not //: jnp's floor division lowers through sign,
             # which needs the TPU's generation at lowering.
-            block, token = jax.lax.div(slot, bs), jax.lax.rem(slot, bs)
+            size = jnp.int32(bs)
+            block, token = jax.lax.div(slot, size), jax.lax.rem(slot, size)
             at = jnp.int32(0)
             for bit in pieces:
                 size = 1 << bit
-                has = jax.lax.bitwise_and(length, size) != 0
+                has = jax.lax.bitwise_and(length, jnp.int32(size)) != 0
                 for h, src in enumerate(srcs):
                     src_at: list[Any] = [slice(None)] * len(roles)
                     src_at[token_axis] = pl.ds(t + at, size)
@@ -164,7 +165,7 @@ def tpu_write(
                     ]
                     copy = pltpu.make_async_copy(src.at[tuple(src_at)], dst, sem.at[0])
                     pl.when(has)(copy.start if go else copy.wait)
-                at = at + jnp.where(has, size, 0)
+                at = at + jnp.where(has, jnp.int32(size), jnp.int32(0))
 
         def start(t, carry):
             dmas(t, True)
