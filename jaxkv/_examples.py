@@ -100,7 +100,7 @@ def llama_like_config(
     num_layers: int = 4,
     num_kv_heads: int = 2,
     head_size: int = 32,
-    num_heads: int = 4,
+    num_heads: int | None = None,
     block_size: int = 16,
     dtype: str = "float32",
     sliding_window: int | None = None,
@@ -114,7 +114,8 @@ def llama_like_config(
     a sliding-window layer (Gemma-3's 5 local : 1 global with ``n=6``). The
     default backend lays each layer out as vLLM 0.33's default ``LBNHC`` (K and
     V side by side per token and head), which typed pools hold as
-    ``(L, num_blocks, block_size, H, 2D)``.
+    ``(L, num_blocks, block_size, H, 2D)``. `num_heads` defaults to
+    ``max(4, num_kv_heads)`` query heads.
 
     Example:
       >>> import jaxkv
@@ -128,7 +129,7 @@ def llama_like_config(
     return pattern_config(
         pattern,
         num_layers=num_layers,
-        num_heads=num_heads,
+        num_heads=max(4, num_kv_heads) if num_heads is None else num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         dtype=dtype,

@@ -195,27 +195,41 @@ def attention_step(
     return fn, args
 
 
-def scan_step(
-    *, implementation: str | None, tokens: int = 8, pool_dtype: str = "element"
-) -> tuple[Any, tuple[Any, ...]]:
-    """``(fn, args)``: write and attend per layer of a 4-layer stack, layer traced."""
+def stacked_plan(
+    *, pool_dtype: str = "element", head_size: int = 64, layers: int = 4
+) -> tuple[Any, Any]:
+    """``(plan, stack)``: a bf16 GQA decoder (4 / 2 heads) in one stacked pool."""
     cfg = jaxkv.llama_like_config(
-        num_layers=4, num_kv_heads=2, head_size=128, dtype="bfloat16", block_size=16
+        num_layers=layers,
+        num_kv_heads=2,
+        head_size=head_size,
+        dtype="bfloat16",
+        block_size=16,
     )
     plan = jaxkv.make_plan(cfg, num_blocks=64, storage="stacked", pool_dtype=pool_dtype)
-    stack = plan.layer_stack([layer.name for layer in cfg.layers])
-    reqs = 4
+    return plan, plan.layer_stack([layer.name for layer in cfg.layers])
+
+
+def scan_step(
+    plan: Any,
+    stack: Any,
+    *,
+    write: str | None = None,
+    attend: str | None = None,
+    tokens: int = 8,
+    reqs: int = 4,
+) -> tuple[Any, tuple[Any, ...]]:
+    """``(jitted fn, args)``: write and attend per layer of the stack, layer traced.
+
+    The pools (argument 0) are donated.
+    """
+    view = stack.layer.view
+    head = view.head_size
 
     def fn(pools, q, k, slots, meta, layer_ids):
         def body(pools, layer):
             pools = jaxkv.write_kv(
-                pools,
-                stack.layer.view,
-                k,
-                k,
-                slots,
-                layer=layer,
-                implementation=implementation,
+                pools, view, k, k, slots, layer=layer, implementation=write
             )
             out = jaxkv.paged_attention(
                 q,
@@ -224,7 +238,7 @@ def scan_step(
                 meta,
                 scale=0.1,
                 layer=layer,
-                implementation=implementation,
+                implementation=attend,
             )
             return pools, out
 
@@ -235,10 +249,10 @@ def scan_step(
     )
     args = (
         jax.eval_shape(plan.allocate),
-        jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((tokens, 2, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, 4, head), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, 2, head), jnp.bfloat16),
         jax.ShapeDtypeStruct((tokens,), jnp.int32),
         meta,
         jax.ShapeDtypeStruct((len(stack.slots),), jnp.int32),
     )
-    return fn, args
+    return jax.jit(fn, donate_argnums=0), args

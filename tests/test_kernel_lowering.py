@@ -11,53 +11,9 @@ import numpy as np
 import pytest
 
 import jaxkv
+from tests.device_compile import scan_step, stacked_plan
 
 _KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
-
-
-def _stacked(dtype="bfloat16", layers=4, pool_dtype="element"):
-    cfg = jaxkv.llama_like_config(
-        num_layers=layers, num_kv_heads=2, head_size=64, dtype=dtype, block_size=16
-    )
-    plan = jaxkv.make_plan(cfg, num_blocks=64, storage="stacked", pool_dtype=pool_dtype)
-    stack = plan.layer_stack([layer.name for layer in cfg.layers])
-    return plan, stack
-
-
-def _step(plan, stack, *, write=None, attend=None, tokens=8, reqs=4):
-    view = stack.layer.view
-    layer_attn = stack.layer
-
-    def step(pools, q, k, slots, meta, layer_ids):
-        def body(pools, layer):
-            pools = jaxkv.write_kv(
-                pools, view, k, k, slots, layer=layer, implementation=write
-            )
-            out = jaxkv.paged_attention(
-                q,
-                pools,
-                layer_attn,
-                meta,
-                scale=0.1,
-                layer=layer,
-                implementation=attend,
-            )
-            return pools, out
-
-        return jax.lax.scan(body, pools, layer_ids)
-
-    meta = jaxkv.CommonAttentionMetadata.empty(
-        max_reqs=reqs, max_tokens=tokens, max_blocks=4
-    )
-    args = (
-        jax.eval_shape(plan.allocate),
-        jax.ShapeDtypeStruct((tokens, 4, 64), jnp.bfloat16),
-        jax.ShapeDtypeStruct((tokens, 2, 64), jnp.bfloat16),
-        jax.ShapeDtypeStruct((tokens,), jnp.int32),
-        meta,
-        jax.ShapeDtypeStruct((len(stack.slots),), jnp.int32),
-    )
-    return jax.jit(step, donate_argnums=0), args
 
 
 def _export(fn, args, platform):
@@ -91,8 +47,8 @@ def _pool_ops(text, pool_shape):
 def test_a_stacked_layer_scan_hands_each_kernel_the_pool_itself(
     platform, tokens, pool_dtype
 ):
-    plan, stack = _stacked(pool_dtype=pool_dtype)
-    fn, args = _step(plan, stack, tokens=tokens)
+    plan, stack = stacked_plan(pool_dtype=pool_dtype)
+    fn, args = scan_step(plan, stack, tokens=tokens)
     text = _export(fn, args, platform)
     # implementation=None picks the platform's Pallas attention and write.
     kernels = re.findall(r"custom_call @([\w$.]+)\(", text)
@@ -115,13 +71,13 @@ def test_a_stacked_layer_scan_hands_each_kernel_the_pool_itself(
 
 
 def test_the_xla_path_on_gpu_and_the_native_kernel_are_not_lowered_elsewhere():
-    plan, stack = _stacked()
-    fn, args = _step(plan, stack, write="xla", attend="xla")
+    plan, stack = stacked_plan()
+    fn, args = scan_step(plan, stack, write="xla", attend="xla")
     text = _export(fn, args, "cuda")
     assert _KERNEL_CALLS["cuda"] not in text
     # On CPU nothing of the Pallas branches is lowered (platform_dependent
     # resolves at lowering): no interpreter loop, no custom call.
-    fn, args = _step(plan, stack)
+    fn, args = scan_step(plan, stack)
     cpu = fn.lower(*args).as_text()
     assert "triton" not in cpu
     assert "tpu_custom_call" not in cpu
@@ -154,7 +110,7 @@ def test_the_kernel_hand_off_in_a_cpu_layer_scan_copies_no_stack(write):
 
     if write == "native" and not available():
         pytest.skip("no C++ compiler")
-    plan, stack = _stacked(pool_dtype="bits")
+    plan, stack = stacked_plan(pool_dtype="bits")
     view = stack.layer.view
     k = jnp.ones((8, 2, 64), jnp.bfloat16)
     slots = jnp.arange(8, dtype=jnp.int32)

@@ -316,3 +316,18 @@ def test_packed_view_names_a_count_offset_or_stride_it_cannot_lay_out(kw, match)
     }
     with pytest.raises(ValueError, match=match):
         jaxkv.plan.packed_view("idx", spec, **args)
+
+
+def test_layer_stack_refuses_a_layer_given_twice():
+    plan = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=3), num_blocks=4, storage="stacked"
+    )
+    with pytest.raises(ValueError, match=r"'layers.1.self_attn'\] given more than once"):
+        plan.layer_stack(["layers.0.self_attn", "layers.1.self_attn"] * 2)
+
+
+def test_read_view_of_a_mamba_state_is_named():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    mamba = next(v for v in plan.views.values() if isinstance(v, jaxkv.MambaView))
+    with pytest.raises(TypeError, match="read_view"):
+        jaxkv.read_view(plan.allocate(), mamba)

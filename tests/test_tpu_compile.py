@@ -22,6 +22,7 @@ from tests.device_compile import (
     kernel_calls,
     libtpu_missing,
     scan_step,
+    stacked_plan,
 )
 
 needs_libtpu = pytest.mark.skipif(
@@ -39,8 +40,9 @@ def test_a_layer_scan_compiles_to_the_tpu_kernels_alone(
     # Decode rows (4 tokens, 4 requests) and prefill tiles (8 tokens), the
     # layer slot traced, the pool donated: the write and the attention are
     # each one Mosaic kernel, nothing of an interpreter, no pool copied.
+    plan, stack = stacked_plan(pool_dtype=pool_dtype, head_size=128)
     fn, args = scan_step(
-        implementation=implementation, tokens=tokens, pool_dtype=pool_dtype
+        plan, stack, write=implementation, attend=implementation, tokens=tokens
     )
     compiled = compile_for_tpu(fn, args, chip, donate=(0,))
     text = compiled.as_text()
@@ -54,6 +56,7 @@ def test_a_layer_scan_compiles_to_the_tpu_kernels_alone(
 
 
 @needs_libtpu
+@pytest.mark.parametrize("chip", ["v6e", pytest.param("v5e", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "step",
     [
@@ -64,9 +67,9 @@ def test_a_layer_scan_compiles_to_the_tpu_kernels_alone(
     ],
     ids=lambda s: s.name,
 )
-def test_the_report_shapes_compile_for_v6e(step):
+def test_the_report_shapes_compile_for_the_chip(chip, step):
     fn, args = attention_step(step, implementation="pallas_tpu", write="pallas_tpu")
-    compiled = compile_for_tpu(fn, args, "v6e", donate=(0,))
+    compiled = compile_for_tpu(fn, args, chip, donate=(0,))
     text = compiled.as_text()
     assert text is not None
     assert kernel_calls(text) == ["jaxkv_kv_write_tpu", "jaxkv_paged_attention_tpu"]
@@ -107,7 +110,8 @@ def test_the_case_matrix_compiles_for_the_chip(chip, case):
 def test_a_named_kernel_off_its_device_is_interpreted_and_checked_here():
     # The other half of the rule: on CPU the TPU kernels run interpreted (what
     # the case matrix checks), and interpreted_ops sees their bodies.
-    fn, args = scan_step(implementation="pallas_tpu", tokens=4)
+    plan, stack = stacked_plan(head_size=128)
+    fn, args = scan_step(plan, stack, write="pallas_tpu", attend="pallas_tpu", tokens=4)
     text = jax.jit(fn).lower(*args).compile().as_text()
     assert text is not None
     assert kernel_calls(text) == []

@@ -201,6 +201,7 @@ def read_view(
       >>> jaxkv.read_view(pools, views["layers.1.self_attn"]).shape
       (4, 2, 32, 2, 32)
     """
+    _check_view(view, KVCacheView, "read_view")  # a MambaView: read_mamba_state
     if view.typed:
         return typed.read_slot(pools[view.pool], view, layer=layer_index(layer, view))
     if layer is not None:

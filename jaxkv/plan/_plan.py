@@ -248,7 +248,8 @@ class KVCachePlan:
         ``slots[i]`` (traced inside the scan) picks layer ``names[i]``.
 
         Raises:
-          ValueError: If the layers belong to different KV-cache groups (they
+          ValueError: If a name is given twice, the layers belong to different
+            KV-cache groups (they
             read different block tables: one scan reads one group's
             metadata), live in different pools, in a word pool, or differ in
             view or attention parameters (naming the first two that
@@ -265,6 +266,12 @@ class KVCachePlan:
         names = list(names)
         if not names:
             raise ValueError("layer_stack: names is empty.")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"layer_stack: {twice} given more than once (a scan over the "
+                "stack would write and read those layers' slot twice a step)."
+            )
         layers = [self.attention_layer(n) for n in names]
         first = layers[0]
         for layer in layers[1:]:
