@@ -93,6 +93,27 @@ def interpreted_ops(text: str) -> list[str]:
     return [n for n in inside if n != "pallas_call"]  # the kernel's own call
 
 
+def pool_sized_ops(text: str, pool_shape: tuple[int, ...]) -> list[str]:
+    """Ops of a compiled program that make a new pool-sized array (a relayout).
+
+    A reshape that only relabels the pool compiles to a ``bitcast``; one that
+    changes its tiled layout (a TPU tiles the last two dims) to a ``reshape``,
+    ``copy`` or fusion that moves every byte: listed here.
+    """
+    size = int(np.prod(pool_shape))
+    keep = {"parameter", "custom-call", "bitcast", "tuple", "get-tuple-element"}
+    keep |= {"while", "call", "conditional", "opt-barrier"}
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%[\w.-]+ = \w+\[([\d,]*)\][^ ]* ([\w-]+)\(", line)
+        if not m or not m.group(1):
+            continue
+        dims = [int(d) for d in m.group(1).split(",")]
+        if int(np.prod(dims)) >= size and m.group(2) not in keep:
+            found.append(f"{m.group(2)} {dims}")
+    return found
+
+
 def kernel_calls(text: str) -> list[str]:
     """The jaxkv TPU kernels a compiled program calls, in order."""
     return re.findall(rf"%({'|'.join(KERNELS)})[.\d]* = ", text)
@@ -112,7 +133,9 @@ class Step:
     kv_heads: int = 8
     head: int = 128
     dtype: str = "bfloat16"
-    layout: str = "fused"  # "fused" (K|V in a page) or "kv" (K and V halves)
+    # "fused": (N, H, K|V) pages (jaxkv's default, vLLM's NHD); "kv": K and
+    # V halves of (N, H, D); "hnd": K and V halves of (H, N, D) (vLLM's HND)
+    layout: str = "fused"
 
     @property
     def reqs(self) -> int:
@@ -138,11 +161,14 @@ class Step:
 
 def plan_of(step: Step, *, num_layers: int = 1) -> tuple[Any, list[str]]:
     """A stacked typed plan holding every request's context, and its layers."""
-    layout = {
-        "fused": jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED,
-        "kv": jaxkv.KVCacheLayout.BLOCKS_FIRST,
+    layout, order = {
+        "fused": (jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED, None),
+        "kv": (jaxkv.KVCacheLayout.BLOCKS_FIRST, None),
+        "hnd": (jaxkv.KVCacheLayout.BLOCKS_FIRST, (0, 1, 3, 2, 4)),
     }[step.layout]
-    backend = jaxkv.AttentionBackend(name=f"compile_{step.layout}", layout=layout)
+    backend = jaxkv.AttentionBackend(
+        name=f"compile_{step.layout}", layout=layout, stride_order=order
+    )
     spec = jaxkv.FullAttentionSpec(
         block_size=step.block,
         num_kv_heads=step.kv_heads,

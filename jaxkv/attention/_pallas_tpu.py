@@ -16,10 +16,11 @@ and page range and the layer slot ride in SMEM as scalar prefetch; a page
 id or layer slot outside the pool is DMA'd clamped and reads as NaN, as
 XLA's gather fills it.
 
-A token-major page ``(N, H, D)`` is DMA'd as ``(N, H * D)`` (a bitcast of
-the pool), so a KV head's keys are a lane slice of the wave (no sublane
-shuffle); a head-first page ``(H, N, D)`` gives them as a leading index.
-A wave is computed per KV head as one matmul of the row's ``tile * G``
+A head-first page ``(H, N, D)`` (vLLM's HND) gives a KV head's keys as a
+leading index of the wave; a token-major page ``(N, H, D)`` (NHD, jaxkv's
+default) as one sublane of every token, which the kernel gathers in vregs
+(the pool is never relaid out: its HBM tiles are the page's own). A wave is
+computed per KV head as one matmul of the row's ``tile * G``
 query heads of that KV head (GQA packed into the matmul's rows) against
 every key of the wave (``pages_per_wave * block_size`` of them), bf16 pages
 as bf16 on the MXU with float32 accumulation, with an online softmax kept
@@ -129,17 +130,16 @@ def tpu_attention(
     qr = jnp.transpose(qr, (0, 2, 1, 3, 4)).reshape(num_rows, kvh, m, head_dim)
     bounds = jnp.repeat(plan.bounds, groups, axis=1)  # (R, tile * G, 2)
     page_shape = page_block_shape(lay)
-    lanes = _token_major(lay)
-    if lanes:  # (N, H, D) pages as (N, H * D): a bitcast; heads are lane slices
-        page_shape = (page_shape[0], page_shape[1] * page_shape[2])
-        slots = slots.reshape(*slots.shape[:-2], -1)
+    # Pages stay in the pool's own shape: merging a token-major page's heads
+    # into its lanes, (N, H, D) -> (N, H * D), is no bitcast on a TPU (its
+    # HBM tiles are (8, 128) over the last two dims): XLA would relayout the
+    # whole pool on every call (tests/test_tpu_compile.py checks it does not).
     halves = 1 if lay.fused else 2
     page_bytes = halves * slots.dtype.itemsize * _prod(page_shape)
     wave = call.pages_per_chunk or pages_per_wave(page_bytes, cols)
     kernel = functools.partial(
         _kernel,
         lay=lay,
-        lanes=lanes,
         kvh=kvh,
         block_size=view.block_size,
         dk=dk,
@@ -223,7 +223,6 @@ def _kernel(
     o_ref,
     *scratch,
     lay: PageLayout,
-    lanes: bool,
     kvh: int,
     block_size: int,
     dk: int,
@@ -265,7 +264,7 @@ def _kernel(
             page, live = page_at(row, w, i)
             page = jnp.clip(page, 0, num_blocks - 1)
             for h, buf in enumerate(bufs):
-                src = pool_ref.at[_page_index(lay, lanes, layer_c, page, h)]
+                src = pool_ref.at[lay.at(layer_c, page, slice(None), h, slice(None))]
                 dst = buf.at[half_slot, i]
                 out.append((live, pltpu.make_async_copy(src, dst, sems.at[half_slot])))
         return out
@@ -324,13 +323,14 @@ def _kernel(
             in_page = (which >= i * block_size) & (which < (i + 1) * block_size)
             bad = bad | (in_page & jnp.logical_not(ok))
 
+        head_first = lay.roles.index("head") < lay.roles.index("token")
+
         def head_rows(buf, h):
             """``(wave * N, D)``: KV head `h`'s rows of the wave."""
-            if lanes:  # a lane slice (free when D is a multiple of 128)
-                width = buf.shape[-1] // kvh
-                x = buf[half_slot, :, :, pl.ds(h * width, width)]
-            else:  # head-first pages: a head is a leading index
+            if head_first:  # (wave, H, N, D): a head is a leading index
                 x = buf[half_slot, :, h]
+            else:  # (wave, N, H, D): the head's sublane of every token
+                x = buf[half_slot][:, :, h]
             if x.dtype != lay.dtype:  # a bits pool: the same bytes, as floats
                 x = jax.lax.bitcast_convert_type(x, lay.dtype)
             return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
@@ -389,15 +389,3 @@ def _kernel(
     half_ref[0] = jax.lax.rem((h0 + n_waves).astype(jnp.int32), jnp.int32(2))
     denom = denom_ref[...]
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
-
-
-def _token_major(lay: PageLayout) -> bool:
-    """Whether a page is ``(N, H, D)``: heads and dims then merge into lanes."""
-    return lay.roles[-3:] == ("token", "head", "dim")
-
-
-def _page_index(lay: PageLayout, lanes: bool, layer, page, half: int) -> tuple:
-    """The index of one page of one K/V half in the (maybe lane-merged) pool."""
-    roles = [r for r in lay.roles if not (lanes and r == "head")]
-    by_role = {"block": page, "kv": half}
-    return (layer, *(by_role.get(r, slice(None)) for r in roles))

@@ -29,7 +29,7 @@ from jaxkv.kv._checks import (
 )
 from jaxkv.kv._native_write import native_write, native_write_unfit
 from jaxkv.kv._page_layout import pallas_view_unfit
-from jaxkv.kv._pallas_write import gpu_write, tpu_write
+from jaxkv.kv._pallas_write import gpu_write, tpu_write, tpu_write_unfit
 from jaxkv.kv._strided import (
     access_plan,
     from_bits,
@@ -231,7 +231,7 @@ def write_kv(
         else:
             # Each platform's branch is lowered only when compiling for it:
             # a device never holds an interpreter, and CPU interprets.
-            per = _write_platforms(choice)
+            per = _write_platforms(choice, tpu_fits=tpu_write_unfit(view) is None)
             new = jax.lax.platform_dependent(
                 *args,
                 **{p: kernel(name, p) for p, name in per.items() if p != "cpu"},
@@ -244,8 +244,11 @@ def write_kv(
 _GPU_PLATFORMS = ("cuda", "rocm")
 
 
-def _write_platforms(choice: str) -> dict[str, str]:
+def _write_platforms(choice: str, *, tpu_fits: bool = True) -> dict[str, str]:
     """The write each platform runs for `choice` (``"auto"``, ``"pallas"``, a kernel).
+
+    `tpu_fits`: whether the TPU kernel takes the view (:func:`tpu_write_unfit`);
+    where it does not, ``"auto"`` and ``"pallas"`` write with XLA on a TPU.
 
     Example:
       >>> from jaxkv.kv._ops import _write_platforms
@@ -253,8 +256,13 @@ def _write_platforms(choice: str) -> dict[str, str]:
       {'cuda': 'pallas_gpu', 'rocm': 'pallas_gpu', 'tpu': 'pallas_tpu', 'cpu': 'xla'}
       >>> _write_platforms("pallas")["cpu"], _write_platforms("pallas_tpu")["cuda"]
       ('pallas_gpu', 'pallas_tpu')
+      >>> _write_platforms("auto", tpu_fits=False)["tpu"]
+      'xla'
     """
-    own = {**dict.fromkeys(_GPU_PLATFORMS, "pallas_gpu"), "tpu": "pallas_tpu"}
+    own = {
+        **dict.fromkeys(_GPU_PLATFORMS, "pallas_gpu"),
+        "tpu": "pallas_tpu" if tpu_fits else "xla",
+    }
     if choice == "auto":
         return {**own, "cpu": "xla"}
     if choice == "pallas":  # on CPU: the GPU kernel, interpreted
@@ -283,6 +291,8 @@ def _write_choice(
         reason = pallas_view_unfit(view)
         if reason is None and value is None:
             reason = "no value (MLA latents)"
+        if reason is None and implementation == "pallas_tpu":
+            reason = tpu_write_unfit(view)
     if implementation is None:
         return "xla" if reason is not None else "auto"
     if reason is not None:

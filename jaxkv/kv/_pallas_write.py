@@ -102,6 +102,31 @@ def gpu_write(
     return out.reshape(pool.shape)
 
 
+def tpu_write_unfit(view: KVCacheView) -> str | None:
+    """Why the TPU write cannot take `view` (``None``: it can).
+
+    A TPU tiles an array's last two dims in HBM; a DMA must start on a tile.
+    A token-major page ``(N, H, D)`` stores a token as whole tiles of its
+    ``(H, D)``; a head-first page ``(H, N, D)`` puts tokens in the tiled
+    dims, where one token's write starts mid-tile.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.kv._pallas_write import tpu_write_unfit
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=1),
+      ...                        num_blocks=4, storage="stacked")
+      >>> tpu_write_unfit(plan.views["layers.0.self_attn"]) is None
+      True
+    """
+    order = sorted(range(len(view.shape)), key=lambda d: -view.strides[d])
+    if view.axes[order[-2]] == "token":
+        return (
+            "tokens in a page's tiled dims (a head-first page: one token's "
+            "write starts mid-tile, which a TPU DMA cannot)"
+        )
+    return None
+
+
 def tpu_write(
     pool: jax.Array,
     view: KVCacheView,
