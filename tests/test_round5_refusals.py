@@ -331,3 +331,25 @@ def test_read_view_of_a_mamba_state_is_named():
     mamba = next(v for v in plan.views.values() if isinstance(v, jaxkv.MambaView))
     with pytest.raises(TypeError, match="read_view"):
         jaxkv.read_view(plan.allocate(), mamba)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"word": 3}, "word must be a pool carrier word"),
+        ({"num_blocks": 0}, "positive"),
+    ],
+)
+def test_allocate_layer_tensors_names_a_word_or_block_count_it_cannot_use(kw, match):
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype="float32"
+    )
+    tensor = jaxkv.vllm.LayerTensor(
+        size=2 * 4 * spec.page_size_bytes,
+        layers=("a", "b"),
+        layer_stride=4 * spec.page_size_bytes,
+        block_stride=spec.page_size_bytes,
+    )
+    args = {"num_blocks": 4, "layout": jaxkv.vllm.TensorLayout.LBNHC, **kw}
+    with pytest.raises(ValueError, match=match):
+        jaxkv.vllm.allocate_layer_tensors([tensor], {"a": spec, "b": spec}, **args)

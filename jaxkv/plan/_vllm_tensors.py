@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
+from jaxkv._util import check_positive_int
 from jaxkv.plan._pools import PoolSpec
 from jaxkv.plan._views import KVCacheView
 from jaxkv.plan._vllm_layout import LayerTensor, TensorLayout, layout_strides
@@ -211,7 +212,8 @@ def allocate_layer_tensors(
     Allocate with :func:`allocate_pools`.
 
     Raises:
-      ValueError: If the tensors disagree on the backing size, a layer has
+      ValueError: If `word` is not 1, 2 or 4 bytes, `num_blocks` not
+        positive, the tensors disagree on the backing size, a layer has
         no spec, or a tensor's geometry is impossible: a negative stride or
         offset, a layer's cache running past the backing, or two of its
         elements (of two blocks, tokens or heads of a layer, or of two of its
@@ -233,6 +235,12 @@ def allocate_layer_tensors(
       >>> pools[0].size_bytes, views["swa.1"].offset == views["full.1"].offset
       (16384, True)
     """
+    if isinstance(word, bool) or word not in (1, 2, 4):
+        raise ValueError(
+            "allocate_layer_tensors: word must be a pool carrier word of 1, 2 or "
+            f"4 bytes (uint8/16/32), got {word!r}."
+        )
+    check_positive_int("allocate_layer_tensors", "num_blocks", num_blocks)
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
         raise ValueError(
