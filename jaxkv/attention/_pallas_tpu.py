@@ -36,6 +36,7 @@ v5e and v6e and states its bandwidth model.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -135,8 +136,12 @@ def tpu_attention(
     # HBM tiles are (8, 128) over the last two dims): XLA would relayout the
     # whole pool on every call (tests/test_tpu_compile.py checks it does not).
     halves = 1 if lay.fused else 2
-    page_bytes = halves * slots.dtype.itemsize * _prod(page_shape)
-    wave = call.pages_per_chunk or pages_per_wave(page_bytes, cols)
+    page_bytes = halves * slots.dtype.itemsize * math.prod(page_shape)
+    wave = (
+        min(call.pages_per_chunk, cols)
+        if call.pages_per_chunk
+        else pages_per_wave(page_bytes, cols)
+    )
     kernel = functools.partial(
         _kernel,
         lay=lay,
@@ -204,13 +209,6 @@ def page_block_shape(lay: PageLayout) -> tuple[int, ...]:
         for i, r in enumerate(lay.roles)
         if r not in ("block", "kv")
     )
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _kernel(
