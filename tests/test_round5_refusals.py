@@ -353,3 +353,38 @@ def test_allocate_layer_tensors_names_a_word_or_block_count_it_cannot_use(kw, ma
     args = {"num_blocks": 4, "layout": jaxkv.vllm.TensorLayout.LBNHC, **kw}
     with pytest.raises(ValueError, match=match):
         jaxkv.vllm.allocate_layer_tensors([tensor], {"a": spec, "b": spec}, **args)
+
+
+def test_the_native_library_key_changes_with_the_cpu_and_the_compiler(monkeypatch):
+    import jaxkv._native as native
+
+    key = native._library_key("g++")
+    assert native._library_key("g++") == key  # stable
+    assert native._library_key("clang++") != key
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "fpu sse2")  # another CPU
+    assert native._library_key("g++") != key
+
+
+def test_a_cached_library_without_a_matching_record_is_rebuilt_not_loaded(
+    monkeypatch, tmp_path
+):
+    # Fast: the compiler is never run; reaching it means the bad entry was
+    # refused (the slow test loads and runs a real rebuilt library).
+    import subprocess
+
+    import jaxkv._native as native
+
+    class Rebuilt(Exception):
+        pass
+
+    def no_compile(*args, **kwargs):
+        raise Rebuilt
+
+    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: "g++")
+    monkeypatch.setattr(subprocess, "run", no_compile)
+    lib = tmp_path / f"kernels-{native._library_key('g++')}.so"
+    lib.write_bytes(b"\x7fELF truncated")  # no record beside it
+    with pytest.warns(RuntimeWarning, match="rebuilding it"):
+        with pytest.raises(Rebuilt):
+            native.build()

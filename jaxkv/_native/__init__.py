@@ -95,19 +95,14 @@ def _compiler() -> str | None:
     return None
 
 
-def build() -> Path:
-    """Compiles the kernel library (or finds it cached) and returns its path.
+def _library_key(cxx: str) -> str:
+    """What a cached library was built from: sources, flags, jax, CPU, compiler.
 
-    Raises:
-      RuntimeError: No C++ compiler, or the compile failed (its output named).
+    The CPU's instruction-set flags are part of it: a library built with
+    ``-march=native`` on another CPU may execute an instruction this one
+    lacks (SIGILL), so it is never reused here.
     """
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(
-            "jaxkv's native CPU kernel needs a C++ compiler (g++, c++ or "
-            "clang++ on PATH, or $CXX); none was found."
-        )
-    key = hashlib.sha256(
+    return hashlib.sha256(
         b"\0".join(
             [
                 *(src.read_bytes() for src in _SOURCES),
@@ -120,6 +115,21 @@ def build() -> Path:
             ]
         )
     ).hexdigest()[:16]
+
+
+def build() -> Path:
+    """Compiles the kernel library (or finds it cached) and returns its path.
+
+    Raises:
+      RuntimeError: No C++ compiler, or the compile failed (its output named).
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(
+            "jaxkv's native CPU kernel needs a C++ compiler (g++, c++ or "
+            "clang++ on PATH, or $CXX); none was found."
+        )
+    key = _library_key(cxx)
     out_dir = _cache_dir()
     lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
