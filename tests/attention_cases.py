@@ -113,6 +113,45 @@ CASES = (
         window=11,
         pages=2,
     ),
+    # Head dims, query heads per KV head and block sizes that are not powers
+    # of two: the GPU kernel pads them by masked loads (issue 55).
+    Case(
+        "decode_head80_gqa5",
+        dtype="bfloat16",
+        kv_heads=2,
+        q_heads=10,
+        head=80,
+        reqs=((1, 30), (1, 7), (1, 40)),
+    ),
+    Case(
+        "mixed_kv_head96_block12_tile3",
+        layout="kv",
+        head=96,
+        block=12,
+        tile=3,
+        reqs=((5, 20), (1, 31), (2, 2)),
+        window=9,
+    ),
+    # float16 pages and prefill tiles of 16: 32 query rows per GPU program.
+    Case(
+        "mixed_f16_tile16",
+        dtype="float16",
+        block=16,
+        tile=16,
+        reqs=((21, 40), (1, 17), (16, 16)),
+    ),
+    # Blocks of 128: one page is two of the GPU kernel's 64-key steps.
+    Case("decode_block128", block=128, cols=2, reqs=((1, 200), (1, 129), (1, 5))),
+    # One long request over a wide table: the GPU kernel splits its keys over
+    # programs (split-KV) and merges their partial softmaxes.
+    Case(
+        "decode_one_long_request_split",
+        block=64,
+        cols=20,
+        reqs=((1, 1250),),
+        max_reqs=2,
+        cap=4.0,
+    ),
 )
 
 
