@@ -1,5 +1,10 @@
 """The kernels as a device would run them, read without the device.
 
+Two parts: the TPU kernels (below) and the GPU's Triton kernel
+(``benchmarks/_gpu_model.py``: compiled for sm_80 and sm_90 by PyPI's
+triton, registers, spills, shared memory, ``mma`` and ``cp.async``, and a
+modelled fraction of the copy bandwidth; its model is stated there).
+
 For each configuration (decode 256 x 4096 bf16, 32 query / 8 KV heads of 128,
 at blocks 16 and 64; decode 4 x 32k; a mixed batch of prefill tiles and
 decode rows) and each TPU chip (v5e, v6e), the TPU kernels are compiled
@@ -53,6 +58,8 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
+from _gpu_model import describe as describe_gpu_model  # noqa: E402
+from _gpu_model import gpu_rows  # noqa: E402
 from _harness import parser, print_table, write_json  # noqa: E402
 
 from jaxkv.attention._pallas_tpu import TPU_TUNING, pages_per_wave  # noqa: E402
@@ -63,6 +70,11 @@ from tests.device_compile import (  # noqa: E402
     interpreted_ops,
     kernel_calls,
     libtpu_missing,
+)
+from tests.gpu_compile import (  # noqa: E402
+    compile_triton,
+    triton_missing,
+    triton_modules,
 )
 
 
@@ -103,6 +115,19 @@ CONFIGS = [
     Step("decode 256x4096 block 16 HND", layout="hnd"),
     Step("decode 256x4096 block 64 HND", block=64, layout="hnd"),
     Step("mixed 128 decode + 8x512 prefill HND", decode=128, prefill=8, layout="hnd"),
+]
+
+
+GPU_CONFIGS = [
+    Step("decode 256x4096 block 16"),
+    Step("decode 256x4096 block 64", block=64),
+    Step("decode 4x32k block 16", decode=4, context=32768),
+    Step("mixed 128 decode + 8x512 prefill", decode=128, prefill=8),
+    Step("decode 256x4096 block 16 head 256", head=256),
+    Step("decode 256x4096 block 64 head 256", block=64, head=256),
+    Step("mixed 128 decode + 8x512 prefill head 256", decode=128, prefill=8, head=256),
+    Step("decode 256x4096 GQA 40:8", q_heads=40),
+    Step("decode 256x4096 head 96", head=96),
 ]
 
 
@@ -338,7 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"({mixed:.2f}x): {'met' if met[name] else 'NOT met'} (a model, not "
             "a measurement)"
         )
+    gpu, gpu_met = gpu_report(GPU_CONFIGS[:1] if args.quick else GPU_CONFIGS)
     payload = {
+        "gpu": gpu,
+        "gpu_target_met": gpu_met,
         "model": {k: v._asdict() for k, v in CHIPS.items()},
         "vpu_ops_per_score": VPU_OPS_PER_SCORE,
         "vpu_ops_per_kv": VPU_OPS_PER_KV,
@@ -348,6 +376,74 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.json, "kernel_report", payload)
     return payload
+
+
+def gpu_report(configs: list[Step]) -> tuple[list[dict[str, Any]], bool | None]:
+    """The Triton kernel compiled for sm_80 and sm_90 per configuration, modelled.
+
+    Returns the rows and whether issue 55's targets hold on the model
+    (``None``: triton is missing, nothing was compiled).
+    """
+    missing = triton_missing()
+    if missing is not None:
+        print(f"\nGPU kernel: not compiled ({missing})")
+        return [], None
+    rows = []
+    for step in configs:
+        fn, args = attention_step(step, implementation="pallas_gpu")
+        [module] = triton_modules(fn, args)
+        builds = {arch: compile_triton(module, arch) for arch in (80, 90)}
+        rows += gpu_rows(step, module.grid[0], builds)
+    keys = (
+        "gpu",
+        "config",
+        "registers",
+        "spill bytes",
+        "shared KiB",
+        "mma",
+        "cp.async",
+        "K/V buffers",
+        "programs",
+        "programs/SM",
+        "splits",
+        "KiB in flight/SM",
+        "est. % of copy",
+    )
+    print_table(
+        "GPU Triton kernel compiled for sm_80 / sm_90 (PyPI triton), modelled",
+        [{k: r[k] for k in keys} for r in rows],
+    )
+    decode = {r["gpu"]: r for r in rows if r["config"] == "decode 256x4096 block 16"}
+    for r in rows:
+        if r["config"].startswith("mixed"):
+            d = decode[r["gpu"]]
+            per_byte = (r["model us"] / r["MiB read"]) / (d["model us"] / d["MiB read"])
+            r["time per byte vs decode"] = per_byte
+            print(
+                f"{r['gpu']}: {r['config']}: time per byte read = "
+                f"{per_byte:.2f}x decode's"
+            )
+    print("\nGPU model constants: " + describe_gpu_model())
+    h100 = [r for r in rows if r["gpu"].startswith("H100")]
+    bandwidth = [
+        r["est. % of copy"]
+        for r in h100
+        if r["config"] in ("decode 256x4096 block 16", "decode 4x32k block 16")
+    ]
+    prefill = [r for r in h100 if r["config"].startswith("mixed")]
+    met = (
+        all(r["spill bytes"] == 0 and r["shared KiB"] <= 163 for r in rows)
+        and all(r["mma"] > 0 for r in h100)
+        and all(p >= 80 for p in bandwidth)
+        and all(r.get("time per byte vs decode", 1.0) <= 2 for r in prefill)
+    )
+    print(
+        "target (sm_90; the same kernel built for sm_80): 0 spills, shared <= 163 "
+        "KiB, mma in decode and prefill, an estimated >= 80% of copy bandwidth at "
+        f"256 x 4096 and 4 x 32k ({', '.join(f'{p:.1f}%' for p in bandwidth)}): "
+        f"{'met' if met else 'NOT met'} (a model, not a measurement)"
+    )
+    return rows, met
 
 
 if __name__ == "__main__":

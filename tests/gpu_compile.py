@@ -99,6 +99,7 @@ class GpuBuild:
     mma: int  # mma.sync (sm_80+) and wgmma (sm_90a) instructions
     cp_async: int  # cp.async copies (global -> shared, asynchronous)
     vector_loads: int  # 16-byte global loads
+    buffers: int  # depth of the pipelined 2-D tiles in shared memory (K, V)
     num_warps: int
     num_stages: int
 
@@ -119,7 +120,7 @@ def compile_triton(module: TritonModule, arch: int) -> GpuBuild:
             target=GPUTarget("cuda", arch, 32),
             options={"num_warps": module.num_warps, "num_stages": module.num_stages},
         )
-        ptx = kernel.asm["ptx"]
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
         ptx_path = os.path.join(tmp, "kernel.ptx")
         with open(ptx_path, "w") as f:
             f.write(ptx)
@@ -146,6 +147,15 @@ def compile_triton(module: TritonModule, arch: int) -> GpuBuild:
         mma=len(re.findall(r"^\s*(?:mma\.sync|wgmma\.mma_async)", ptx, re.M)),
         cp_async=len(re.findall(r"^\s*cp\.async\.(?:ca|cg)\.shared", ptx, re.M)),
         vector_loads=len(re.findall(r"^\s*ld\.global[.\w]*\.v4\.b32", ptx, re.M)),
+        buffers=max(
+            (
+                int(n)
+                for n in re.findall(
+                    r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir
+                )
+            ),
+            default=0,
+        ),
         num_warps=module.num_warps,
         num_stages=module.num_stages,
     )

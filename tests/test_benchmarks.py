@@ -120,6 +120,11 @@ def _kernel_report(r):
         assert 0 < row["est. % of HBM"] <= 100
         assert row["no-overlap bound %"] <= row["est. % of HBM"] + 1e-9
         assert row["KiB/wave"] >= 256
+    for row in r["gpu"]:  # empty without triton (the gpu-compile extra)
+        assert row["spill bytes"] == 0
+        assert row["mma"] > 0
+        assert 0 < row["est. % of copy"] <= 100
+    assert r["gpu_target_met"] in (True, None)
 
 
 def _step_loop(r):

@@ -1,0 +1,50 @@
+"""The Triton attention kernel compiled for NVIDIA GPUs on this CPU host.
+
+Each configuration's Triton module (caught as ``jax.export`` lowers a step
+for CUDA) is compiled by PyPI's triton for sm_80 and sm_90
+(``tests/gpu_compile.py``): no register spills, shared memory within an
+A100's 163 KB, tensor-core ``mma`` in decode and in prefill tiles, and
+``cp.async`` copies (the pipelined page loads). The report
+(``benchmarks/kernel_report.py``) reads the same builds.
+"""
+
+import pytest
+
+from tests.device_compile import Step, attention_step
+from tests.gpu_compile import compile_triton, triton_missing, triton_modules
+
+pytestmark = pytest.mark.skipif(
+    triton_missing() is not None, reason=str(triton_missing())
+)
+
+A100_SHARED = 163 * 1024
+
+# Decode rows of 1 and a mixed batch (prefill tiles of 16), heads of 64 to
+# 256, blocks of 16 to 128, GQA 4 and 5, head 96.
+_FAST = [Step("decode_256x4096_b16"), Step("mixed_b16", decode=192, prefill=4)]
+_SLOW = [
+    Step("decode_256x4096_b64", block=64),
+    Step("decode_256x4096_b128", block=128),
+    Step("decode_4x32k", decode=4, context=32768),
+    Step("decode_head256", head=256),
+    Step("decode_head64", head=64),
+    Step("mixed_head256_b64", decode=192, prefill=4, head=256, block=64),
+    Step("decode_gqa_40_8", q_heads=40, kv_heads=8),
+    Step("decode_head96", head=96, q_heads=32, kv_heads=8),
+]
+
+
+@pytest.mark.parametrize(
+    "step",
+    [pytest.param(s, id=s.name) for s in _FAST]
+    + [pytest.param(s, id=s.name, marks=pytest.mark.slow) for s in _SLOW],
+)
+def test_the_triton_kernel_compiles_without_spills_onto_tensor_cores(step):
+    fn, args = attention_step(step, implementation="pallas_gpu")
+    [module] = triton_modules(fn, args)
+    for arch in (80, 90):
+        build = compile_triton(module, arch)
+        assert build.spill_bytes == 0, build
+        assert build.shared_bytes <= A100_SHARED, build
+        assert build.mma > 0, build  # bf16 dots on tensor cores
+        assert build.cp_async > 0, build  # page loads pipelined
