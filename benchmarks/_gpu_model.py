@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from jaxkv.attention._pallas_gpu import GpuTiling, gpu_tiling
+from jaxkv.kv._pallas_write import gpu_write_tiling
 from tests.device_compile import Step
 from tests.gpu_compile import GpuBuild
 
@@ -201,6 +202,41 @@ def gpu_rows(
                 "keys/step": t.keys,
                 "splits": t.splits,
                 **estimate(step, t, b, gpu),
+            }
+        )
+    return out
+
+
+def write_rows(step: Step, builds: dict[int, GpuBuild]) -> list[dict[str, Any]]:
+    """The KV write of the step's tokens per GPU: read the new K/V, store it.
+
+    A program loads its tokens' rows (every head) and stores them: two
+    latencies of its bytes, at most; programs share the copy bandwidth as
+    the attention's do. Estimate = (bytes read + written / copy) / time.
+    """
+    t = gpu_write_tiling(step.tokens, step.kv_heads, step.head, step.head)
+    item = jnp.dtype(step.dtype).itemsize
+    per = t.tokens * 2 * step.kv_heads * step.head * item * 2  # read + write
+    out = []
+    for name, gpu in GPUS.items():
+        b = builds[gpu.arch]
+        per_sm = residency(b, gpu)
+        copy = gpu.hbm * gpu.copy_fraction
+        work = [per] * -(-step.tokens // t.tokens)
+        rate = per / (2 * gpu.latency_ns * 1e-9)
+        time_s = _simulate(work, per_sm * gpu.sms, rate, copy) + gpu.launch_us * 1e-6
+        need = step.tokens * 2 * step.kv_heads * step.head * item * 2
+        out.append(
+            {
+                "gpu": name,
+                "config": step.name,
+                "registers": b.registers,
+                "spill bytes": b.spill_bytes,
+                "16-byte stores": b.vector_stores,
+                "tokens/program": t.tokens,
+                "programs/SM": per_sm,
+                "model us": time_s * 1e6,
+                "est. % of copy": 100 * (need / copy) / time_s,
             }
         )
     return out

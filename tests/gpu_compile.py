@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+_PRED = r"^\s*(?:@!?%p\d+\s+)?"  # a PTX instruction, predicated or not
 
 
 def triton_missing() -> str | None:
@@ -99,6 +100,7 @@ class GpuBuild:
     mma: int  # mma.sync (sm_80+) and wgmma (sm_90a) instructions
     cp_async: int  # cp.async copies (global -> shared, asynchronous)
     vector_loads: int  # 16-byte global loads
+    vector_stores: int  # 16-byte global stores
     buffers: int  # depth of the pipelined 2-D tiles in shared memory (K, V)
     num_warps: int
     num_stages: int
@@ -144,9 +146,10 @@ def compile_triton(module: TritonModule, arch: int) -> GpuBuild:
         registers=int(regs.group(1)) if regs else -1,
         spill_bytes=int(spills.group(1)) if spills else 0,
         shared_bytes=int(kernel.metadata.shared),
-        mma=len(re.findall(r"^\s*(?:mma\.sync|wgmma\.mma_async)", ptx, re.M)),
-        cp_async=len(re.findall(r"^\s*cp\.async\.(?:ca|cg)\.shared", ptx, re.M)),
-        vector_loads=len(re.findall(r"^\s*ld\.global[.\w]*\.v4\.b32", ptx, re.M)),
+        mma=len(re.findall(_PRED + r"(?:mma\.sync|wgmma\.mma_async)", ptx, re.M)),
+        cp_async=len(re.findall(_PRED + r"cp\.async\.(?:ca|cg)\.shared", ptx, re.M)),
+        vector_loads=len(re.findall(_PRED + r"ld\.global[.\w]*\.v4\.b32", ptx, re.M)),
+        vector_stores=len(re.findall(_PRED + r"st\.global[.\w]*\.v4\.b32", ptx, re.M)),
         buffers=max(
             (
                 int(n)

@@ -122,7 +122,7 @@ def _kernel_report(r):
         assert row["KiB/wave"] >= 256
     for row in r["gpu"]:  # empty without triton (the gpu-compile extra)
         assert row["spill bytes"] == 0
-        assert row["mma"] > 0
+        assert row.get("mma", 1) > 0  # attention rows (the write has none)
         assert 0 < row["est. % of copy"] <= 100
     assert r["gpu_target_met"] in (True, None)
 

@@ -48,3 +48,23 @@ def test_the_triton_kernel_compiles_without_spills_onto_tensor_cores(step):
         assert build.shared_bytes <= A100_SHARED, build
         assert build.mma > 0, build  # bf16 dots on tensor cores
         assert build.cp_async > 0, build  # page loads pipelined
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        pytest.param(Step("write_16384_tokens", decode=16384), id="16384_tokens"),
+        pytest.param(
+            Step("write_head96_gqa5", decode=512, head=96, kv_heads=5, q_heads=40),
+            id="head96_kv5",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_the_kv_write_stores_whole_rows_in_16_byte_vectors(step):
+    fn, args = attention_step(step, implementation="pallas_gpu", write="pallas")
+    [write] = [m for m in triton_modules(fn, args) if "write" in m.name]
+    for arch in (80, 90):
+        build = compile_triton(write, arch)
+        assert build.spill_bytes == 0, build
+        assert build.vector_stores > 0, build  # st.global.v4: 16 bytes a lane

@@ -6,8 +6,9 @@ bitcast), and never read: a kernel only stores the step's tokens at their
 slots. A slot that is negative (padding), past the view's blocks, or in a
 layer slot outside the pool writes nothing, as XLA's dropping scatter.
 
-- GPU (Triton): one program per (token, KV head) stores that head's K and V
-  rows at the token's slot.
+- GPU (Triton): a program stores a few tokens' K and V rows of every head
+  (a tile of up to 4,096 elements each, 16-byte vector stores along the
+  head dim), masked where a slot is dropped or a dim padded.
 - TPU (Mosaic): the tokens whose slots follow one another inside a page
   form runs; each run moves HBM to HBM in one DMA per set bit of its length
   (a page's prefill in one, a decode token in one), every DMA started
@@ -68,20 +69,41 @@ def gpu_write(
     """The pool with the tokens' K/V stored at their slots (Triton kernel)."""
     lay, key, value, slots_arr = _staged(pool, view, key, value)
     (n, heads, dk), dv = key.shape, value.shape[2]
+    t = gpu_write_tiling(n, heads, dk, dv)
+    block_dim = 1 + lay.roles.index("block")
+    past_end = lay.slots_shape[block_dim]  # an index every scatter drops
 
     def kernel(slots_ref, layer_ref, k_ref, v_ref, _pool_in, pool_ref):
-        t, h = pl.program_id(0), pl.program_id(1)
-        slot, slot_layer = slots_ref[t], layer_ref[0]
-        ok = _slot_ok(slot, slot_layer, lay, view)
-        block, token = slot // view.block_size, slot % view.block_size
-
-        @pl.when(ok)
-        def _store():
-            at = (slot_layer, block, h)
-            pool_ref[_row(lay, *at, 0, 0, dk, token)] = k_ref[t, h, :]
-            pool_ref[_row(lay, *at, 1, dk if lay.fused else 0, dv, token)] = v_ref[
-                t, h, :
-            ]
+        tok = pl.program_id(0) * t.tokens + jnp.arange(t.tokens, dtype=jnp.int32)
+        live = tok < n
+        tok = jnp.minimum(tok, n - 1)
+        slot = pltriton.load(slots_ref.at[tok], mask=live, other=-1)
+        slot_layer = layer_ref[0]
+        ok = live & _slot_ok(slot, slot_layer, lay, view)
+        slot = jnp.where(ok, slot, 0)
+        block = jax.lax.div(slot, view.block_size)
+        token = jax.lax.rem(slot, view.block_size)
+        slot_layer = jnp.clip(slot_layer, 0, lay.slots_shape[0] - 1)
+        h = jnp.arange(t.heads, dtype=jnp.int32)[None, :, None]
+        for half, src, width, pad, at in (
+            (0, k_ref, dk, t.dk, 0),
+            (1, v_ref, dv, t.dv, dk if lay.fused else 0),
+        ):
+            d = jnp.arange(pad, dtype=jnp.int32)[None, None, :]
+            rows = ok[:, None, None] & (h < heads)  # (tokens, heads, 1)
+            mask = rows & (d < width) if pad > width else rows
+            x = pltriton.load(
+                src.at[tok[:, None, None], jnp.minimum(h, heads - 1), d],
+                mask=mask,
+                other=0,
+            )
+            # A dropped token's or padded head's lanes point past the pool:
+            # Triton skips them, the interpreter's scatter drops them (never
+            # a stale write-back over another token's row). A padded dim's
+            # lanes stay in their own row: K's run into V's, stored after.
+            where = jnp.where(rows, block[:, None, None], past_end)
+            idx = lay.at(slot_layer, where, h, half, d + at, token=token[:, None, None])
+            pltriton.store(pool_ref.at[idx], x, mask=mask)
 
     operands, out_shape = kernel_operands(
         (slots, layer_index(layer, view).reshape(1), key, value, slots_arr),
@@ -90,16 +112,46 @@ def gpu_write(
     )
     out = pl.pallas_call(
         kernel,
-        grid=(n, heads),
+        grid=(pl.cdiv(n, t.tokens),),
         in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.no_block_spec,
         out_shape=out_shape,
         input_output_aliases={4: 0},
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1),
         interpret=interpret,
         name="jaxkv_kv_write_gpu",
     )(*operands)
     return out.reshape(pool.shape)
+
+
+class GpuWriteTiling(NamedTuple):
+    """The static shape of the GPU write (:func:`gpu_write_tiling`)."""
+
+    tokens: int  # tokens per program
+    heads: int  # KV heads, padded to a power of two
+    dk: int  # head dims, padded
+    dv: int
+    num_warps: int
+
+
+def gpu_write_tiling(n: int, heads: int, dk: int, dv: int) -> GpuWriteTiling:
+    """Tokens per program: every head of each, 4,096 elements a tile at most.
+
+    Example:
+      >>> from jaxkv.kv._pallas_write import gpu_write_tiling
+      >>> gpu_write_tiling(16384, 8, 128, 128)
+      GpuWriteTiling(tokens=4, heads=8, dk=128, dv=128, num_warps=4)
+    """
+    hp = _pow2_at_least(heads)
+    dkp, dvp = _pow2_at_least(dk), _pow2_at_least(dv)
+    per_token = hp * max(dkp, dvp)
+    tokens = max(1, min(_pow2_at_least(n), 4096 // per_token))
+    warps = 4 if tokens * per_token >= 1024 else 1
+    return GpuWriteTiling(tokens, hp, dkp, dvp, warps)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def tpu_write_unfit(view: KVCacheView) -> str | None:
