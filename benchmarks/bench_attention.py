@@ -265,6 +265,8 @@ def _stream(x: jax.Array) -> jax.Array:
 
 def run(args: Any) -> dict[str, Any]:
     scale = args.head_dim**-0.5
+    if args.typed_only:
+        return _typed_only(args, scale)
     iters_peer = max(3, args.iters // 4)
     decode = Batch(args, [1] * args.num_reqs, [args.context] * args.num_reqs)
     fn = decode.jaxkv_fn(scale, args.pages_per_chunk)
@@ -439,6 +441,39 @@ def run(args: Any) -> dict[str, Any]:
     return results
 
 
+def _typed_only(args: Any, scale: float) -> dict[str, Any]:
+    """The typed-pool decode step alone, against a copy of its K/V bytes."""
+    typed = Batch(
+        args, [1] * args.num_reqs, [args.context] * args.num_reqs, storage="typed"
+    )
+    fn = typed.jaxkv_fn(scale, args.pages_per_chunk)
+    compile_s, t_typed, _ = measure_donated(
+        fn, typed.jaxkv_state(), *typed.jaxkv_args(), iters=args.iters
+    )
+    t_copy = _copy_time(typed.kv_bytes, args.iters)
+    results = {
+        "typed_ms": t_typed * 1e3,
+        "copy_ms": t_copy * 1e3,
+        "typed_over_copy": t_typed / t_copy,
+        "kv_bytes": typed.kv_bytes,
+        "typed_decode_path": _kernels(fn, typed),
+        "compile_s": compile_s,
+    }
+    print_table(
+        f"Paged decode attention, typed pool: {args.num_reqs} x {args.context}, "
+        f"{args.num_heads}/{args.num_kv_heads} heads, head {args.head_dim}, page "
+        f"{args.page}, {args.dtype} ({results['typed_decode_path']})",
+        [
+            {"impl": "copy of the KV bytes read", "ms": t_copy * 1e3},
+            {
+                "impl": "jaxkv write_kv + paged_attention, typed pool",
+                "ms": t_typed * 1e3,
+            },
+        ],
+    )
+    return results
+
+
 def _kernels(fn: Any, batch: Batch) -> str:
     """Which kernels a step ran, read off its lowered HLO."""
     hlo = fn.lower(batch.jaxkv_state(), *batch.jaxkv_args()).as_text()
@@ -456,6 +491,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_attention_shape_args(p)
     p.add_argument("--pages-per-chunk", type=int, default=4)
     p.add_argument("--query-tile", type=int, default=16, help="for the mixed batch")
+    p.add_argument(
+        "--typed-only",
+        action="store_true",
+        help="only the typed-pool decode step and the copy (gpu_check's extra shapes)",
+    )
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = run(args)

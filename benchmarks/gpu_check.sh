@@ -23,8 +23,10 @@ fi
 on_gpu=$($PY -c "import jax; print(int(jax.default_backend() == 'gpu'))")
 if [ "$on_gpu" = 1 ]; then
   pool_mib=4096; big_tokens=16384; reqs=256; ctx=4096; dtype=bfloat16; meta_reqs=256
+  long_reqs=4; long_ctx=32768
 else
   pool_mib=64; big_tokens=1024; reqs=8; ctx=256; dtype=float32; meta_reqs=64
+  long_reqs=2; long_ctx=1024
 fi
 
 echo "== environment"
@@ -53,9 +55,23 @@ echo "== 0. every kernel against XLA's path on this device (one case matrix)"
 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_attention_implementations.py \
   tests/test_kernel_lowering.py 2>&1 | tail -n 15 | tee "$OUT/kernels.log"
 
-echo "== 1. paged decode attention ($reqs x $ctx, $dtype)"
+echo "== 1. paged decode attention ($reqs x $ctx, 32/8 heads of 128, $dtype)"
 timeout 80 $PY benchmarks/bench_attention.py --num-reqs "$reqs" --context "$ctx" --dtype "$dtype" \
-  --iters 20 --json "$OUT/attention.json"
+  --num-heads 32 --num-kv-heads 8 --iters 20 --json "$OUT/attention.json"
+# Issue 55's other shapes, the typed pool's step alone against a copy of its bytes:
+# a few long requests (split-KV), GQA 40:8 (5 query heads per KV head, padded),
+# and head 96 (padded dims).
+echo "== 1b. decode $long_reqs x $long_ctx"
+timeout 45 $PY benchmarks/bench_attention.py --typed-only --num-reqs "$long_reqs" \
+  --context "$long_ctx" --dtype "$dtype" --num-heads 32 --num-kv-heads 8 --iters 20 \
+  --json "$OUT/attention_long.json"
+echo "== 1c. decode $reqs x $ctx, GQA 40:8"
+timeout 45 $PY benchmarks/bench_attention.py --typed-only --num-reqs "$reqs" --context "$ctx" \
+  --dtype "$dtype" --num-heads 40 --num-kv-heads 8 --iters 20 --json "$OUT/attention_gqa5.json"
+echo "== 1d. decode $reqs x $ctx, head 96"
+timeout 45 $PY benchmarks/bench_attention.py --typed-only --num-reqs "$reqs" --context "$ctx" \
+  --dtype "$dtype" --num-heads 32 --num-kv-heads 8 --head-dim 96 --iters 20 \
+  --json "$OUT/attention_head96.json"
 echo "== 2. KV write, 256 tokens"
 timeout 40 $PY benchmarks/bench_kv_write.py --pool-mib "$pool_mib" --tokens 256 --iters 100 \
   --json "$OUT/kv_write_256.json"
@@ -103,6 +119,17 @@ if r:
         line("mixed_over_decode_time_per_byte",
              f"mixed batch ({r['mixed_path']}): {mixed_gbps:.1f} GB/s; decode's time per byte "
              "over it", decode_gbps / mixed_gbps, "<= 2")
+for name, text, target in (
+    ("attention_long", "decode, a few long requests (split-KV)", ">= 0.60 (4 x 32k)"),
+    ("attention_gqa5", "decode, GQA 40:8", ">= 0.80"),
+    ("attention_head96", "decode, head 96", ">= 0.80"),
+):
+    r = load(name)
+    if r:
+        gbps = r["kv_bytes"] / (r["typed_ms"] / 1e3) / 1e9
+        line(f"{name}_fraction_of_copy",
+             f"{text} ({r['typed_decode_path']}): {r['kv_bytes'] / 2**20:.0f} MiB at "
+             f"{gbps:.1f} GB/s, fraction of copy", gbps / copy, target)
 for name in ("kv_write_256", "kv_write_big"):
     r = load(name)
     if r:
