@@ -393,3 +393,37 @@ def test_a_cached_library_without_a_matching_record_is_rebuilt_not_loaded(
     with pytest.warns(RuntimeWarning, match="rebuilding it"):
         with pytest.raises(Rebuilt):
             native.build()
+
+
+def test_a_layer_stack_view_without_layer_is_refused_by_every_access():
+    # The stack's layer stands for every layer: forgetting layer= in one
+    # call (the write, say) would address the first layer while the
+    # attention reads the traced one. Each access names the slot or refuses.
+    cfg = jaxkv.llama_like_config(num_layers=2, num_kv_heads=2, head_size=16)
+    plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
+    stack = plan.layer_stack(["layers.0.self_attn", "layers.1.self_attn"])
+    meta = jaxkv.CommonAttentionMetadata.empty(max_reqs=1, max_tokens=2, max_blocks=2)
+    k = jnp.ones((2, 2, 16), jnp.float32)
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    slots = jnp.array([16, 17], jnp.int32)
+    calls = {
+        "write_kv": lambda pools, **kw: jaxkv.write_kv(
+            pools, stack.layer.view, k, k, slots, **kw
+        ),
+        "paged_attention": lambda pools, **kw: jaxkv.paged_attention(
+            q, pools, stack.layer, meta, scale=1.0, **kw
+        ),
+        "gather_kv_pages": lambda pools, **kw: jaxkv.gather_kv_pages(
+            pools, stack.layer.view, jnp.array([[1]], jnp.int32), **kw
+        ),
+    }
+    for name, call in calls.items():
+        pools = plan.allocate()
+        with pytest.raises(ValueError, match="layer stack"):
+            call(pools)
+        call(plan.allocate(), layer=jnp.int32(1))  # named: fine
+    # A layer's own view (not a stack's) keeps its slot without layer=.
+    own = plan.attention_layer("layers.1.self_attn")
+    pools = jaxkv.write_kv(plan.allocate(), own.view, k, k, slots)
+    kp, _ = jaxkv.gather_kv_pages(pools, stack.layer.view, jnp.array([[1]]), layer=1)
+    assert float(kp[0, 0, 0].sum()) == 32.0

@@ -183,6 +183,14 @@ def layer_index(layer: object, view: KVCacheView) -> jax.Array:
       -1
     """
     if layer is None:
+        if view.stacked:
+            raise ValueError(
+                "layer=None on the view of a layer stack (KVCachePlan.layer_stack): "
+                "it stands for every layer of the stack, so the slot must be named: "
+                "pass layer=stack.slots[i] (traced inside the scan), to every "
+                "write, read and paged_attention alike; for one layer, use "
+                "plan.attention_layer(name) instead."
+            )
         return jnp.int32(view.layer)
     ids = jnp.asarray(layer)
     if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:

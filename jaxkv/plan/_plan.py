@@ -39,8 +39,10 @@ class LayerStack(NamedTuple):
     """What :meth:`KVCachePlan.layer_stack` returns.
 
     Attributes:
-      layer: The first layer's :class:`AttentionLayer`; with ``layer=slots[i]``
-        every read, write and :func:`paged_attention` addresses ``names[i]``.
+      layer: The first layer's :class:`AttentionLayer`, its view marked
+        ``stacked``: with ``layer=slots[i]`` every read, write and
+        :func:`paged_attention` addresses ``names[i]``; without ``layer=``
+        they refuse it (the slot would be ambiguous).
       slots: ``(len(names),)`` int32 layer slots in the stacked pool.
       names: The layers, in scan order.
 
@@ -305,7 +307,10 @@ class KVCachePlan:
                     "on its own."
                 )
         return LayerStack(
-            layer=first,
+            # The view stands for every layer: each access must name its slot.
+            layer=dataclasses.replace(
+                first, view=dataclasses.replace(first.view, stacked=True)
+            ),
             slots=np.asarray([layer.view.layer for layer in layers], np.int32),
             names=tuple(names),
         )

@@ -55,6 +55,11 @@ class KVCacheView:
         has a sliding window or local chunk: :func:`paged_attention` then
         refuses the bare view unless given the window (pass the layer's
         :class:`AttentionLayer`, ``plan.attention_layer(name)``).
+      stacked: Set by :meth:`KVCachePlan.layer_stack` on its layer's view,
+        which stands for every layer of the stack: each read, write and
+        :func:`paged_attention` through it must name the slot (``layer=``);
+        without it, one call would address the first layer while another
+        addresses the traced one.
 
     Example:
       >>> import jaxkv
@@ -77,6 +82,7 @@ class KVCacheView:
     layer: int | None = None
     kv_packing: int | None = None
     windowed: bool = False
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))
