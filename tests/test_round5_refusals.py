@@ -417,7 +417,7 @@ def test_a_layer_stack_view_without_layer_is_refused_by_every_access():
             pools, stack.layer.view, jnp.array([[1]], jnp.int32), **kw
         ),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         pools = plan.allocate()
         with pytest.raises(ValueError, match="layer stack"):
             call(pools)
