@@ -27,11 +27,13 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
-def run_asan_check(source: Path, out_dir: Path) -> None:
+def run_asan_check(source: Path, out_dir: Path, *, guard_pages: bool = False) -> None:
     """Builds a C++ check of a native kernel (``tests/native_*_check.cc``,
     which includes the kernel's source) with AddressSanitizer and runs it: it
     must print OK, and any byte touched outside its buffers aborts it.
     Skips the calling test where there is no compiler or no ASan runtime.
+    `guard_pages`: no ASan (a faster build); the check's buffers end at an
+    inaccessible page (``-DGUARD_PAGES``), so a read past one's end faults.
     """  # noqa: D205
     import jax
     import pytest
@@ -47,8 +49,11 @@ def run_asan_check(source: Path, out_dir: Path) -> None:
             "-std=c++17",
             "-g",
             "-O1",
-            "-fsanitize=address",
-            "-fno-omit-frame-pointer",
+            *(
+                ["-DGUARD_PAGES"]
+                if guard_pages
+                else ["-fsanitize=address", "-fno-omit-frame-pointer"]
+            ),
             "-w",
             "-Wno-psabi",
             f"-I{jax.ffi.include_dir()}",

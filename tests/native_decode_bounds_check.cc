@@ -3,6 +3,8 @@
 // AddressSanitizer by tests/test_native_decode.py: page ids outside the pool
 // and key ranges past the table or before 0 must read no byte outside them
 // (ASan aborts on the first one); bad visible pages give NaN. Prints OK.
+// Built with -DGUARD_PAGES instead (no ASan, the fast suite), each buffer
+// ends where an inaccessible page begins: a read past one faults.
 
 #include <cmath>
 #include <cstdint>
@@ -12,17 +14,36 @@
 
 #include "paged_decode.cc"
 
+#ifdef GUARD_PAGES
+#include <sys/mman.h>
+#include <unistd.h>
+
+// `bytes` ending exactly at an inaccessible page (released at exit).
+static void* Alloc(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t span = (bytes + page - 1) / page * page;
+  char* base = static_cast<char*>(mmap(nullptr, span + page, PROT_READ | PROT_WRITE,
+                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (base == MAP_FAILED || mprotect(base + span, page, PROT_NONE) != 0) std::abort();
+  return base + span - bytes;
+}
+static void Free(void*) {}
+#else
+static void* Alloc(size_t bytes) { return std::malloc(bytes); }
+static void Free(void* p) { std::free(p); }
+#endif
+
 int main() {
   constexpr int64_t kBlocks = 3, kTokens = 4, kHeads = 2, kGroup = 2, kDim = 16;
   constexpr int64_t kCols = 2, kRows = 7;
   constexpr int64_t kTokenStride = 2 * kHeads * kDim;
   const int64_t pool_elems = kBlocks * kTokens * kTokenStride;
-  float* pool = static_cast<float*>(std::malloc(pool_elems * sizeof(float)));
+  float* pool = static_cast<float*>(Alloc(pool_elems * sizeof(float)));
   for (int64_t i = 0; i < pool_elems; ++i) pool[i] = 0.01f * static_cast<float>(i % 97);
   const int32_t big = 2147483647;
   // Row r's table row and key range [lo, hi).
-  int32_t* table = static_cast<int32_t*>(std::malloc(kRows * kCols * sizeof(int32_t)));
-  int32_t* bounds = static_cast<int32_t*>(std::malloc(kRows * 2 * sizeof(int32_t)));
+  int32_t* table = static_cast<int32_t*>(Alloc(kRows * kCols * sizeof(int32_t)));
+  int32_t* bounds = static_cast<int32_t*>(Alloc(kRows * 2 * sizeof(int32_t)));
   const int32_t rows[kRows][4] = {
       {1, 2, 0, 8},           // valid: two pages
       {-1, 2, 0, 3},          // a negative page id, visible: NaN
@@ -72,9 +93,9 @@ int main() {
   };
   bool ok = row_is(0, false) && row_is(5, false) && row_is(6, true);
   for (int64_t t = 1; t <= 4; ++t) ok = ok && row_is(t, true);
-  std::free(pool);
-  std::free(table);
-  std::free(bounds);
+  Free(pool);
+  Free(table);
+  Free(bounds);
   std::printf(ok ? "OK\n" : "wrong NaN pattern\n");
   return ok ? 0 : 1;
 }

@@ -487,6 +487,17 @@ def test_the_library_is_cached_and_a_truncated_or_foreign_one_never_crashes(tmp_
     assert "default ok" in out, out
 
 
+def test_the_kernel_reads_nothing_past_the_table_or_pool_into_a_guard_page(tmp_path):
+    # The same check without ASan (a 3-4 s build): the pool, table and bounds
+    # each end at an inaccessible page, so the next page's prefetch read past
+    # the table's last column (issue 56's mutation 6) faults here.
+    run_asan_check(
+        Path(__file__).with_name("native_decode_bounds_check.cc"),
+        tmp_path,
+        guard_pages=True,
+    )
+
+
 @pytest.mark.slow  # builds the kernels with AddressSanitizer (10-15 s)
 def test_the_kernel_reads_no_byte_outside_the_pool_or_table_under_asan(tmp_path):
     # tests/native_decode_bounds_check.cc runs rows with page ids outside the

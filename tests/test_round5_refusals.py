@@ -4,6 +4,7 @@ kind (``"no"`` for a bool) named; the scheduler's own budgets bounded by the
 config the step buffers are sized to.
 """  # noqa: D205
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -427,3 +428,150 @@ def test_a_layer_stack_view_without_layer_is_refused_by_every_access():
     pools = jaxkv.write_kv(plan.allocate(), own.view, k, k, slots)
     kp, _ = jaxkv.gather_kv_pages(pools, stack.layer.view, jnp.array([[1]]), layer=1)
     assert float(kp[0, 0, 0].sum()) == 32.0
+
+
+def _two_layer_loop(*, drop=None, skip=None, stacked=False):
+    cfg = jaxkv.pattern_config(
+        "GG",
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        token_buckets=(4, 16),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8, storage="stacked" if stacked else "words")
+    names = list(plan.views)
+    stack = plan.layer_stack(names) if stacked else None
+
+    def attend(pools, layer, m, x, slot=None):
+        k = v = x[:, None, :]
+        kw = {} if slot is None else {"layer": slot}
+        written = jaxkv.write_kv(pools, layer, k, v, m, **kw)
+        q = jnp.repeat(x[:, None, :], 2, axis=1)
+        out = jaxkv.paged_attention(q, written, layer, m, scale=1.0, **kw)
+        return written, x + out[:, 0]
+
+    def forward(params, pools, meta, tokens, sample):
+        x = params[tokens]
+        if stack is not None:  # one write in a scan covers every slot
+
+            def body(carry, slot):
+                pools, x = carry
+                return attend(pools, stack.layer, meta[names[0]], x, slot), None
+
+            (pools, x), _ = jax.lax.scan(body, (pools, x), stack.slots)
+            return pools, x[sample] @ params.T
+        for name in names:
+            if name == skip:
+                continue
+            written, x = attend(pools, plan.attention_layer(name), meta[name], x)
+            pools = pools if name == drop else written
+        return pools, x[sample] @ params.T
+
+    return jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8)
+
+
+def test_a_forward_that_skips_or_drops_one_layers_write_is_refused_by_name():
+    request = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="never writes layer 'layers.1.self_attn'"):
+        _two_layer_loop(skip="layers.1.self_attn").submit(request)
+    loop = _two_layer_loop(drop="layers.0.self_attn")
+    with pytest.raises(ValueError, match="'layers.0.self_attn'.*do not keep"):
+        loop.warm_up()
+    with pytest.raises(ValueError, match="'layers.0.self_attn'.*do not keep"):
+        loop.submit(request)
+    assert not loop.has_unfinished  # refused before it was queued
+    # Every write kept (one layer at a time, or one write per slot in a scan
+    # over a layer stack): served.
+    for loop in (_two_layer_loop(), _two_layer_loop(stacked=True)):
+        [done] = loop.run([jaxkv.Request("b", prompt=[1, 2, 3], max_new_tokens=2)])
+        assert len(done.output) == 2
+
+
+def test_a_preempted_requests_lookups_count_in_the_totals_and_apart():
+    # As vLLM's PrefixCacheStats: a re-admitted request's lookup counts in
+    # the totals and in the preempted_* figures.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=10)
+    s = jaxkv.Scheduler(
+        plan, enable_prefix_caching=True, max_num_batched_tokens=64, max_num_seqs=4
+    )
+    reqs = [
+        jaxkv.Request(f"r{i}", prompt=list(range(1, 30)), max_new_tokens=40)
+        for i in range(3)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    while s.has_unfinished:
+        step = s.schedule()
+        s.update(step, [5] * len(step.sampled))
+    st = s.make_stats().prefix_cache_stats
+    readmitted = sum(r.num_preemptions for r in reqs)
+    assert readmitted > 0
+    assert st.preempted_requests == readmitted
+    assert st.requests == len(reqs) + readmitted
+    assert st.queries - st.preempted_queries == 3 * 29  # the fresh lookups
+    assert st.preempted_queries >= readmitted * 29
+    assert st.hits >= st.preempted_hits > 0
+
+
+def test_generation_tokens_leave_out_placeholders_still_on_the_device():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    s = jaxkv.Scheduler(plan)
+    r = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=10)
+    s.add_request(r)
+    first = s.schedule()
+    s.advance(first)  # async: the token is a placeholder until resolve
+    assert r.num_pending == 1
+    assert s.make_stats().num_generation_tokens == 0
+    s.resolve(first, [4])
+    assert s.make_stats().num_generation_tokens == 1
+
+
+def test_an_allocation_far_past_the_free_blocks_is_refused_without_listing_it():
+    # 10**12 tokens: listing their 6 * 10**10 columns first would not end.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    manager = jaxkv.KVCacheManager(plan)
+    r = jaxkv.Request("a", prompt=[1] * 10, max_new_tokens=5)
+    free = manager.num_free_blocks
+    assert manager.allocate(r, 10**12) is False
+    assert manager.num_free_blocks == free
+    assert manager.allocate(r, 10)  # the request is untouched: it still fits
+
+
+def test_a_layer_written_by_a_kernel_of_your_own_counts_as_written():
+    # put_kernel_cache (a write-fused kernel's cache put back) is a write:
+    # layer 0 by write_kv, layer 1 by hand through its kernel cache; dropping
+    # the latter is named as any other.
+    cfg = jaxkv.pattern_config(
+        "GG",
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        token_buckets=(4, 16),
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8, storage="typed")
+    a, b = (plan.attention_layer(n) for n in plan.views)
+
+    def make(keep_b):
+        def forward(params, pools, meta, tokens, sample):
+            x = params[tokens]
+            pools = jaxkv.write_kv(pools, a, x[:, None], x[:, None], meta[a.name])
+            cache = jaxkv.kernel_cache(pools, b.view)
+            put = jaxkv.put_kernel_cache(pools, b.view, cache + 0)
+            pools = put if keep_b else pools
+            q = jnp.repeat(x[:, None, :], 2, axis=1)
+            out = jaxkv.paged_attention(q, pools, a, meta[a.name], scale=1.0)
+            return pools, out[sample, 0] @ params.T
+
+        return jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8)
+
+    make(True).warm_up()
+    with pytest.raises(ValueError, match="'layers.1.self_attn'.*do not keep"):
+        make(False).warm_up()

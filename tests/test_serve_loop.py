@@ -484,7 +484,7 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 # --- a Griffin-like model: recurrent layers with their state in Mamba pools --
 
 
-def _griffin(num_layers=3):
+def _griffin(num_layers=3, drop=None):
     cfg = jaxkv.pattern_config(
         "RRL", num_layers=num_layers, recurrent_state=(((D,),), ("float32",)), **SHAPE
     )
@@ -522,12 +522,14 @@ def _griffin(num_layers=3):
         for name, w in zip(names, params["layers"], strict=True):
             m = meta[name]
             if name in states:
-                pools, y = recurrent(w, pools, states[name], m, _rms(x))
+                written, y = recurrent(w, pools, states[name], m, _rms(x))
+                pools = pools if name == drop else written
                 x = x + y @ w["wr"]
             else:
                 layer = attention[name]
                 q, k, v = _qkv(w, x, m.positions)
-                pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+                written = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+                pools = pools if name == drop else written
                 out = jaxkv.paged_attention(q, pools, layer, m, scale=HD**-0.5)
                 x = x + out.reshape(x.shape[0], -1) @ w["wo"]
         return pools, _rms(x[sample]) @ params["unembed"]
@@ -753,3 +755,20 @@ def test_each_request_samples_with_its_own_parameters(served):
     bad: Any = {"temperature": 1.0}
     with pytest.raises(TypeError, match="must be a SamplingParams"):
         mixed.submit(jaxkv.Request("y", prompt=[1], max_new_tokens=1), sampling=bad)
+
+
+@pytest.mark.parametrize("dropped", [0, 2])  # recurrent layer 0, attention layer 2
+def test_a_forward_that_drops_one_layers_write_is_refused_naming_it(dropped):
+    # Issue 56: a Griffin with one layer's write discarded served on with
+    # wrong tokens; the loop names the layer before the first step runs, and
+    # the request is not left stuck.
+    plan, _, _, _ = _griffin()
+    name = list(plan.views)[dropped]
+    plan, forward, params, _ = _griffin(drop=name)
+    loop = jaxkv.ServingLoop(plan, forward, params, vocab_size=VOCAB)
+    request = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=2)
+    # Recurrent layers 0 and 1 share one view (two KV-cache groups' blocks of
+    # one pool): both are named, with the count of writes kept.
+    with pytest.raises(ValueError, match=f"{name!r}.*do not keep that write"):
+        loop.run([request])
+    assert request.status is not jaxkv.RequestStatus.RUNNING

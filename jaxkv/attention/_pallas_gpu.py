@@ -10,7 +10,7 @@ operands, float32 accumulation). A program takes one such block of queries
 (``grid (rows, KV heads x query blocks, splits)``) and walks the keys its
 queries see (:func:`jaxkv.attention._call.row_plan`: causal, sliding
 window, local chunk, cross-attention, keys past the table dropped)
-``keys_per_step`` keys at a time, whatever the block size: key ``k`` is
+``keys`` keys (64) a step, whatever the block size: key ``k`` is
 token ``k % block_size`` of the page ``table[k // block_size]``, so a step
 gathers several pages (block 16: four pages per step of 64 keys) or part of
 one (block 128). Loads are masked to the keys some query of the block sees;

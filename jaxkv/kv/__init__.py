@@ -5,7 +5,8 @@ typed pools; ``_pallas_write`` and ``_native_write`` the kernels, with
 ``_page_layout`` and ``_raw_address`` describing a view to them),
 ``_state_ops`` Mamba states, zeroing and whole-view reads,
 ``_kernel_handoff`` a layer's cache as a kernel's array, ``_checks`` the
-host-side id and pool checks they share.
+host-side id and pool checks they share, ``_write_log`` the record of the
+writes a traced function makes (ServingLoop's check of `forward`).
 """
 
 from jaxkv.kv._checks import (
@@ -42,10 +43,12 @@ from jaxkv.kv._state_ops import (
     write_mamba_state,
     zero_blocks,
 )
+from jaxkv.kv._write_log import Write, recording_writes
 
 __all__ = [
     "PageLayout",
     "Pools",
+    "Write",
     "any_deleted",
     "check_fits",
     "check_layer",
@@ -62,6 +65,7 @@ __all__ = [
     "raw_unfit",
     "read_mamba_state",
     "read_view",
+    "recording_writes",
     "validate_block_ids",
     "validate_slot_mapping",
     "write_kv",

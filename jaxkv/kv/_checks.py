@@ -17,6 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxkv._util import host_int_array
+from jaxkv.kv._write_log import record
 from jaxkv.plan import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
@@ -67,12 +68,16 @@ def _device_ids(value: ArrayLike, name: str) -> jax.Array:
     return ids.astype(jnp.int32)
 
 
-def _checks_host_ids(*names: str, view: type | None = None, resolve: Any = None) -> Any:
+def _checks_host_ids(
+    *names: str, view: type | None = None, resolve: Any = None, records: bool = False
+) -> Any:
     """Wraps a jitted op so its view and host-given ids are checked first.
 
     Wraps a jitted op: its view argument's type (when `view` is given) and its
     host-given id arguments `names` are checked before jit sees them, after
     ``resolve(arguments)`` (when given) rewrote the bound arguments in place.
+    `records`: the op is a cache write, logged while recording
+    (:func:`jaxkv.kv._write_log.recording_writes`).
     """
 
     def wrap(fn: Any) -> Any:
@@ -97,7 +102,17 @@ def _checks_host_ids(*names: str, view: type | None = None, resolve: Any = None)
                 )
             for name in names:
                 bound.arguments[name] = _host_ids(bound.arguments[name], name)
-            return fn(*bound.args, **bound.kwargs)
+            out = fn(*bound.args, **bound.kwargs)
+            if records:
+                arguments = bound.arguments
+                record(
+                    fn.__name__,
+                    arguments["view"],
+                    arguments.get("layer"),
+                    arguments["pools"],
+                    out,
+                )
+            return out
 
         call.lower = fn.lower  # pyright: ignore[reportAttributeAccessIssue]
         return call

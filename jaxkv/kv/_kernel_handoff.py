@@ -16,6 +16,7 @@ from jaxtyping import Int
 
 from jaxkv.kv._checks import Pools, _num_slots, check_fits, check_layer, layer_index
 from jaxkv.kv._ops import _replace
+from jaxkv.kv._write_log import record
 from jaxkv.plan import KVCacheView, slot_shape
 
 
@@ -126,9 +127,12 @@ def put_kernel_cache(
             f"{phys})."
         )
     if _num_slots(pool, view) == 1 and layer is None:
-        return _replace(pools, view.pool, cache.reshape(pool.shape))
-    slots = pool.reshape((-1, *phys))
-    new = lax.dynamic_update_index_in_dim(
-        slots, cache.reshape(phys), layer_index(layer, view), 0
-    )
-    return _replace(pools, view.pool, new.reshape(pool.shape))
+        out = _replace(pools, view.pool, cache.reshape(pool.shape))
+    else:
+        slots = pool.reshape((-1, *phys))
+        new = lax.dynamic_update_index_in_dim(
+            slots, cache.reshape(phys), layer_index(layer, view), 0
+        )
+        out = _replace(pools, view.pool, new.reshape(pool.shape))
+    record("put_kernel_cache", view, layer, pools, out)  # ServingLoop's check
+    return out

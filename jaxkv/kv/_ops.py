@@ -113,7 +113,9 @@ def _resolve_layer_slots(arguments: dict[str, Any]) -> None:
     )
 
 
-@_checks_host_ids("slot_mapping", view=KVCacheView, resolve=_resolve_layer_slots)
+@_checks_host_ids(
+    "slot_mapping", view=KVCacheView, resolve=_resolve_layer_slots, records=True
+)
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="implementation")
 @checks_own_arguments
 def write_kv(

@@ -28,7 +28,7 @@ from jaxkv.kv._strided import from_bits, gather_items, scatter_items
 from jaxkv.plan import KVCacheView, LayerView, MambaView
 
 
-@_checks_host_ids("block_ids", view=MambaView)
+@_checks_host_ids("block_ids", view=MambaView, records=True)
 @functools.partial(jax.jit, donate_argnums=0)
 def write_mamba_state(
     pools: Pools,

@@ -329,6 +329,8 @@ class KVCacheManager:
             tables, hits, from_host = found
         start = num_cached or req.num_computed
         end = start + num_new_tokens
+        if self._fewest_new(tables, start, end) > self.num_free_blocks:
+            return False  # before listing columns: 10**9 tokens cost nothing
         new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
         need = sum(map(len, new)) + len(from_host)
         touched_free = (
@@ -493,6 +495,19 @@ class KVCacheManager:
             if any(n % bs == 0 for bs in self.block_sizes):
                 self._register(req, tables, self._registered[req.req_id], n)
         return True
+
+    def _fewest_new(self, tables: list[list[int]], start: int, end: int) -> int:
+        """A lower bound of the new blocks ``[start, end)`` needs, without listing.
+
+        Columns past a full-attention group's table all need a block.
+        """
+        if end - start <= 1:
+            return 0
+        return sum(
+            max(0, cdiv(end, self.block_sizes[g]) - max(start // bs, len(table)))
+            for g, table in enumerate(tables)
+            if not self.is_mamba[g] and (bs := self.block_sizes[g])
+        )
 
     def _new_columns(self, g: int, table: list[int], start: int, end: int) -> list[int]:
         """Columns of group `g` that need a new block to compute ``[start, end)``."""

@@ -20,6 +20,7 @@ from jaxkv.kv import Pools
 from jaxkv.plan import ShardedPlan
 from jaxkv.serve._checks import check_forward_result
 from jaxkv.serve._sampling import SamplingParams, sample_rows
+from jaxkv.serve._write_check import check_forward_writes
 from jaxkv.step import CommonAttentionMetadata, StepInputs, StepMetadataBuilder
 
 
@@ -81,6 +82,29 @@ class DeviceStep:
     sampling: SamplingParams
     per_request_sampling: bool
     vocab_size: int | None = None
+    # Whether `forward`'s writes were checked (check_forward_writes): once.
+    _writes_checked: list[bool] = dataclasses.field(default_factory=list)
+
+    def check_writes(self, pools: Pools, params: Any, inputs: StepInputs) -> tuple:
+        """Refuses a `forward` that drops a KV-owning layer's write (once).
+
+        Traced (``jax.eval_shape``) by :class:`ServingLoop` before it queues
+        a request; see :func:`check_forward_writes`. On a mesh, not checked.
+        """
+        meta = self.builder.metadata(inputs)
+        tokens, sample = self.builder.model_inputs_of(inputs)
+        self._check_writes(params, pools, meta, tokens, sample)
+        return ()
+
+    def _check_writes(self, *args: Any) -> None:
+        if self.sharded is None and not self._writes_checked:
+            check_forward_writes(
+                self.forward, self.builder.plan, args, check_result=self._result
+            )
+            self._writes_checked.append(True)
+
+    def _result(self, out: Any, pools: Pools, sample: jax.Array) -> Any:
+        return check_forward_result(out, pools, sample, vocab_size=self.vocab_size)
 
     def rank_step(
         self,
@@ -97,10 +121,9 @@ class DeviceStep:
         # k-th sampled token, still on the device.
         src = jnp.clip(-tokens - 1, 0, self.width - 1)
         tokens = jnp.where(tokens < 0, prev_tokens[src], tokens)
+        self._check_writes(params, pools, meta, tokens, sample)
         out = self.forward(params, pools, meta, tokens, sample)
-        pools, logits = check_forward_result(
-            out, pools, sample, vocab_size=self.vocab_size
-        )
+        pools, logits = self._result(out, pools, sample)
         positions = next(iter(meta.values())).positions[sample]
         next_tokens = sample_rows(
             logits,

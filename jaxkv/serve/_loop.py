@@ -440,6 +440,7 @@ class ServingLoop:
             )
 
         t0 = time.perf_counter()
+        self._check_forward_writes()
         pools = jax.tree.map(abstract, self.pools)
         params = jax.tree.map(abstract, self.params)
         prev = abstract(self._prev_tokens)
@@ -461,6 +462,28 @@ class ServingLoop:
         if progress is not None:
             progress(len(todo), len(todo))
         return time.perf_counter() - t0
+
+    def _check_forward_writes(self) -> None:
+        """Once, before a request is queued: `forward` keeps every layer's write.
+
+        Traced from shapes (nothing runs); raises naming the first KV-owning
+        layer whose write the returned pools do not keep
+        (:meth:`DeviceStep.check_writes`).
+        """
+        step = self.device_step
+        if self.sharded is not None or step._writes_checked:
+            return
+
+        def abstract(x: Any) -> Any:
+            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+        inputs = self.builder.abstract_inputs()[0]
+        jax.eval_shape(
+            step.check_writes,
+            jax.tree.map(abstract, self.pools),
+            jax.tree.map(abstract, self.params),
+            inputs,
+        )
 
     def _decode_inputs(self) -> dict[Any, StepInputs]:
         """Abstract inputs of every multi-step decode program, by key.
@@ -532,6 +555,7 @@ class ServingLoop:
                     "parameters, but this loop samples every request with its "
                     "own: make it with per_request_sampling=True."
                 )
+        self._check_forward_writes()
         sched = min(self.schedulers, key=lambda s: len(s.running) + len(s.waiting))
         accepted = sched.add_request(request)
         if accepted and sampling is not None:
