@@ -457,10 +457,11 @@ def _two_layer_loop(*, drop=None, skip=None, stacked=False):
     def forward(params, pools, meta, tokens, sample):
         x = params[tokens]
         if stack is not None:  # one write in a scan covers every slot
+            layer = stack.layer
 
             def body(carry, slot):
                 pools, x = carry
-                return attend(pools, stack.layer, meta[names[0]], x, slot), None
+                return attend(pools, layer, meta[names[0]], x, slot), None
 
             (pools, x), _ = jax.lax.scan(body, (pools, x), stack.slots)
             return pools, x[sample] @ params.T
