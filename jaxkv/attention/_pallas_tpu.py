@@ -52,7 +52,7 @@ from jaxkv.attention._call import (
     pallas_unfit,
     rows_to_tokens,
 )
-from jaxkv.kv import PageLayout, Pools
+from jaxkv.kv import PageLayout, Pools, mosaic_dtype_unfit
 from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
@@ -85,9 +85,12 @@ the smallest entry, which every chip in the table can run."""
 
 
 def tpu_unfit(view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str | None:
-    """Why the TPU kernel cannot take this call (``None``: it can)."""
+    """Why the TPU kernel cannot take this call (``None``: it can).
+
+    On top of :func:`pallas_unfit`: float16 pages (:func:`mosaic_dtype_unfit`).
+    """
     del q_shape
-    return pallas_unfit(view, call)
+    return pallas_unfit(view, call) or mosaic_dtype_unfit(view)
 
 
 def pages_per_wave(page_bytes: int, cols: int, tuning: TpuTuning | None = None) -> int:

@@ -33,6 +33,7 @@ from jaxkv.kv._page_layout import (
     page_layout,
     pallas_view_unfit,
 )
+from jaxkv.kv._pallas_write import mosaic_dtype_unfit
 from jaxkv.kv._raw_address import (
     raw_address,
     raw_unfit,
@@ -58,6 +59,7 @@ __all__ = [
     "gather_kv_pages",
     "kernel_cache",
     "layer_index",
+    "mosaic_dtype_unfit",
     "page_layout",
     "pallas_view_unfit",
     "put_kernel_cache",

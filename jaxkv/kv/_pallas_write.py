@@ -154,6 +154,29 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def mosaic_dtype_unfit(view: KVCacheView) -> str | None:
+    """Why Mosaic's TPU kernels cannot take `view`'s dtype (``None``: they can).
+
+    Mosaic takes kernel arguments of bfloat16, 8-bit floats and 32-bit
+    types only: float16 pages (or their bits) are left to XLA's path on a
+    TPU (found compiling the case matrix for v5e and v6e).
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.kv._pallas_write import mosaic_dtype_unfit
+      >>> cfg = jaxkv.llama_like_config(num_layers=1, dtype="float16")
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4, storage="stacked")
+      >>> mosaic_dtype_unfit(plan.views["layers.0.self_attn"])[:15]
+      'float16 pages ('
+    """
+    if view.dtype == jnp.float16:
+        return (
+            "float16 pages (Mosaic's TPU kernels take bfloat16 and 32-bit "
+            "types; XLA's path runs float16)"
+        )
+    return None
+
+
 def tpu_write_unfit(view: KVCacheView) -> str | None:
     """Why the TPU write cannot take `view` (``None``: it can).
 
@@ -170,6 +193,9 @@ def tpu_write_unfit(view: KVCacheView) -> str | None:
       >>> tpu_write_unfit(plan.views["layers.0.self_attn"]) is None
       True
     """
+    reason = mosaic_dtype_unfit(view)
+    if reason is not None:
+        return reason
     order = sorted(range(len(view.shape)), key=lambda d: -view.strides[d])
     if view.axes[order[-2]] == "token":
         return (
