@@ -576,3 +576,28 @@ def test_a_layer_written_by_a_kernel_of_your_own_counts_as_written():
     make(True).warm_up()
     with pytest.raises(ValueError, match="'layers.1.self_attn'.*do not keep"):
         make(False).warm_up()
+
+
+def test_a_freed_request_or_one_computed_past_its_blocks_is_refused():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+    manager = jaxkv.KVCacheManager(plan)
+    # Allocated again after free: its K/V is gone; it starts again at 0.
+    r = jaxkv.Request("a", prompt=[1] * 10, max_new_tokens=5)
+    manager.allocate(r, 10)
+    r.num_computed = 10
+    manager.commit(r)
+    manager.free(r)
+    free = manager.num_free_blocks
+    with pytest.raises(ValueError, match="'a' has 10 computed tokens but holds no"):
+        manager.allocate(r, 1)
+    assert manager.num_free_blocks == free
+    r.num_computed = 0
+    assert manager.allocate(r, 10)
+    # Computed past what it holds (block 32: 4 tokens allocated, 40 counted).
+    b = jaxkv.Request("b", prompt=[1] * 40, max_new_tokens=5)
+    manager.allocate(b, 4)
+    b.num_computed = 40
+    free = manager.num_free_blocks
+    with pytest.raises(ValueError, match="counts 40 computed tokens, but group 0"):
+        manager.commit(b)
+    assert manager.num_free_blocks == free

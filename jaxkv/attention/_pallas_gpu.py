@@ -69,6 +69,11 @@ TARGET_SMS = 132
 """SMs the split-KV heuristic fills (an H100 SXM; the chip is unknown at trace)."""
 
 
+def _cdiv(a: jax.Array, n: int) -> jax.Array:
+    """``ceil(a / n)`` of a non-negative traced int (its own dtype, x64 or not)."""
+    return (a + (n - 1)) // n
+
+
 def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
@@ -291,10 +296,10 @@ def _kernel(
     first = jnp.min(jnp.where(live, lo, jnp.iinfo(jnp.int32).max))
     last = jnp.max(jnp.where(live, hi, 0))
     span = jnp.maximum(last - first, 0)
-    per = pl.cdiv(pl.cdiv(span, t.splits), nk) * nk
+    per = _cdiv(_cdiv(span, t.splits), nk) * nk
     a = first + split * per
     b = jnp.minimum(last, a + per)
-    steps = pl.cdiv(jnp.maximum(b - a, 0), nk)
+    steps = _cdiv(jnp.maximum(b - a, 0), nk)
 
     tok = start + slot
     d = jnp.arange(t.dk, dtype=jnp.int32)

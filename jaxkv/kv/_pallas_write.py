@@ -81,8 +81,9 @@ def gpu_write(
         slot_layer = layer_ref[0]
         ok = live & _slot_ok(slot, slot_layer, lay, view)
         slot = jnp.where(ok, slot, 0)
-        block = jax.lax.div(slot, view.block_size)
-        token = jax.lax.rem(slot, view.block_size)
+        bs = jnp.asarray(view.block_size, slot.dtype)  # one dtype, 64-bit on
+        block = jax.lax.div(slot, bs)
+        token = jax.lax.rem(slot, bs)
         slot_layer = jnp.clip(slot_layer, 0, lay.slots_shape[0] - 1)
         h = jnp.arange(t.heads, dtype=jnp.int32)[None, :, None]
         for half, src, width, pad, at in (

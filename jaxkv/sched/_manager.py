@@ -305,6 +305,13 @@ class KVCacheManager:
         All or nothing: returns ``False`` and changes nothing when too few
         blocks are free or a hit's Mamba state is not computed yet.
         """
+        if req.num_computed and not num_cached and req.req_id not in self._tables:
+            raise ValueError(
+                f"allocate: request {req.req_id!r} has {req.num_computed} computed "
+                "tokens but holds no blocks here (freed: finished, aborted or "
+                "preempted, or another manager's): its K/V is gone. Start it "
+                "again from num_computed=0 (as a preemption does)."
+            )
         if self.free_skipped_at == "allocate" and not num_cached:
             held = self._tables.get(req.req_id)
             if held is not None:  # vLLM's remove_skipped_blocks, at allocation
@@ -556,6 +563,14 @@ class KVCacheManager:
         """
         tables = self._tables_of(req, "commit")
         n = req.num_computed
+        for g, table in enumerate(tables):
+            if not self.is_mamba[g] and len(table) * self.block_sizes[g] < n:
+                raise ValueError(
+                    f"commit: request {req.req_id!r} counts {n} computed tokens, "
+                    f"but group {g} holds blocks for {len(table) * self.block_sizes[g]}"
+                    ": allocate the step's tokens before computing them (their K/V "
+                    "had nowhere to go)."
+                )
         self._uncommitted.pop(req.req_id, None)
         if self._pending_of:
             self._pending_states.difference_update(self._pending_of.pop(req.req_id, ()))
