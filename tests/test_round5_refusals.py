@@ -601,3 +601,39 @@ def test_a_freed_request_or_one_computed_past_its_blocks_is_refused():
     with pytest.raises(ValueError, match="counts 40 computed tokens, but group 0"):
         manager.commit(b)
     assert manager.num_free_blocks == free
+
+
+def test_layer_tensors_naming_a_layer_twice_no_layer_or_an_unknown_one_are_refused():
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype="float32"
+    )
+    page = spec.page_size_bytes
+
+    def tensors(*names):
+        return [
+            jaxkv.vllm.LayerTensor(
+                size=2 * 4 * page, layers=n, layer_stride=4 * page, block_stride=page
+            )
+            for n in names
+        ]
+
+    specs = dict.fromkeys(["a", "b", "c"], spec)
+    kw = {"num_blocks": 4, "layout": jaxkv.vllm.TensorLayout.LBNHC}
+    for bad, match in (
+        (tensors(("a", "b"), ("b", "c")), "'b' is in tensor 0 and again in tensor 1"),
+        (tensors(("a", "a")), "'a' is in tensor 0 and again in tensor 0"),
+        (tensors(()), "tensor 0 names no layer"),
+        (tensors(("a", "zzz")), r"no spec for layers \['zzz'\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            jaxkv.vllm.allocate_layer_tensors(bad, specs, **kw)
+    _, views = jaxkv.vllm.allocate_layer_tensors(tensors(("a", "b")), specs, **kw)
+    assert set(views) == {"a", "b"}
+
+
+def test_a_word_view_on_a_pool_of_another_carrier_word_is_named():
+    plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=1), num_blocks=4)
+    view = plan.views["layers.0.self_attn"]  # uint32 words
+    as_bytes = tuple(jnp.zeros(p.nbytes, jnp.uint8) for p in plan.allocate())
+    with pytest.raises(ValueError, match=r"4-byte carrier words \(uint32\).*uint8"):
+        jaxkv.gather_kv_pages(as_bytes, view, jnp.array([[1]]))

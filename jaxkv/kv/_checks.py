@@ -256,6 +256,13 @@ def check_fits(pools: Pools, view: LayerView) -> None:
                 f"{pool.dtype}{list(pool.shape)} (a typed pool): it belongs to another "
                 "plan (make views and pools from one plan)."
             )
+        if np.dtype(pool.dtype).itemsize != v.word:
+            raise ValueError(
+                f"The view reads pool {v.pool} as {v.word}-byte carrier words "
+                f"(uint{8 * v.word}), but that pool is {pool.dtype}"
+                f"{list(pool.shape)}: it belongs to another plan or storage (make "
+                "views and pools from one plan)."
+            )
         nbytes = int(np.prod(pool.shape)) * np.dtype(pool.dtype).itemsize
         if v.extent_bytes > nbytes:
             raise ValueError(

@@ -213,8 +213,9 @@ def allocate_layer_tensors(
 
     Raises:
       ValueError: If `word` is not 1, 2 or 4 bytes, `num_blocks` not
-        positive, the tensors disagree on the backing size, a layer has
-        no spec, or a tensor's geometry is impossible: a negative stride or
+        positive, the tensors disagree on the backing size, a tensor names
+        no layer, a layer is named twice, a layer has no spec, or a
+        tensor's geometry is impossible: a negative stride or
         offset, a layer's cache running past the backing, or two of its
         elements (of two blocks, tokens or heads of a layer, or of two of its
         layers) on one byte. Tensors may overlay each other (vLLM's groups
@@ -248,6 +249,18 @@ def allocate_layer_tensors(
             f"{sorted(sizes)}."
         )
     views: dict[str, KVCacheView] = {}
+    seen: dict[str, int] = {}
+    for i, tensor in enumerate(tensors):
+        if not tensor.layers:
+            raise ValueError(f"allocate_layer_tensors: tensor {i} names no layer.")
+        for name in tensor.layers:
+            if name in seen:
+                raise ValueError(
+                    f"allocate_layer_tensors: layer {name!r} is in tensor "
+                    f"{seen[name]} and again in tensor {i}: a layer has one cache "
+                    "(its second view would silently replace the first)."
+                )
+            seen[name] = i
     for tensor in tensors:
         missing = [n for n in tensor.layers if n not in specs]
         if missing:
