@@ -11,6 +11,19 @@ import pytest
 import jaxkv
 from tests.test_serve_refusals import CFG, _forward, _request
 
+# Two global-attention layers (the forward-write checks' model).
+TWO_LAYERS = jaxkv.pattern_config(
+    "GG",
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_size=8,
+    max_model_len=64,
+    max_num_seqs=2,
+    max_num_batched_tokens=16,
+    token_buckets=(4, 16),
+)
+
 
 def _loop(**kw):
     plan = jaxkv.make_plan(CFG, num_blocks=8)
@@ -431,17 +444,7 @@ def test_a_layer_stack_view_without_layer_is_refused_by_every_access():
 
 
 def _two_layer_loop(*, drop=None, skip=None, stacked=False):
-    cfg = jaxkv.pattern_config(
-        "GG",
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_size=8,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-        token_buckets=(4, 16),
-    )
+    cfg = TWO_LAYERS
     plan = jaxkv.make_plan(cfg, num_blocks=8, storage="stacked" if stacked else "words")
     names = list(plan.views)
     stack = plan.layer_stack(names) if stacked else None
@@ -546,17 +549,7 @@ def test_a_layer_written_by_a_kernel_of_your_own_counts_as_written():
     # put_kernel_cache (a write-fused kernel's cache put back) is a write:
     # layer 0 by write_kv, layer 1 by hand through its kernel cache; dropping
     # the latter is named as any other.
-    cfg = jaxkv.pattern_config(
-        "GG",
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_size=8,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-        token_buckets=(4, 16),
-    )
+    cfg = TWO_LAYERS
     plan = jaxkv.make_plan(cfg, num_blocks=8, storage="typed")
     a, b = (plan.attention_layer(n) for n in plan.views)
 
