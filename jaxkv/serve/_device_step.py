@@ -96,6 +96,11 @@ class DeviceStep:
         self._check_writes(params, pools, meta, tokens, sample)
         return ()
 
+    @property
+    def writes_checked(self) -> bool:
+        """Whether `forward`'s writes were checked (they are, once)."""
+        return bool(self._writes_checked)
+
     def _check_writes(self, *args: Any) -> None:
         if self.sharded is None and not self._writes_checked:
             check_forward_writes(

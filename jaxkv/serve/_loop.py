@@ -433,17 +433,11 @@ class ServingLoop:
         time a step meets it (never more than once). `progress(done, total)`
         is called after each bucket.
         """
-
-        def abstract(x: Any) -> Any:
-            return jax.ShapeDtypeStruct(
-                jnp.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)
-            )
-
         t0 = time.perf_counter()
         self._check_forward_writes()
-        pools = jax.tree.map(abstract, self.pools)
-        params = jax.tree.map(abstract, self.params)
-        prev = abstract(self._prev_tokens)
+        pools = jax.tree.map(_abstract, self.pools)
+        params = jax.tree.map(_abstract, self.params)
+        prev = _abstract(self._prev_tokens)
         ranks = () if self.sharded is None else (self.num_ranks,)
         rows = self._rows()
         todo = self.builder.abstract_inputs()
@@ -471,17 +465,13 @@ class ServingLoop:
         (:meth:`DeviceStep.check_writes`).
         """
         step = self.device_step
-        if self.sharded is not None or step._writes_checked:
+        if self.sharded is not None or step.writes_checked:
             return
-
-        def abstract(x: Any) -> Any:
-            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
         inputs = self.builder.abstract_inputs()[0]
         jax.eval_shape(
             step.check_writes,
-            jax.tree.map(abstract, self.pools),
-            jax.tree.map(abstract, self.params),
+            jax.tree.map(_abstract, self.pools),
+            jax.tree.map(_abstract, self.params),
             inputs,
         )
 
@@ -1085,3 +1075,10 @@ def _to_host(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """`x`'s shape, dtype and sharding (programs are traced from these)."""
+    return jax.ShapeDtypeStruct(
+        jnp.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)
+    )
