@@ -14,8 +14,10 @@ window, local chunk, cross-attention, keys past the table dropped)
 token ``k % block_size`` of the page ``table[k // block_size]``, so a step
 gathers several pages (block 16: four pages per step of 64 keys) or part of
 one (block 128). Loads are masked to the keys some query of the block sees;
-Triton's software pipeliner keeps ``num_stages - 1`` steps of page ids, K
-and V in flight (``cp.async`` on sm_80 and newer) while one is computed.
+Triton's software pipeliner loads the next step's page ids, K and V
+(``cp.async`` on sm_80 and newer) while one is computed: with 3 stages
+the page ids take one, so K and V get one buffer each (read off the
+compiled builds, ``benchmarks/kernel_report.py``).
 
 When rows x KV heads would leave the GPU's SMs idle (a batch of one at 32k
 context), the key range is *split* over programs (split-KV): each writes an
