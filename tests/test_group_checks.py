@@ -91,3 +91,31 @@ def test_write_kv_takes_a_layer_and_its_metadata_and_refuses_another_groups():
         jaxkv.write_kv(
             plan.allocate(), stack.layer, k, -k, meta[local.name], layer=jnp.int32(1)
         )
+
+
+def test_a_bare_view_refuses_another_groups_metadata_record():
+    # The bare view carries the groups bound to it (bind_kv_caches), so a
+    # record of another group is refused there too (was served, off by 1.27).
+    plan = _plan("LLGG", 4)
+    meta = _metadata(plan)
+    glob = plan.attention_layer("layers.2.self_attn")
+    assert glob.view.groups == (1,)
+    assert plan.attention_layer("layers.0.self_attn").view.groups == (0,)
+    k = jnp.ones((16, 1, 8), jnp.float32)
+    q = jnp.zeros((16, 2, 8), jnp.float32)
+    pools = jaxkv.write_kv(plan.allocate(), glob.view, k, k, meta[glob.name])
+    jaxkv.paged_attention(q, pools, glob.view, meta[glob.name], scale=1.0)
+    other = meta["layers.0.self_attn"]
+    with pytest.raises(ValueError, match=r"write_kv: the view .*\(s\) \[1\].*group 0"):
+        jaxkv.write_kv(plan.allocate(), glob.view, k, k, other)
+    with pytest.raises(ValueError, match=r"paged_attention: the view .*\[1\].*group 0"):
+        jaxkv.paged_attention(q, pools, glob.view, other, scale=1.0)
+    # A bare slot array has no group: vLLM's reshape_and_cache form, unchecked.
+    jaxkv.write_kv(plan.allocate(), glob.view, k, k, other.slot_mapping)
+
+
+def test_kv_sharing_layers_mark_their_targets_group_on_the_shared_view():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    for name, view in plan.views.items():
+        if isinstance(view, jaxkv.KVCacheView):
+            assert view.groups == (plan.group_of(name),), name

@@ -4,8 +4,11 @@ kind (``"no"`` for a bool) named; the scheduler's own budgets bounded by the
 config the step buffers are sized to.
 """  # noqa: D205
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxkv
@@ -630,3 +633,119 @@ def test_a_word_view_on_a_pool_of_another_carrier_word_is_named():
     as_bytes = tuple(jnp.zeros(p.nbytes, jnp.uint8) for p in plan.allocate())
     with pytest.raises(ValueError, match=r"4-byte carrier words \(uint32\).*uint8"):
         jaxkv.gather_kv_pages(as_bytes, view, jnp.array([[1]]))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "given", "ok"),
+    [(None, 8, False), (None, 4, False), (4, 8, True), (4, 2, False)],
+)
+def test_init_kv_cache_refuses_kernel_blocks_its_attention_groups_do_not_read(
+    kernel, given, ok
+):
+    # Views at another kernel granularity than the attention groups' address
+    # other pages (was accepted: [8] with groups reading blocks of 16).
+    backend = jaxkv.AttentionBackend(
+        name=f"K{kernel}",
+        layout=jaxkv.KVCacheLayout.BLOCKS_FIRST,
+        supported_kernel_block_sizes=(kernel or jaxkv.vllm.MultipleOf(1),),
+    )
+    spec = jaxkv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32"
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name="l", spec=spec, backend=backend)]
+    )
+    kv = jaxkv.plan.make_kv_cache_config(cfg, num_blocks=4)
+    groups, _, sizes = jaxkv.vllm.init_attn_backend(kv, cfg)
+    assert sizes == [16 if kernel is None else 4]
+    jaxkv.vllm.init_kv_cache(kv, cfg, sizes, groups)
+    if ok:
+        jaxkv.vllm.init_kv_cache(kv, cfg, [given], groups)
+    else:
+        match = rf"kernel_block_sizes\[0\]={given} disagrees"
+        with pytest.raises(ValueError, match=match):
+            jaxkv.vllm.init_kv_cache(kv, cfg, [given], groups)
+
+
+def _tampered(kv, how):
+    name = "layers.0.self_attn"
+    layer = kv.attention[name]
+
+    def with_layer(**change):
+        return {
+            "attention": {**kv.attention, name: dataclasses.replace(layer, **change)}
+        }
+
+    mixer = "layers.2.mixer"
+    return dataclasses.replace(
+        kv,
+        **{
+            "more_tokens": lambda: {"num_tokens": 9},
+            "no_tokens": lambda: {"num_tokens": 0},
+            "short_values": lambda: with_layer(values=layer.values[:3]),
+            "short_present": lambda: with_layer(present=np.ones(4, bool)),
+            "int_present": lambda: with_layer(present=np.ones(5, np.int32)),
+            "unbatched_state": lambda: {
+                "states": {**kv.states, mixer: tuple(x[0] for x in kv.states[mixer])}
+            },
+        }[how](),
+    )
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [
+        ("more_tokens", r"layers.0.self_attn'.*keys.*\(5, 2, 32\).*num_tokens=9"),
+        ("no_tokens", r"kv.num_tokens must be a positive int"),
+        ("short_values", r"values.*\(3, 2, 32\)"),
+        ("short_present", r"present.*\(4,\)"),
+        ("int_present", r"present must be \(5,\) bools"),
+        ("unbatched_state", r"layers.2.mixer'.*state 0.*\(1, \.\.\.\)"),
+    ],
+)
+def test_a_tampered_request_kv_is_named_before_anything_is_written(how, match):
+    # Was: write_kv's shape error, a numpy broadcast, or blame on the blocks.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=8)
+    ids = [[1], [2], [3]]
+    pools = plan.allocate()
+    kv = jaxkv.transfer.export_request(plan, pools, block_ids=ids, num_tokens=5)
+    bad = _tampered(kv, how)
+    pools = plan.allocate()
+    with pytest.raises(ValueError, match=match):
+        jaxkv.transfer.import_request(plan, pools, bad, block_ids=ids)
+    assert all(not p.is_deleted() for p in pools)  # refused before the donation
+
+
+def test_a_block_freed_twice_in_one_call_changes_nothing():
+    a = jaxkv.sched.BlockAllocator(8)
+    x, y = a.allocate(2)
+    before = (a.num_free, a.ref_count(x), a.ref_count(y))
+    with pytest.raises(ValueError, match=f"Block id {x} is freed 2 times but held 1"):
+        a.free([y, x, x])
+    assert (a.num_free, a.ref_count(x), a.ref_count(y)) == before
+
+
+def test_pictures_name_a_config_given_for_a_plan():
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    from jaxkv.pictures import byte_map
+
+    with pytest.raises(TypeError, match="byte_map: plan must be a KVCachePlan.*Config"):
+        byte_map(plan.kv_cache_config)  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas"])
+def test_attention_on_an_empty_batch_is_empty(implementation):
+    # Was a numpy reduction error from the chunk range.
+    plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+    layer = plan.attention_layer("layers.0.self_attn")
+    meta = jaxkv.CommonAttentionMetadata.empty(max_reqs=2, max_tokens=0, max_blocks=2)
+    out = jaxkv.paged_attention(
+        jnp.zeros((0, 4, 32)),
+        plan.allocate(),
+        layer,
+        meta,
+        scale=1.0,
+        implementation=implementation,
+    )
+    assert out.shape == (0, 4, 32)
+    assert out.dtype == jnp.float32

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv._native import unavailable_reason
 from jaxkv._util import checks_own_arguments, is_int
-from jaxkv.attention._call import Call, kv_heads_of
+from jaxkv.attention._call import Call, head_dims, kv_heads_of
 from jaxkv.attention._native import native_attention, native_unfit
 from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
 from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
@@ -150,6 +150,16 @@ def paged_attention(
       True
     """
     _check_call(q, meta, query_tile=query_tile, pages_per_chunk=pages_per_chunk)
+    group = getattr(meta, "group", None)
+    if isinstance(view, KVCacheView) and view.groups and group is not None:
+        if group not in view.groups:
+            raise ValueError(
+                f"paged_attention: the view (pool {view.pool}, offset {view.offset}) "
+                f"is bound to KV-cache group(s) {list(view.groups)}, but meta is "
+                f"group {group}'s (another group's block tables address other "
+                "pages); pass the layer (plan.attention_layer(name)) and "
+                "builder.metadata(inputs)[name]."
+            )
     if isinstance(view, AttentionLayer):
         if None not in (view.group, meta.group) and view.group != meta.group:
             raise ValueError(
@@ -226,6 +236,9 @@ def paged_attention(
     check_pools_alive(pools, "paged_attention")
     check_fits(pools, view)  # the native kernel reads these bytes directly
     check_layer(layer, view, pools, "paged_attention")
+    if q.shape[0] == 0:  # an empty batch: nothing to attend
+        _, dv = head_dims(view, q.shape[2])
+        return jnp.zeros((0, q.shape[1], dv), q.dtype)
     platform = _platform_of(pools[view.pool])
     choice = choose_implementation(
         implementation, view, call, q.shape, platform=platform

@@ -20,7 +20,7 @@ from jaxkv._layer_queries import (
 )
 from jaxkv._specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
 from jaxkv._util import is_int
-from jaxkv.groups._attn_group import AttentionGroup
+from jaxkv.groups._attn_group import AttentionGroup, flat_groups
 from jaxkv.groups._cg_support import AttentionCGSupportInfo, get_attn_cg_support
 from jaxkv.groups._kernel_blocks import (
     kernel_block_sizes_by_group,
@@ -275,7 +275,6 @@ def check_kernel_block_sizes(
             "(one per KV-cache group that is not encoder-only, as init_attn_backend "
             f"returns them), got {sizes}."
         )
-    del attn_groups  # each attention group refines its group's size itself
     for i, (gid, k) in enumerate(zip(expected, sizes, strict=True)):
         group = kv_cache_config.kv_cache_groups[gid]
         bs = group.kv_cache_spec.block_size
@@ -284,6 +283,22 @@ def check_kernel_block_sizes(
                 f"kernel_block_sizes[{i}]={k!r} must be a positive divisor of the "
                 f"block size {bs} of group {gid} ({list(group.layer_names)[:2]}...)."
             )
+        # Each attention group refined its kernel blocks from this entry (a
+        # divisor of it); views at another granularity address other pages.
+        for attn in flat_groups(attn_groups):
+            if attn.kv_cache_group_id != gid or not isinstance(
+                attn.kv_cache_spec, AttentionSpec
+            ):
+                continue
+            own = attn.kernel_block_size or attn.kv_cache_spec.block_size
+            if k % own:
+                raise ValueError(
+                    f"kernel_block_sizes[{i}]={k} disagrees with attn_groups: the "
+                    f"attention group of {list(attn.layer_names)[:2]} (KV-cache group "
+                    f"{gid}) reads kernel blocks of {own} tokens, which must divide "
+                    "it; pass the kernel_block_sizes init_attn_backend returned "
+                    "with these attn_groups."
+                )
 
 
 def _refine(

@@ -102,6 +102,16 @@ def _layer_slots(view: object, slot_mapping: object) -> tuple[Any, Any]:
                 f"address other pages); pass builder.metadata(inputs)[{view.name!r}]."
             )
         view = view.view
+    elif isinstance(view, KVCacheView) and view.groups:
+        group = getattr(slot_mapping, "group", None)
+        if group is not None and group not in view.groups:
+            raise ValueError(
+                f"write_kv: the view (pool {view.pool}, offset {view.offset}) is "
+                f"bound to KV-cache group(s) {list(view.groups)}, but the metadata "
+                f"is group {group}'s (another group's slots address other pages); "
+                "pass the layer (plan.attention_layer(name)) and "
+                "builder.metadata(inputs)[name]."
+            )
     if isinstance(slot_mapping, GroupSlots):
         slot_mapping = slot_mapping.slot_mapping
     return view, slot_mapping

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv._mamba_spec import MambaSpec
 from jaxkv._util import check_positive_int, checks_own_arguments
-from jaxkv.pictures._common import _check_index, _pyplot
+from jaxkv.pictures._common import _check_index, _check_plan, _pyplot
 from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 
 
@@ -80,6 +80,7 @@ def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> B
       >>> m.owners.shape, m.labels[:2]
       ((4, 16384), ['layers.0.self_attn K', 'layers.0.self_attn V'])
     """
+    _check_plan("byte_map", "plan", plan)
     _check_index("byte_map", "pool", pool, len(plan.pools))
     if group is not None:
         _check_index(

@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 from jaxkv._util import is_int
+from jaxkv.plan import KVCachePlan
 
 
 def _pyplot() -> Any:
@@ -15,6 +16,15 @@ def _pyplot() -> Any:
         raise ImportError(
             "jaxkv.pictures needs matplotlib: pip install 'jaxkv[pictures]'."
         ) from err
+
+
+def _check_plan(fn: str, name: str, plan: object) -> None:
+    """`plan` a :class:`KVCachePlan` (``make_plan``'s), or a clear error."""
+    if not isinstance(plan, KVCachePlan):
+        raise TypeError(
+            f"{fn}: {name} must be a KVCachePlan (jaxkv.make_plan's), got "
+            f"{type(plan).__name__}."
+        )
 
 
 def _check_index(fn: str, name: str, value: object, n: int) -> int:

@@ -147,7 +147,36 @@ def bind_kv_caches(
                 id(view), dataclasses.replace(view, windowed=True)
             )
     bound.update(kernel_views(bound, attn_groups, kv_cache_config, vllm_config))
-    return BoundKVCaches(bound, uncached)
+    return BoundKVCaches(_with_groups(bound, kv_cache_config, shared), uncached)
+
+
+def _with_groups(
+    bound: dict[str, LayerView],
+    kv_cache_config: KVCacheConfig,
+    shared: Mapping[str, str],
+) -> dict[str, LayerView]:
+    """`bound` with each attention view marked with the groups bound to it.
+
+    Aliases stay one object; a layer of no group (cross-attention without
+    one, a config's extra layer) adds nothing.
+    """
+    of_view: dict[int, set[int]] = {}
+    for name, view in bound.items():
+        if not isinstance(view, KVCacheView):
+            continue
+        try:
+            gid = kv_cache_config.group_of(shared.get(name, name))
+        except KeyError:
+            continue
+        of_view.setdefault(id(view), set()).add(gid)
+    marked: dict[int, LayerView] = {}
+    out = {}
+    for name, view in bound.items():
+        if id(view) in of_view and isinstance(view, KVCacheView):
+            gids = tuple(sorted(of_view[id(view)]))
+            view = marked.setdefault(id(view), dataclasses.replace(view, groups=gids))
+        out[name] = view
+    return out
 
 
 def build_slot_mappings_by_layer(

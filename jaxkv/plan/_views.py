@@ -60,6 +60,12 @@ class KVCacheView:
         :func:`paged_attention` through it must name the slot (``layer=``);
         without it, one call would address the first layer while another
         addresses the traced one.
+      groups: Set by :func:`bind_kv_caches`: the KV-cache groups whose layers
+        are bound to the view (a KV-sharing layer counts its target's).
+        :func:`write_kv` and :func:`paged_attention` refuse, through the bare
+        view, a metadata record of another group (its block tables and slots
+        address other pages); ``()``: unbound, nothing to check. Not part of
+        equality or the hash: views of the same bytes stay equal.
 
     Example:
       >>> import jaxkv
@@ -83,6 +89,7 @@ class KVCacheView:
     kv_packing: int | None = None
     windowed: bool = False
     stacked: bool = False
+    groups: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))

@@ -361,6 +361,52 @@ def _checked_layer(
     return view
 
 
+def _check_request_kv(kv: object) -> None:
+    """Refuses a :class:`RequestKV` whose parts disagree with its token count.
+
+    Refuses a :class:`RequestKV` whose parts disagree with its own token
+    count (built by hand or changed after :func:`export_request`), naming
+    the layer and the part, before the blocks are looked at.
+    """
+    if not isinstance(kv, RequestKV):
+        raise TypeError(
+            f"import_request: kv must be a RequestKV (export_request's), got "
+            f"{type(kv).__name__}."
+        )
+    n = kv.num_tokens
+    if not is_int(n) or int(n) < 1:
+        raise ValueError(
+            f"import_request: kv.num_tokens must be a positive int, got {n!r}."
+        )
+    for name, layer in kv.attention.items():
+        parts = {"keys": layer.keys, "values": layer.values, "present": layer.present}
+        for part, x in parts.items():
+            if x is None and part == "values":
+                continue
+            shape = getattr(x, "shape", None)
+            if shape is None or len(shape) < 1 or shape[0] != n:
+                raise ValueError(
+                    f"import_request: layer {name!r}: kv's {part} have shape "
+                    f"{None if shape is None else tuple(shape)}; kv.num_tokens={n} "
+                    "needs one row per token."
+                )
+        present = np.asarray(layer.present)
+        if present.ndim != 1 or present.dtype != np.bool_:
+            raise ValueError(
+                f"import_request: layer {name!r}: kv's present must be ({n},) "
+                f"bools, got {present.dtype}{list(present.shape)}."
+            )
+    for name, states in kv.states.items():
+        for i, x in enumerate(states):
+            shape = getattr(x, "shape", None)
+            if shape is None or len(shape) < 1 or shape[0] != 1:
+                raise ValueError(
+                    f"import_request: Mamba layer {name!r} state {i} has shape "
+                    f"{None if shape is None else tuple(shape)}; expected (1, ...): "
+                    "the state after the request's last token."
+                )
+
+
 def import_request(
     plan: KVCachePlan,
     pools: Pools,
@@ -413,6 +459,7 @@ def import_request(
       >>> bool((back.attention[name].keys == k).all())
       True
     """
+    _check_request_kv(kv)
     tables, n = _checked_ids(plan, block_ids, kv.num_tokens, "import_request")
     layers = plan.owning_layers()
     mine = {name for _, name, _ in layers}
