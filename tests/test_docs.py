@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -26,7 +27,9 @@ PAGES = [
 
 
 def _blocks(page: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+    # A block inside a list item is indented with it.
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+    return [textwrap.dedent(b) for b in blocks]
 
 
 # Pages whose blocks need a mesh of 8 devices run in a subprocess that
@@ -34,10 +37,11 @@ def _blocks(page: str) -> list[str]:
 MESH_PAGES = {"docs/sharding.md"}
 
 _RUN = """
-import re, sys
+import re, sys, textwrap
 page = sys.argv[1]
 namespace = {"__name__": "docs:" + page}
 blocks = re.findall(r"```python\\n(.*?)```", open(page).read(), re.S)
+blocks = [textwrap.dedent(b) for b in blocks]
 for i, code in enumerate(blocks):
     exec(compile(code, f"{page} block {i}", "exec"), namespace)
 print("ran", len(blocks))

@@ -10,7 +10,6 @@ globals.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -20,23 +19,17 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
-from jaxkv._native import unavailable_reason
 from jaxkv._util import checks_own_arguments, is_int
 from jaxkv.attention._call import Call, head_dims, kv_heads_of
-from jaxkv.attention._native import native_attention, native_unfit
-from jaxkv.attention._pallas_gpu import gpu_attention, gpu_unfit
-from jaxkv.attention._pallas_tpu import tpu_attention, tpu_unfit
+from jaxkv.attention._kernels import ATTENTION_KERNELS, branch
 from jaxkv.attention._rows import Mask
-from jaxkv.attention._xla import resolve_contraction, tuning, xla_attention
+from jaxkv.attention._xla import resolve_contraction
 from jaxkv.kv import Pools, check_fits, check_layer, check_pools_alive
 from jaxkv.plan import AttentionLayer, KVCacheView, LayerView
 from jaxkv.step import CommonAttentionMetadata
 
-IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
-"""What ``paged_attention(implementation=)`` takes."""
-
-_GPU_PLATFORMS = ("cuda", "rocm")
-_PLATFORMS = ("cpu", *_GPU_PLATFORMS, "tpu")
+IMPLEMENTATIONS = ATTENTION_KERNELS.implementations
+"""What ``paged_attention(implementation=)`` takes (with jaxkv's own kernels)."""
 
 
 @checks_own_arguments
@@ -409,97 +402,15 @@ def choose_implementation(
       >>> choose_implementation(None, view, call, (8, 4, 32), platform="cpu")
       Choice(by_platform=(), default='xla')
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"paged_attention: implementation={implementation!r}, expected one "
-            f"of {IMPLEMENTATIONS}."
-        )
-    platforms = (platform,) if platform is not None else _PLATFORMS
-    if implementation is None:
-        picks = tuple((p, _best(p, view, call, q_shape)) for p in platforms)
-    elif implementation == "pallas":
-        picks = tuple(
-            (p, "pallas_tpu" if p == "tpu" else "pallas_gpu") for p in platforms
-        )
-    else:
-        picks = tuple((p, implementation) for p in platforms)
-    for _, name in picks:
-        reason = _unfit(name, view, call, q_shape)
-        if reason is not None:
-            raise ValueError(
-                f"paged_attention: implementation={implementation!r} "
-                f"({name}) cannot run this call: {reason}."
-            )
-    names = {name for _, name in picks}
+    platforms = (platform,) if platform is not None else ()
+    picks = ATTENTION_KERNELS.pick(
+        implementation, view, call, q_shape, platforms=platforms
+    )
+    names = set(picks.values())
     if len(names) == 1:
         return Choice((), names.pop())
-    return Choice(tuple(p for p in picks if p[1] != "xla"), "xla")
-
-
-def _best(
-    platform: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]
-) -> str:
-    if platform in _GPU_PLATFORMS and gpu_unfit(view, call, q_shape) is None:
-        return "pallas_gpu"
-    if platform == "tpu" and tpu_unfit(view, call, q_shape) is None:
-        return "pallas_tpu"
-    return "xla"
-
-
-def _unfit(
-    name: str, view: KVCacheView, call: Call, q_shape: tuple[int, ...]
-) -> str | None:
-    if name == "pallas_gpu":
-        return gpu_unfit(view, call, q_shape)
-    if name == "pallas_tpu":
-        return tpu_unfit(view, call, q_shape)
-    if name == "native":
-        return native_unfit(view, call) or unavailable_reason()
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Branch:
-    """One platform's kernel, as a callable ``platform_dependent`` can merge.
-
-    Branches equal by value are traced and lowered once; ``tuned_for`` is the
-    platform XLA's path tunes its defaults for (``"cpu"`` or ``"device"``).
-    """
-
-    name: str
-    interpret: bool
-    tuned_for: str | None
-    view: KVCacheView
-    call: Call
-
-    def __call__(self, q, pools, meta, layer):
-        """``(T, H, Dv)`` attention on this branch's kernel."""
-        view, call = self.view, self.call
-        if self.name == "native":
-            return native_attention(q, pools, view, meta, layer, call)
-        if self.name == "pallas_gpu":
-            return gpu_attention(
-                q, pools, view, meta, layer, call, interpret=self.interpret
-            )
-        if self.name == "pallas_tpu":
-            return tpu_attention(
-                q, pools, view, meta, layer, call, interpret=self.interpret
-            )
-        return xla_attention(
-            q, pools, view, meta, layer, call, platform=self.tuned_for or "device"
-        )
-
-
-def _branch(name: str, platform: str, view: KVCacheView, call: Call) -> _Branch:
-    """What `platform` runs for implementation `name` (its own kernel compiled)."""
-    own = {"pallas_gpu": _GPU_PLATFORMS, "pallas_tpu": ("tpu",)}.get(name, ())
-    tuned_for = None
-    if name == "xla":
-        cpu_tuning = tuning(call, platform="cpu")
-        device_tuning = tuning(call, platform="device")
-        if cpu_tuning != device_tuning:
-            tuned_for = "cpu" if platform == "cpu" else "device"
-    return _Branch(name, bool(own) and platform not in own, tuned_for, view, call)
+    fallback = ATTENTION_KERNELS.fallback.name
+    return Choice(tuple(p for p in picks.items() if p[1] != fallback), fallback)
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice", "platform"))
@@ -516,10 +427,11 @@ def _attend(
 ) -> jax.Array:
     args = (q, pools, meta, layer)
     if platform is not None:  # the pools' own device
-        return _branch(choice.on(platform), platform, view, call)(*args)
+        return branch(choice.on(platform), platform, view, call)(*args)
     # Decided at lowering: only the branch of the platform compiled for is
     # lowered (a device never holds an interpreter loop); equal branches
     # are traced once.
     return jax.lax.platform_dependent(
-        *args, **{p: _branch(choice.on(p), p, view, call) for p in _PLATFORMS}
+        *args,
+        **{p: branch(choice.on(p), p, view, call) for p in ATTENTION_KERNELS.platforms},
     )

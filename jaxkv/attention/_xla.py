@@ -14,6 +14,8 @@ with no visible key produce zeros.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -71,11 +73,30 @@ def resolve_contraction(
         )
     if contraction != "auto":
         return contraction
-    cpu = (platform or jax.default_backend()) == "cpu"
-    return "reduce" if query_tile > 1 and cpu else "dot"
+    tuned = xla_tuning(platform or jax.default_backend())
+    return tuned["tile_contraction"] if query_tile > 1 else "dot"
 
 
 CONTRACTIONS = ("auto", "dot", "reduce")
+
+XLA_TUNING: dict[str, dict[str, Any]] = {
+    "cpu": {"pages_per_chunk": 4, "tile_contraction": "reduce"},
+    "*": {"pages_per_chunk": 64, "tile_contraction": "dot"},
+}
+"""XLA's path's tuned defaults per platform (``"*"``: every device).
+
+On XLA:CPU the page gather dominates, so chunks past a row's context cost
+more than the loop's trips, and rows of several queries are reduced (a
+broadcast multiply and a sum fused with the gather); on a GPU or TPU few
+large chunks and dot products win (``benchmarks/bench_attention.py``,
+``bench_serve.py``; figures in ``benchmarks/README.md``). The table entry of
+XLA's path carries it (``ATTENTION_KERNELS.tuned("xla", platform)``).
+"""
+
+
+def xla_tuning(platform: str) -> dict[str, Any]:
+    """:data:`XLA_TUNING` of `platform` (``"*"``'s for a device)."""
+    return XLA_TUNING.get(platform, XLA_TUNING["*"])
 
 
 def auto_pages_per_chunk(platform: str | None = None) -> int:
@@ -84,10 +105,7 @@ def auto_pages_per_chunk(platform: str | None = None) -> int:
     `platform`: ``"cpu"``, or anything else for a device; ``None``: the
     default backend's (on the host, never while tracing).
 
-    4 on CPU, 64 elsewhere: on XLA:CPU the page gather dominates, so chunks
-    past a row's context cost more than the loop's trips, while on a GPU
-    few large chunks beat many small ones (``benchmarks/bench_attention.py``,
-    ``bench_serve.py``; figures in ``benchmarks/README.md``).
+    4 on CPU, 64 elsewhere (:data:`XLA_TUNING`).
 
     Example:
       >>> import jax
@@ -95,7 +113,7 @@ def auto_pages_per_chunk(platform: str | None = None) -> int:
       >>> auto_pages_per_chunk() == (4 if jax.default_backend() == "cpu" else 64)
       True
     """
-    return 4 if (platform or jax.default_backend()) == "cpu" else 64
+    return xla_tuning(platform or jax.default_backend())["pages_per_chunk"]
 
 
 def tuning(call: Call, *, platform: str) -> tuple[str, int]:

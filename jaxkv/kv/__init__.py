@@ -4,7 +4,8 @@
 typed pools; ``_pallas_write`` and ``_native_write`` the kernels, with
 ``_page_layout`` and ``_raw_address`` describing a view to them),
 ``_state_ops`` Mamba states, zeroing and whole-view reads,
-``_kernel_handoff`` a layer's cache as a kernel's array, ``_checks`` the
+``_kernel_handoff`` a layer's cache as a kernel's array, ``_kernel_table``
+the table each operation picks its kernel from per platform, ``_checks`` the
 host-side id and pool checks they share, ``_write_log`` the record of the
 writes a traced function makes (ServingLoop's check of `forward`).
 """
@@ -24,7 +25,9 @@ from jaxkv.kv._kernel_handoff import (
     kernel_cache,
     put_kernel_cache,
 )
+from jaxkv.kv._kernel_table import GPU_PLATFORMS, Kernel, KernelTable
 from jaxkv.kv._ops import (
+    WRITE_KERNELS,
     gather_kv_pages,
     write_kv,
 )
@@ -47,8 +50,12 @@ from jaxkv.kv._state_ops import (
 from jaxkv.kv._write_log import Write, recording_writes
 
 __all__ = [
+    "GPU_PLATFORMS",
+    "Kernel",
+    "KernelTable",
     "PageLayout",
     "Pools",
+    "WRITE_KERNELS",
     "Write",
     "any_deleted",
     "check_fits",

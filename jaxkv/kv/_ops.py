@@ -9,6 +9,7 @@ write nothing and never wrap around.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -27,6 +28,7 @@ from jaxkv.kv._checks import (
     _device_ids,
     layer_index,
 )
+from jaxkv.kv._kernel_table import GPU_PLATFORMS, Kernel, KernelTable
 from jaxkv.kv._native_write import native_write, native_write_unfit
 from jaxkv.kv._page_layout import pallas_view_unfit
 from jaxkv.kv._pallas_write import gpu_write, tpu_write, tpu_write_unfit
@@ -81,10 +83,6 @@ def _check_kv_shapes(
         raise ValueError(
             f"value.shape={tuple(value.shape)}, expected {(key.shape[0], *expected_v)}."
         )
-
-
-WRITE_IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_gpu", "pallas_tpu", "native")
-"""What ``write_kv(implementation=)`` takes."""
 
 
 def _layer_slots(view: object, slot_mapping: object) -> tuple[Any, Any]:
@@ -218,101 +216,90 @@ def write_kv(
         )
     if slots.shape[0] == 0:
         return pools
-    choice = _write_choice(implementation, view, value)
-    if choice != "xla" and value is not None:
-        pool = pools[view.pool]
-
-        def kernel(name: str, platform: str | None):
-            def go(pool, key, value, slots, layer):
-                args = (pool, view, key, value, slots, layer)
-                if name == "native":
-                    return native_write(*args)
-                if name in ("pallas_gpu", "pallas_tpu"):
-                    gpu = name == "pallas_gpu"
-                    own = _GPU_PLATFORMS if gpu else ("tpu",)
-                    write = gpu_write if gpu else tpu_write
-                    return write(*args, interpret=platform not in own)
-                own = _replace(pools, view.pool, pool)
-                return _xla_write(own, view, key, value, slots, layer)[view.pool]
-
-            return go
-
-        args = (pool, key, value, slots, layer)
-        if choice == "native":
-            new = kernel("native", "cpu")(*args)
-        else:
-            # Each platform's branch is lowered only when compiling for it:
-            # a device never holds an interpreter, and CPU interprets.
-            per = _write_platforms(choice, tpu_fits=tpu_write_unfit(view) is None)
-            new = jax.lax.platform_dependent(
-                *args,
-                **{p: kernel(name, p) for p, name in per.items() if p != "cpu"},
-                default=kernel(per["cpu"], "cpu"),
-            )
-        return _replace(pools, view.pool, new)
-    return _xla_write(pools, view, key, value, slots, layer)
-
-
-_GPU_PLATFORMS = ("cuda", "rocm")
-
-
-def _write_platforms(choice: str, *, tpu_fits: bool = True) -> dict[str, str]:
-    """The write each platform runs for `choice` (``"auto"``, ``"pallas"``, a kernel).
-
-    `tpu_fits`: whether the TPU kernel takes the view (:func:`tpu_write_unfit`);
-    where it does not, ``"auto"`` and ``"pallas"`` write with XLA on a TPU.
-
-    Example:
-      >>> from jaxkv.kv._ops import _write_platforms
-      >>> _write_platforms("auto")
-      {'cuda': 'pallas_gpu', 'rocm': 'pallas_gpu', 'tpu': 'pallas_tpu', 'cpu': 'xla'}
-      >>> _write_platforms("pallas")["cpu"], _write_platforms("pallas_tpu")["cuda"]
-      ('pallas_gpu', 'pallas_tpu')
-      >>> _write_platforms("auto", tpu_fits=False)["tpu"]
-      'xla'
-    """
-    own = {
-        **dict.fromkeys(_GPU_PLATFORMS, "pallas_gpu"),
-        "tpu": "pallas_tpu" if tpu_fits else "xla",
-    }
-    if choice == "auto":
-        return {**own, "cpu": "xla"}
-    if choice == "pallas":  # on CPU: the GPU kernel, interpreted
-        return {**own, "cpu": "pallas_gpu"}
-    return dict.fromkeys((*_GPU_PLATFORMS, "tpu", "cpu"), choice)
-
-
-def _write_choice(
-    implementation: str | None, view: KVCacheView, value: jax.Array | None
-) -> str:
-    """The write implementation to run; raises for one that cannot.
-
-    ``"xla"``, ``"auto"`` (per platform), or the kernel named; raises for a
-    name that cannot take the view.
-    """
-    if implementation not in WRITE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"write_kv: implementation={implementation!r}, expected one of "
-            f"{WRITE_IMPLEMENTATIONS}."
-        )
-    if implementation == "xla":
-        return "xla"
-    if implementation == "native":
-        reason = native_write_unfit(view, value)
+    picks = WRITE_KERNELS.pick(implementation, view, value)
+    names = set(picks.values())
+    fallback = WRITE_KERNELS.fallback.name
+    if names == {fallback}:
+        return _xla_write(pools, view, key, value, slots, layer)
+    args = (pools[view.pool], key, value, slots, layer)
+    kernel = WRITE_KERNELS[next(iter(names))]
+    if len(names) == 1 and not kernel.interpretable:  # the same call everywhere
+        new = _write_branch(kernel.name, "cpu", view)(*args)
     else:
-        reason = pallas_view_unfit(view)
-        if reason is None and value is None:
-            reason = "no value (MLA latents)"
-        if reason is None and implementation == "pallas_tpu":
-            reason = tpu_write_unfit(view)
-    if implementation is None:
-        return "xla" if reason is not None else "auto"
-    if reason is not None:
-        raise ValueError(
-            f"write_kv: implementation={implementation!r} cannot take this view: "
-            f"{reason}."
+        # Each platform's branch is lowered only when compiling for it: a
+        # device never holds an interpreter, and CPU interprets.
+        new = jax.lax.platform_dependent(
+            *args,
+            **{p: _write_branch(name, p, view) for p, name in picks.items()},
         )
-    return implementation
+    return _replace(pools, view.pool, new)
+
+
+def _write_branch(name: str, platform: str, view: KVCacheView) -> Any:
+    """Kernel `name` writing through `view` on `platform`: ``(pool, ...) -> pool``."""
+    kernel = WRITE_KERNELS[name]
+    interpret = kernel.interpretable and not kernel.runs_on(platform)
+
+    def go(pool, key, value, slots, layer):
+        return kernel.run(
+            pool, view, key, value, slots, layer, interpret=interpret, platform=platform
+        )
+
+    return go
+
+
+def _xla_kernel(pool, view, key, value, slots, layer, *, interpret, platform):
+    del interpret, platform
+    own = dataclasses.replace(view, pool=0)
+    return _xla_write((pool,), own, key, value, slots, layer)[0]
+
+
+def _pallas_unfit(view: KVCacheView, value: jax.Array | None) -> str | None:
+    reason = pallas_view_unfit(view)
+    if reason is None and value is None:
+        reason = "no value (MLA latents)"
+    return reason
+
+
+WRITE_KERNELS = KernelTable("write_kv", Kernel("xla", run=_xla_kernel))
+"""``write_kv``'s kernels (a :class:`KernelTable`; ``unfit`` takes ``(view, value)``).
+
+``xla`` (XLA's scatter) everywhere; ``pallas_gpu`` on cuda and rocm and
+``pallas_tpu`` on tpu, picked by ``None`` where they take the view (the
+``"pallas"`` family; interpreted elsewhere); ``native`` (C++, XLA:CPU)
+opt-in."""
+WRITE_KERNELS.register(
+    Kernel(
+        "pallas_gpu",
+        run=lambda *a, interpret, platform: gpu_write(*a, interpret=interpret),
+        platforms=GPU_PLATFORMS,
+        unfit=_pallas_unfit,
+        family="pallas",
+        default=True,
+        interpretable=True,
+    )
+)
+WRITE_KERNELS.register(
+    Kernel(
+        "pallas_tpu",
+        run=lambda *a, interpret, platform: tpu_write(*a, interpret=interpret),
+        platforms=("tpu",),
+        unfit=lambda view, value: _pallas_unfit(view, value) or tpu_write_unfit(view),
+        family="pallas",
+        default=True,
+        interpretable=True,
+    )
+)
+WRITE_KERNELS.register(
+    Kernel(
+        "native",
+        run=lambda *a, interpret, platform: native_write(*a),
+        platforms=("cpu",),
+        unfit=native_write_unfit,
+    )
+)
+WRITE_IMPLEMENTATIONS = WRITE_KERNELS.implementations
+"""What ``write_kv(implementation=)`` takes (with jaxkv's own kernels)."""
 
 
 def _xla_write(
