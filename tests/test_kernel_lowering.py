@@ -190,3 +190,21 @@ def test_the_pallas_kernels_run_inside_shard_map_with_check_vma(implementation):
     np.testing.assert_allclose(
         np.asarray(got[1], np.float32), np.asarray(want[1], np.float32), atol=1e-2
     )
+
+
+@pytest.mark.parametrize(
+    ("platform", "name"), [("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")]
+)
+def test_a_kernel_named_for_its_own_platform_lowers_compiled_not_interpreted(
+    platform, name
+):
+    # One name for every platform still lowers per platform: compiled where
+    # it is the kernel's own (no interpreter's loop), interpreted on CPU.
+    plan, stack = stacked_plan()
+    fn, args = scan_step(plan, stack, write=name, attend=name, tokens=4)
+    text = _export(fn, args, platform)
+    kernels = re.findall(r"custom_call @([\w$.]+)\(", text)
+    assert kernels.count(_KERNEL_CALLS[platform]) == 2, kernels  # write, attention
+    fn, args = scan_step(plan, stack, tokens=4)  # None: the platform's own
+    loops = _export(fn, args, platform).count("stablehlo.while")
+    assert text.count("stablehlo.while") == loops  # no interpreter's loop
