@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -284,12 +284,16 @@ def _check_dtype_supported(view: KVCacheView) -> None:
         )
 
 
-def _check_view(view: object, kind: type, name: str) -> None:
+_V = TypeVar("_V")
+
+
+def _check_view(view: object, kind: type[_V], name: str) -> _V:
     if not isinstance(view, kind):
         raise TypeError(
             f"{name} needs a {kind.__name__}, got {type(view).__name__}; pass the "
             "view bound to an attention layer (or a MambaView for Mamba layers)."
         )
+    return view
 
 
 def validate_slot_mapping(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -128,10 +128,10 @@ def _resolve_layer_slots(arguments: dict[str, Any]) -> None:
 @checks_own_arguments
 def write_kv(
     pools: Pools,
-    view: KVCacheView,
+    view: AttentionLayer | KVCacheView,
     key: Shaped[ArrayLike, "num_tokens ..."],
     value: Shaped[ArrayLike, "num_tokens ..."] | None,
-    slot_mapping: Int[ArrayLike, " num_tokens"],
+    slot_mapping: GroupSlots | Int[ArrayLike, " num_tokens"],
     *,
     layer: Int[ArrayLike, ""] | None = None,
     implementation: str | None = None,
@@ -144,9 +144,15 @@ def write_kv(
     (another layer's page of a packed pool) write nothing; 64-bit slots past
     int32 are rejected on the host and dropped inside jit, never wrapped.
 
+    The form every page teaches is ``write_kv(pools, layer, k, v, meta)``:
+    the layer's :class:`AttentionLayer` (``plan.attention_layer(name)``) and
+    its step metadata, checked to be of one KV-cache group. vLLM's form, a
+    bound view and a bare slot array (``reshape_and_cache``), is taken too;
+    a bare array carries no group and is not checked.
+
     Args:
       pools: The pool arrays (donated).
-      view: The layer's view (static), or its :class:`AttentionLayer`.
+      view: The layer's :class:`AttentionLayer`, or its view (static).
       key: ``(num_tokens, num_kv_heads, head_dim)`` keys, or ``(num_tokens,
         head_dim)`` latents for MLA.
       value: ``(num_tokens, num_kv_heads, head_dim_v)`` values, or ``None`` for
@@ -190,7 +196,8 @@ def write_kv(
     """
     # An AttentionLayer and its metadata were resolved to the view and slot
     # mapping by the wrapper (_resolve_layer_slots), before jit.
-    _check_view(view, KVCacheView, "write_kv")
+    view = _check_view(view, KVCacheView, "write_kv")
+    slot_mapping = cast("ArrayLike", slot_mapping)  # its record resolved too
     _check_dtype_supported(view)
     key = jnp.asarray(key)
     value = None if value is None else jnp.asarray(value)
