@@ -14,7 +14,7 @@ API lives in its sub-package: :mod:`jaxkv.plan` (host-side, static),
 :mod:`jaxkv.kv` (inside jit), :mod:`jaxkv.attention`, :mod:`jaxkv.groups`,
 :mod:`jaxkv.sched`, :mod:`jaxkv.step`, :mod:`jaxkv.serve`,
 :mod:`jaxkv.transfer`. ``jaxkv`` itself has exactly the names of its
-``__all__``. ARCHITECTURE.md draws the layers.
+``__all__``. docs/architecture.md draws the layers.
 
 The core imports jax, numpy and jaxtyping only; the demo model and Engine
 live in :mod:`jaxkv.demo` (the ``demo`` extra, Flax), which ``import jaxkv``

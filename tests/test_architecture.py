@@ -1,4 +1,4 @@
-"""The import layering written in ARCHITECTURE.md holds for every import in
+"""The import layering written in docs/architecture.md holds for every import in
 ``jaxkv/``, no unit imports another's underscore names, and ``import jaxkv``
 loads no flax (the demo's dependency, an extra).
 """  # noqa: D205
@@ -19,9 +19,9 @@ SEED_PRIVATE = {
 
 
 def _ranks() -> dict[str, int]:
-    text = (ROOT / "ARCHITECTURE.md").read_text()
+    text = (ROOT / "docs/architecture.md").read_text()
     block = re.search(r"```layers\n(.*?)```", text, re.S)
-    assert block is not None, "ARCHITECTURE.md has no ```layers block"
+    assert block is not None, "docs/architecture.md has no ```layers block"
     ranks = {}
     for line in block.group(1).splitlines():
         rank, *units = line.split()
@@ -87,7 +87,7 @@ def test_every_import_goes_down_the_layers():
     files = sorted((ROOT / "jaxkv").rglob("*.py"))
     units = {_unit(f) for f in files}
     assert units <= set(ranks), (
-        f"units missing in ARCHITECTURE.md: {units - set(ranks)}"
+        f"units missing in docs/architecture.md: {units - set(ranks)}"
     )
     bad = [v for f in files for v in _violations(f, _unit(f), ranks)]
     assert not bad, "\n".join(bad)

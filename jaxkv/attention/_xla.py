@@ -78,6 +78,7 @@ def resolve_contraction(
 
 
 CONTRACTIONS = ("auto", "dot", "reduce")
+"""What ``paged_attention(contraction=)`` takes (XLA's path)."""
 
 XLA_TUNING: dict[str, dict[str, Any]] = {
     "cpu": {"pages_per_chunk": 4, "tile_contraction": "reduce"},

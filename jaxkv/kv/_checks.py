@@ -21,6 +21,7 @@ from jaxkv.kv._write_log import record
 from jaxkv.plan import KVCacheView, LayerView, MambaView
 
 Pools = tuple[jax.Array, ...]
+"""The pool arrays, in the order the plan lists its pools."""
 
 _INT32_MAX = 2**31 - 1
 

@@ -257,6 +257,7 @@ class MambaView:
 
 
 LayerView = KVCacheView | MambaView
+"""A layer's view of the pools: K/V pages or Mamba states."""
 
 
 def dense_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> list[int]:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-#: The medium of blocks in device pools (vLLM's ``MEDIUM_GPU``: the
-#: accelerator's memory, whatever the accelerator).
 MEDIUM_GPU = "GPU"
+"""The medium of blocks in device pools (vLLM's ``MEDIUM_GPU``: the
+accelerator's memory, whatever the accelerator)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,7 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+"""One KV-cache event: a block stored, a block removed, or every block cleared."""
 
 
 def external_block_hash(block_hash: bytes) -> int:
