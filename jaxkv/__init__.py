@@ -24,30 +24,45 @@ does not load.
 import importlib.metadata as _metadata
 
 # The sub-packages, as jaxkv.<name> (jaxkv.pictures needs matplotlib: not here).
-from jaxkv import attention, groups, kv, plan, sched, serve, step, transfer, vllm
-from jaxkv._backend_registry import get_backend, register_backend, registered_backends
-from jaxkv._backends import AttentionBackend, KVCacheLayout
-from jaxkv._config import LayerConfig, RunnerConfig
+from jaxkv import (
+    attention,
+    config,
+    groups,
+    kv,
+    plan,
+    sched,
+    serve,
+    step,
+    transfer,
+    vllm,
+)
 from jaxkv._examples import llama_like_config, tiny_hybrid_config
-from jaxkv._group_specs import RawPageSpec, UniformTypeKVCacheSpecs
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._monitoring import count_compilations
 from jaxkv._pattern import parse_pattern, pattern_config
-from jaxkv._specs import (
+from jaxkv.attention import (
+    paged_attention,
+    request_token_rows,
+    token_requests_and_positions,
+)
+from jaxkv.config import (
+    AttentionBackend,
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheLayout,
     KVCacheSpec,
+    LayerConfig,
+    MambaSpec,
     MLAAttentionSpec,
+    RawPageSpec,
+    RunnerConfig,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-)
-from jaxkv.attention import (
-    paged_attention,
-    request_token_rows,
-    token_requests_and_positions,
+    UniformTypeKVCacheSpecs,
+    get_backend,
+    register_backend,
+    registered_backends,
 )
 from jaxkv.kv import (
     copy_blocks,
@@ -72,6 +87,7 @@ from jaxkv.plan import (
     kv_cache_budget,
     make_plan,
     shard_plan,
+    size_kv_cache,
 )
 from jaxkv.sched import KVCacheManager, Request, RequestStatus, ScheduledStep, Scheduler
 from jaxkv.serve import (
@@ -90,6 +106,7 @@ from jaxkv.step import (
     StepArrays,
     StepInputs,
     StepMetadataBuilder,
+    count_compilations,
     validate_step,
 )
 
@@ -138,6 +155,7 @@ __all__ = [
     "StepMetadataBuilder",
     "UniformTypeKVCacheSpecs",
     "attention",
+    "config",
     "copy_blocks",
     "count_compilations",
     "gather_kv_pages",
@@ -163,6 +181,7 @@ __all__ = [
     "sched",
     "serve",
     "shard_plan",
+    "size_kv_cache",
     "step",
     "tiny_hybrid_config",
     "token_requests_and_positions",

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxkv._backend_registry import get_backend
-from jaxkv._backends import AttentionBackend
-from jaxkv._config import LayerConfig, RunnerConfig
-from jaxkv._mamba_spec import MambaSpec
 from jaxkv._pattern import pattern_config
-from jaxkv._specs import FullAttentionSpec, SlidingWindowSpec
+from jaxkv.config import (
+    AttentionBackend,
+    FullAttentionSpec,
+    LayerConfig,
+    MambaSpec,
+    RunnerConfig,
+    SlidingWindowSpec,
+    get_backend,
+)
 from jaxkv.plan import align_hybrid_block_size
 
 

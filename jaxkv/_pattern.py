@@ -9,17 +9,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxkv._backend_registry import get_backend
-from jaxkv._backends import AttentionBackend
-from jaxkv._config import LayerConfig, RunnerConfig
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv._util import check_positive_int
+from jaxkv.config import (
+    AttentionBackend,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    LayerConfig,
+    MambaSpec,
+    RunnerConfig,
     SlidingWindowSpec,
+    get_backend,
 )
-from jaxkv._util import check_positive_int
 from jaxkv.plan import align_hybrid_block_size
 
 #: Pattern letters: global (full) attention, local (sliding-window)

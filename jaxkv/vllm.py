@@ -39,38 +39,31 @@ Example (the seeds' flow: groups, then pools and views, then binding):
   True
 """
 
-from jaxkv._backends import (
+from jaxkv.config import (
     AttentionBackend,
     AttentionCGSupport,
-    KVCacheLayout,
-    MultipleOf,
-    create_fast_prefill_custom_backend,
-)
-from jaxkv._group_specs import UniformTypeKVCacheSpecs
-from jaxkv._kv_cache_config import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    add_kv_sharing_layers_to_kv_cache_groups,
-)
-from jaxkv._layer_queries import (
-    get_kv_cache_spec,
-    get_kv_sharing_fast_prefill_eligible_layers,
-    get_shared_kv_cache_layers,
-)
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._mm import MultiModalFeatureSpec, PlaceholderRange, compute_mm_prefix_ranges
-from jaxkv._specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
     KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
+    MultipleOf,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    add_kv_sharing_layers_to_kv_cache_groups,
+    create_fast_prefill_custom_backend,
+    get_kv_cache_spec,
+    get_kv_sharing_fast_prefill_eligible_layers,
     get_num_skipped_tokens,
+    get_shared_kv_cache_layers,
 )
 from jaxkv.groups import (
     AttentionCGSupportInfo,
@@ -118,7 +111,10 @@ from jaxkv.step import (
     CompileMode,
     FastPrefillBatchMetadata,
     FastPrefillHelper,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
     build_attn_metadata,
+    compute_mm_prefix_ranges,
     make_kv_sharing_fast_prefill_common_attn_metadata,
 )
 

@@ -91,6 +91,7 @@ def test_seed_names_live_in_jaxkv_vllm_only():
 
 SUB_PACKAGES = (
     "attention",
+    "config",
     "groups",
     "kv",
     "plan",

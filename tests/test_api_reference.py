@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMESPACES = [
     "jaxkv",
-    *(f"jaxkv.{p}" for p in ("vllm", "groups", "plan", "kv", "attention")),
+    *(f"jaxkv.{p}" for p in ("vllm", "config", "groups", "plan", "kv", "attention")),
     *(f"jaxkv.{p}" for p in ("sched", "step", "serve", "transfer", "pictures")),
     "jaxkv.demo",
 ]

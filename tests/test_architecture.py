@@ -111,7 +111,7 @@ def test_the_layering_check_sees_a_violation(tmp_path):
     # sub-package and a private name are each found.
     ranks = _ranks()
     assert (
-        ranks["_specs"] < ranks["plan"] < ranks["kv"] < ranks["serve"] < ranks["demo"]
+        ranks["config"] < ranks["plan"] < ranks["kv"] < ranks["serve"] < ranks["demo"]
     )
     f = tmp_path / "m.py"
     f.write_text(
@@ -126,7 +126,7 @@ def test_the_layering_check_sees_a_violation(tmp_path):
     assert "['_x']" in found[2]
     assert len(_violations(f, "demo", ranks)) == 2  # serve is below demo
     g = tmp_path / "d.py"
-    g.write_text("from jaxkv._specs import MambaSpec\n")
+    g.write_text("from jaxkv._util import is_int\n")
     assert _violations(g, "plan", ranks) == []
     (found,) = _violations(g, "demo", ranks)
     assert "public namespaces only" in found
@@ -212,3 +212,53 @@ def test_no_folder_holds_more_than_a_quarter_of_the_library():
     total = sum(lines.values())
     big = {k: round(v / total, 3) for k, v in lines.items() if v > total / 4}
     assert not big, big
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the jaxkv modules it imports (function-local and type-only too).
+
+    Package ``__init__`` files are left out: an import through a package is
+    a step down the layers, checked above.
+    """
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+        for p in (ROOT / "jaxkv").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for m, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in files:
+                graph[m].add(node.module)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, done = [], set()
+
+    def visit(m: str, path: list[str]) -> None:
+        for t in sorted(graph.get(m, ())):
+            if t in path:
+                found.append([*path[path.index(t) :], t])
+            elif t not in done:
+                visit(t, [*path, t])
+        done.add(m)
+
+    for m in sorted(graph):
+        if m not in done:
+            visit(m, [m])
+    return found
+
+
+def test_no_module_imports_itself_around_a_circle():
+    # Inside a package too: a function-local or TYPE_CHECKING import that
+    # closes a circle hides an order between two modules.
+    assert _cycles(_module_graph()) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_root_is_a_package_boundary_not_a_drawer():
+    # The package's own modules; every idea with modules of its own is a
+    # sub-package.
+    root = sorted(p.name for p in (ROOT / "jaxkv").glob("*.py"))
+    assert len(root) <= 6, root

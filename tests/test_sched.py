@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import jaxkv
 import jaxkv.demo
-from jaxkv._specs import get_num_skipped_tokens
+from jaxkv.config._specs import get_num_skipped_tokens
 from tests.helpers import reset_loop
 
 # --- host side: allocator, hashes, hit rules, manager --------------------------

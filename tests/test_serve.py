@@ -227,6 +227,24 @@ def test_main_job_runs(capsys):
     assert "match the dense oracle: 3/3" in out
 
 
+def test_main_job_sizing_from_memory_asks_for_bytes_on_cpu():
+    from jaxkv.__main__ import main
+
+    with pytest.raises(SystemExit, match="reports no memory limit.*memory_bytes="):
+        main(["--num-blocks", "auto"])
+
+
+@pytest.mark.slow  # three warm-ups to size the pools, about 70 s
+def test_main_job_sizes_its_pools_from_a_byte_budget(capsys):
+    from jaxkv.__main__ import main
+
+    argv = ["--num-requests", "3", "--max-new-tokens", "3", "--num-blocks", "auto"]
+    assert main([*argv, "--memory-bytes", "4000000"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache sized: " in out
+    assert "match the dense oracle: 3/3" in out
+
+
 @pytest.mark.slow  # six more step executables on a 1x1 mesh, about 40 s
 @pytest.mark.parametrize("argv", [["--mesh", "1x1"], ["--implementation", "native"]])
 def test_main_job_runs_on_a_1x1_mesh_and_on_the_native_kernels(capsys, argv):

@@ -23,11 +23,13 @@ from jaxkv import (
     KVCacheLayout,
     RunnerConfig,
     count_compilations,
+    size_kv_cache,
     tiny_hybrid_config,
 )
 from jaxkv.demo._engine import Engine, EngineRequest
 from jaxkv.demo._model import TinyHybridModel
 from jaxkv.demo._oracle import generate_dense
+from jaxkv.plan import step_bytes
 from jaxkv.vllm import MultipleOf
 
 
@@ -62,6 +64,11 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def _num_blocks(text: str) -> int | str:
+    """An argparse type: a positive int, or ``auto`` (sized from memory)."""
+    return "auto" if text == "auto" else _positive(text)
 
 
 def _even(text: str) -> int:
@@ -148,7 +155,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--token-buckets", type=_buckets, default=(8, 32, 64))
     p.add_argument("--max-num-seqs", type=_positive, default=8)
-    p.add_argument("--num-blocks", type=_positive, default=96)
+    p.add_argument(
+        "--num-blocks",
+        type=_num_blocks,
+        default=96,
+        help="blocks per pool, or auto: sized from --memory-bytes (size_kv_cache)",
+    )
+    p.add_argument(
+        "--memory-bytes",
+        type=_positive,
+        default=None,
+        help="with --num-blocks auto: bytes per device for the step and its pools "
+        "(needed on CPU, which reports no memory limit)",
+    )
     p.add_argument("--no-fast-prefill", action="store_true")
     p.add_argument(
         "--prefix-caching", action="store_true", help="reuse cached prompt prefixes"
@@ -217,10 +236,13 @@ def _engine(
 ) -> tuple[TinyHybridModel, Engine]:
     """The model and its Engine, with a line on the pools (and the mesh)."""
     model = TinyHybridModel(cfg, vocab_size=args.vocab_size, rngs=nnx.Rngs(args.seed))
+    num_blocks = args.num_blocks
+    if num_blocks == "auto":
+        num_blocks = _sized(args, cfg, model, mesh)
     engine = Engine(
         cfg,
         model,
-        num_blocks=args.num_blocks,
+        num_blocks=num_blocks,
         mesh=mesh,
         enable_prefix_caching=args.prefix_caching,
         implementation=args.implementation,
@@ -241,6 +263,33 @@ def _engine(
             f"{per_device:.2f} MiB of pools per device"
         )
     return model, engine
+
+
+def _sized(
+    args: argparse.Namespace, cfg: RunnerConfig, model: TinyHybridModel, mesh: Any
+) -> int:
+    """The blocks the memory budget leaves beside the compiled steps (printed)."""
+    if mesh is not None:
+        raise SystemExit("--num-blocks auto: not on a mesh yet; give --num-blocks N")
+
+    def compile_step(plan: Any) -> int:
+        probe = Engine(
+            cfg,
+            model,
+            num_blocks=plan.num_blocks,
+            implementation=args.implementation,
+        )
+        probe.warm_up()
+        return max(step_bytes(exe) for exe in probe.programs.executables())
+
+    try:
+        sizing = size_kv_cache(
+            cfg, compile_step, memory_bytes=args.memory_bytes, maps_slot_mapping=True
+        )
+    except ValueError as err:
+        raise SystemExit(f"--num-blocks auto: {err}") from None
+    print(sizing)
+    return sizing.num_blocks
 
 
 def _serve(args: argparse.Namespace, engine: Engine) -> list[EngineRequest]:

@@ -20,13 +20,13 @@ from jaxkv.groups._init_backend import (
     AttnBackendInit,
     check_kernel_block_sizes,
     init_attn_backend,
+    prepare_kernel_block_sizes,
     with_kv_sharing_layers,
 )
 from jaxkv.groups._kernel_blocks import (
     expand_block_table,
     kernel_block_sizes_by_group,
     map_slot_mapping_to_kernel,
-    prepare_kernel_block_sizes,
     select_common_block_size,
 )
 

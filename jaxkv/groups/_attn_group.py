@@ -6,8 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxkv._backends import AttentionBackend
-from jaxkv._specs import KVCacheSpec
+from jaxkv.config import AttentionBackend, KVCacheSpec
 from jaxkv.groups._kernel_blocks import expand_block_table, map_slot_mapping_to_kernel
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterator, Sequence
 
-from jaxkv._backends import AttentionCGSupport
-from jaxkv._config import RunnerConfig
+from jaxkv.config import AttentionCGSupport, RunnerConfig
 from jaxkv.groups._attn_group import AttentionGroup
 
 

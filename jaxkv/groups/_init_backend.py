@@ -6,25 +6,27 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from jaxkv._backends import AttentionBackend, create_fast_prefill_custom_backend
-from jaxkv._config import RunnerConfig
-from jaxkv._group_specs import layer_spec, representative_spec
-from jaxkv._kv_cache_config import (
+from jaxkv._util import is_int
+from jaxkv.config import (
+    AttentionBackend,
+    AttentionSpec,
+    EncoderOnlyAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    RunnerConfig,
     add_kv_sharing_layers_to_kv_cache_groups,
-    packed_tensor_of_layers,
-)
-from jaxkv._layer_queries import (
+    create_fast_prefill_custom_backend,
     get_kv_sharing_fast_prefill_eligible_layers,
     get_shared_kv_cache_layers,
+    layer_spec,
+    packed_tensor_of_layers,
+    representative_spec,
 )
-from jaxkv._specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
-from jaxkv._util import is_int
 from jaxkv.groups._attn_group import AttentionGroup, flat_groups
 from jaxkv.groups._cg_support import AttentionCGSupportInfo, get_attn_cg_support
 from jaxkv.groups._kernel_blocks import (
     kernel_block_sizes_by_group,
-    prepare_kernel_block_sizes,
     select_common_block_size,
 )
 
@@ -330,3 +332,63 @@ def _refine(
         kernel_block_stride=stride,
         maps_slot_mapping=maps_slot_mapping,
     )
+
+
+def prepare_kernel_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    attn_groups: Sequence[Sequence[AttentionGroup]],
+) -> list[int]:
+    """One kernel block size per KV-cache group, in group order (spec §1.6).
+
+    Encoder-only groups append **no** entry (as in vLLM), so the list can be
+    shorter than the group list; consumers look sizes up by group id with
+    :func:`kernel_block_sizes_by_group`, never by list position.
+    Mamba and packed attention groups keep their manager block size.
+
+    Args:
+      kv_cache_config: The KV-cache configuration.
+      attn_groups: Attention groups per KV-cache group.
+
+    Returns:
+      The kernel block sizes.
+
+    Raises:
+      ValueError: If an attention group has no common kernel block size.
+      NotImplementedError: For a spec type this module does not know.
+
+    Example:
+      >>> import jaxkv
+      >>> spec = jaxkv.FullAttentionSpec(block_size=80, num_kv_heads=1,
+      ...     head_size=8, dtype="float32")
+      >>> cfg = jaxkv.vllm.KVCacheConfig(num_blocks=2,
+      ...     kv_cache_tensors=[jaxkv.vllm.KVCacheTensor(size=2 * spec.page_size_bytes,
+      ...                                           shared_by=["a"])],
+      ...     kv_cache_groups=[jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"],
+      ...                                             kv_cache_spec=spec)])
+      >>> group = jaxkv.vllm.AttentionGroup(backend=jaxkv.get_backend("FLASHINFER"),
+      ...     layer_names=("a",), kv_cache_spec=spec, kv_cache_group_id=0)
+      >>> jaxkv.vllm.prepare_kernel_block_sizes(cfg, [[group]])
+      [16]
+    """
+    sizes: list[int] = []
+    for gid, group_spec in enumerate(kv_cache_config.kv_cache_groups):
+        spec = representative_spec(group_spec.kv_cache_spec)
+        block_size = group_spec.kv_cache_spec.block_size
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            continue
+        if not spec.has_layer_views or isinstance(spec, MambaSpec):
+            sizes.append(block_size)
+        elif isinstance(spec, AttentionSpec):
+            if packed_tensor_of_layers(kv_cache_config, group_spec.layer_names):
+                sizes.append(block_size)
+                continue
+            groups = attn_groups[gid] if gid < len(attn_groups) else ()
+            sizes.append(
+                select_common_block_size(block_size, [g.backend for g in groups])
+            )
+        else:
+            raise NotImplementedError(
+                f"Kernel block sizes for {type(spec).__name__} (group {gid}) are not "
+                "supported."
+            )
+    return sizes

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._backends import AttentionBackend, MultipleOf
-from jaxkv._group_specs import representative_spec
-from jaxkv._kv_cache_config import KVCacheConfig, packed_tensor_of_layers
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec, EncoderOnlyAttentionSpec
-
-if TYPE_CHECKING:
-    from jaxkv.groups._attn_group import AttentionGroup
+from jaxkv.config import (
+    AttentionBackend,
+    EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    MultipleOf,
+    representative_spec,
+)
 
 _A = TypeVar("_A", np.ndarray, Any)
 
@@ -103,66 +102,6 @@ def kernel_block_sizes_by_group(
     if len(sizes) == len(kept):
         return dict(zip(kept, sizes, strict=True))
     return dict(enumerate(sizes))
-
-
-def prepare_kernel_block_sizes(
-    kv_cache_config: KVCacheConfig,
-    attn_groups: Sequence[Sequence[AttentionGroup]],
-) -> list[int]:
-    """One kernel block size per KV-cache group, in group order (spec §1.6).
-
-    Encoder-only groups append **no** entry (as in vLLM), so the list can be
-    shorter than the group list; consumers look sizes up by group id with
-    :func:`kernel_block_sizes_by_group`, never by list position.
-    Mamba and packed attention groups keep their manager block size.
-
-    Args:
-      kv_cache_config: The KV-cache configuration.
-      attn_groups: Attention groups per KV-cache group.
-
-    Returns:
-      The kernel block sizes.
-
-    Raises:
-      ValueError: If an attention group has no common kernel block size.
-      NotImplementedError: For a spec type this module does not know.
-
-    Example:
-      >>> import jaxkv
-      >>> spec = jaxkv.FullAttentionSpec(block_size=80, num_kv_heads=1,
-      ...     head_size=8, dtype="float32")
-      >>> cfg = jaxkv.vllm.KVCacheConfig(num_blocks=2,
-      ...     kv_cache_tensors=[jaxkv.vllm.KVCacheTensor(size=2 * spec.page_size_bytes,
-      ...                                           shared_by=["a"])],
-      ...     kv_cache_groups=[jaxkv.vllm.KVCacheGroupSpec(layer_names=["a"],
-      ...                                             kv_cache_spec=spec)])
-      >>> group = jaxkv.vllm.AttentionGroup(backend=jaxkv.get_backend("FLASHINFER"),
-      ...     layer_names=("a",), kv_cache_spec=spec, kv_cache_group_id=0)
-      >>> jaxkv.vllm.prepare_kernel_block_sizes(cfg, [[group]])
-      [16]
-    """
-    sizes: list[int] = []
-    for gid, group_spec in enumerate(kv_cache_config.kv_cache_groups):
-        spec = representative_spec(group_spec.kv_cache_spec)
-        block_size = group_spec.kv_cache_spec.block_size
-        if isinstance(spec, EncoderOnlyAttentionSpec):
-            continue
-        if not spec.has_layer_views or isinstance(spec, MambaSpec):
-            sizes.append(block_size)
-        elif isinstance(spec, AttentionSpec):
-            if packed_tensor_of_layers(kv_cache_config, group_spec.layer_names):
-                sizes.append(block_size)
-                continue
-            groups = attn_groups[gid] if gid < len(attn_groups) else ()
-            sizes.append(
-                select_common_block_size(block_size, [g.backend for g in groups])
-            )
-        else:
-            raise NotImplementedError(
-                f"Kernel block sizes for {type(spec).__name__} (group {gid}) are not "
-                "supported."
-            )
-    return sizes
 
 
 def _xp(x: Any) -> Any:

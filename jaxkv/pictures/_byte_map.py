@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxkv._mamba_spec import MambaSpec
 from jaxkv._util import check_positive_int, checks_own_arguments
+from jaxkv.config import MambaSpec
 from jaxkv.pictures._common import _check_index, _check_plan, _pyplot
 from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 

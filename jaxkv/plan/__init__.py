@@ -66,6 +66,7 @@ from jaxkv.plan._shard import (
     local_runner_config,
     shard_plan,
 )
+from jaxkv.plan._sizing import KVCacheSizing, size_kv_cache, step_bytes
 from jaxkv.plan._storage import (
     bits_dtype,
     carrier_dtype,
@@ -109,6 +110,7 @@ __all__ = [
     "KVCacheBudget",
     "KVCacheInit",
     "KVCachePlan",
+    "KVCacheSizing",
     "KVCacheView",
     "LayerStack",
     "LayerTensor",
@@ -154,8 +156,10 @@ __all__ = [
     "resolve_storage",
     "row_fits",
     "shard_plan",
+    "size_kv_cache",
     "slot_shape",
     "split_dims",
+    "step_bytes",
     "storage_dtype",
     "tensor_views",
     "unify_hybrid_kv_cache_specs",

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._config import RunnerConfig
-from jaxkv._kv_cache_config import KVCacheConfig
+from jaxkv.config import KVCacheConfig, RunnerConfig
 from jaxkv.groups import AttentionGroup, check_kernel_block_sizes
 from jaxkv.plan._kernel_views import kernel_views
 from jaxkv.plan._layer_views import build_kv_cache_views

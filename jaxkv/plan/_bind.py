@@ -10,15 +10,15 @@ import jax
 from jax.typing import ArrayLike
 from jaxtyping import Int
 
-from jaxkv._config import RunnerConfig
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._layer_queries import get_shared_kv_cache_layers
-from jaxkv._specs import (
+from jaxkv.config import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    RunnerConfig,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    get_shared_kv_cache_layers,
 )
 from jaxkv.groups import AttentionGroup, with_kv_sharing_layers
 from jaxkv.plan._kernel_views import kernel_views

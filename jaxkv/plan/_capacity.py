@@ -6,16 +6,16 @@ the requests of ``max_model_len`` tokens a config serves at once.
 
 from __future__ import annotations
 
-from jaxkv._group_specs import UniformTypeKVCacheSpecs
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv._util import cdiv, check_positive_int
+from jaxkv.config import (
     ChunkedLocalAttentionSpec,
     EncoderOnlyAttentionSpec,
+    KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
-from jaxkv._util import cdiv, check_positive_int
 
 
 def max_memory_usage_bytes(

@@ -6,22 +6,25 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from jaxkv._backends import AttentionBackend, MultipleOf
-from jaxkv._config import RunnerConfig
-from jaxkv._group_specs import UniformTypeKVCacheSpecs
-from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from jaxkv._layer_queries import get_kv_cache_spec
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv._util import cdiv, check_positive_int
+from jaxkv.config import (
+    AttentionBackend,
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
+    MultipleOf,
+    RunnerConfig,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec,
 )
-from jaxkv._util import cdiv, check_positive_int
 
 
 def make_kv_cache_config(

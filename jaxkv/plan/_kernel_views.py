@@ -6,10 +6,13 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jaxkv._config import RunnerConfig
-from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
-from jaxkv._layer_queries import get_shared_kv_cache_layers
-from jaxkv._specs import AttentionSpec
+from jaxkv.config import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheTensor,
+    RunnerConfig,
+    get_shared_kv_cache_layers,
+)
 from jaxkv.groups import AttentionGroup, flat_groups, with_kv_sharing_layers
 from jaxkv.plan._views import KVCacheView, LayerView
 

@@ -12,13 +12,18 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxkv._config import RunnerConfig
-from jaxkv._group_specs import layer_spec, representative_spec
-from jaxkv._kv_cache_config import KVCacheConfig, KVCacheTensor
-from jaxkv._layer_queries import get_shared_kv_cache_layers
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec, MLAAttentionSpec
 from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv.config import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    RunnerConfig,
+    get_shared_kv_cache_layers,
+    layer_spec,
+    representative_spec,
+)
 from jaxkv.groups import (
     AttentionGroup,
     flat_groups,

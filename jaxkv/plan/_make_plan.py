@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxkv._config import RunnerConfig
 from jaxkv._util import check_positive_int
+from jaxkv.config import RunnerConfig
 from jaxkv.groups import (
     init_attn_backend,
     with_kv_sharing_layers,

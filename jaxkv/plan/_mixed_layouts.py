@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec
+from jaxkv.config import AttentionSpec, KVCacheConfig, MambaSpec
 from jaxkv.groups import AttentionGroup, flat_groups, kernel_block_sizes_by_group
 from jaxkv.plan._views import KVCacheView, LayerView, restride_blocks_first_to_kv_first
 

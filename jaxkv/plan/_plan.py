@@ -14,17 +14,17 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxkv._config import RunnerConfig
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv._util import cdiv
+from jaxkv.config import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    RunnerConfig,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from jaxkv._util import cdiv
 from jaxkv.groups import (
     AttentionCGSupportInfo,
     AttentionGroup,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._kv_cache_config import KVCacheConfig
+from jaxkv.config import KVCacheConfig
 from jaxkv.plan._layer_views import pool_index
 from jaxkv.plan._storage import (
     carrier_dtype,

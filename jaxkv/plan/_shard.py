@@ -22,9 +22,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._config import RunnerConfig
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
+from jaxkv.config import (
+    AttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    RunnerConfig,
+)
 from jaxkv.plan._allocate import zeros
 from jaxkv.plan._grouping import align_hybrid_block_size
 from jaxkv.plan._make_plan import make_plan

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv._backends import AttentionBackend, KVCacheLayout
+from jaxkv.config import AttentionBackend, KVCacheLayout
 
 # Role of each logical axis, per layout.
 _AXES = {

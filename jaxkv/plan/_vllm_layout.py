@@ -24,8 +24,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import AttentionSpec, KVCacheSpec
+from jaxkv.config import AttentionSpec, KVCacheSpec, MambaSpec
 
 _L, _B, _H, _N, _C = range(5)
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxkv._specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec
 from jaxkv._util import check_positive_int
+from jaxkv.config import AttentionSpec, KVCacheSpec, MLAAttentionSpec
 from jaxkv.plan._pools import PoolSpec
 from jaxkv.plan._views import KVCacheView
 from jaxkv.plan._vllm_layout import LayerTensor, TensorLayout, layout_strides

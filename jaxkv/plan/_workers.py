@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from jaxkv._group_specs import UniformTypeKVCacheSpecs
-from jaxkv._kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from jaxkv._specs import KVCacheSpec
 from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv.config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
 from jaxkv.plan._capacity import max_memory_usage_bytes
 from jaxkv.plan._grouping import (
     get_kv_cache_groups,

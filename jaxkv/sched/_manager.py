@@ -11,15 +11,15 @@ from typing import cast
 
 import numpy as np
 
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv._util import cdiv, is_int
+from jaxkv.config import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     get_num_skipped_tokens,
 )
-from jaxkv._util import cdiv, is_int
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._events import (

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxkv.sched._scheduler import Scheduler
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,6 +108,14 @@ def _families(stats: SchedulerStats) -> Iterator[tuple[str, float, str, bool]]:
         yield name, float(values[name]), doc, True
 
 
+@runtime_checkable
+class StatsSource(Protocol):
+    """What :class:`PrometheusCollector` reads: a :class:`Scheduler` is one."""
+
+    def make_stats(self) -> SchedulerStats:  # noqa: D102
+        ...
+
+
 class PrometheusCollector:
     """A ``prometheus_client`` collector over one or more schedulers.
 
@@ -139,7 +144,7 @@ class PrometheusCollector:
 
     def __init__(
         self,
-        schedulers: Scheduler | Callable[[], Sequence[Scheduler]],
+        schedulers: StatsSource | Callable[[], Sequence[StatsSource]],
         *,
         model_name: str = "jaxkv",
     ) -> None:
@@ -147,10 +152,8 @@ class PrometheusCollector:
         self._source = schedulers
         self.model_name = str(model_name)
 
-    def _schedulers(self) -> Sequence[Scheduler]:
-        from jaxkv.sched._scheduler import Scheduler
-
-        if isinstance(self._source, Scheduler):
+    def _schedulers(self) -> Sequence[StatsSource]:
+        if isinstance(self._source, StatsSource):
             return [self._source]
         return list(self._source())
 

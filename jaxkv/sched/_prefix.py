@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import (
+from jaxkv.config import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     get_num_skipped_tokens,
 )
 from jaxkv.plan import KVCachePlan

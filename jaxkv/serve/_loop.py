@@ -126,7 +126,7 @@ class ServingLoop:
       ...     x = params[tokens]                           # (tokens, 8)
       ...     m = meta[layer.name]
       ...     k = v = x[:, None, :]
-      ...     pools = jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)
+      ...     pools = jaxkv.write_kv(pools, layer, k, v, m)
       ...     q = jnp.repeat(x[:, None, :], 2, axis=1)
       ...     out = jaxkv.paged_attention(q, pools, layer, m, scale=1.0)
       ...     return pools, out[sample, 0] @ params.T       # (samples, vocab)
@@ -169,7 +169,6 @@ class ServingLoop:
         self.num_ranks = 1 if self.sharded is None else self.sharded.data_parallel
         self.forward = forward
         self.record_logits = bool(execution.record_logits)
-        self._overlap = bool(execution.overlap)
         self.per_request_sampling = bool(execution.per_request_sampling)
         # Per request id, its own SamplingParams (per_request_sampling).
         self._request_sampling: dict[str, SamplingParams] = {}
@@ -285,7 +284,7 @@ class ServingLoop:
         Whether the next step is scheduled while one runs (see the class);
         change it with :meth:`set_overlap`.
         """
-        return self._overlap
+        return self.execution.overlap
 
     def set_overlap(self, value: bool) -> None:
         """Sets :attr:`overlap`, finishing what is in flight first.
@@ -308,8 +307,7 @@ class ServingLoop:
           >>> def forward(params, pools, meta, tokens, sample):
           ...     x = params[tokens]
           ...     m = meta[layer.name]
-          ...     pools = jaxkv.write_kv(pools, layer.view, x[:, None], x[:, None],
-          ...                            m.slot_mapping)
+          ...     pools = jaxkv.write_kv(pools, layer, x[:, None], x[:, None], m)
           ...     out = jaxkv.paged_attention(x[:, None], pools, layer, m, scale=1.0)
           ...     return pools, out[sample, 0] @ params.T
           >>> loop = jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8)
@@ -325,7 +323,7 @@ class ServingLoop:
           [3, 3, 3]
         """
         value = check_bool("ServingLoop.set_overlap", "value", value)
-        if value == self._overlap:
+        if value == self.execution.overlap:
             return
         if self._on_token is not None:
             raise RuntimeError(
@@ -334,7 +332,7 @@ class ServingLoop:
                 "between step() calls or runs."
             )
         self.resume()
-        self._overlap = value
+        self.execution = dataclasses.replace(self.execution, overlap=value)
 
     @property
     def host(self) -> HostKVCache | None:
@@ -794,7 +792,7 @@ class ServingLoop:
             step = sched.schedule_decode(self.decode_steps)
         if step is None:
             return False, done
-        if not self._overlap:
+        if not self.execution.overlap:
             return True, done + self._run_decode(step)
         self._dispatch_ahead([step])
         while len(self._pipeline) > 1:
@@ -909,11 +907,7 @@ class ServingLoop:
 
     def _advance(self, steps: list[ScheduledStep]) -> None:
         for sched, step in zip(self.schedulers, steps, strict=True):
-            if sched.last_applied is step:  # each once, after a fault too
-                continue
-            if step.num_steps > 1:
-                sched.advance(step)
-            else:
+            if sched.last_applied is not step:  # each once, after a fault too
                 sched.advance(step)
 
     def _resolve_oldest(self) -> list[Request]:
@@ -1004,7 +998,7 @@ class ServingLoop:
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
         """
-        if not self._overlap:
+        if not self.execution.overlap:
             decoding = self._inflight is not None and self._inflight[0].num_steps > 1
             if self._inflight is None:
                 return None

@@ -15,7 +15,8 @@ Host side: ``_buckets`` (the step's bucket) -> ``_validate`` -> ``_packing``
 kernel, per rank on a mesh). Device side: ``_attn_metadata`` unpacks the
 buffer into ``_common_metadata``'s record per group (``_reduced_metadata``
 for fast-prefill layers); ``_programs`` keeps one compiled executable per
-step program.
+step program (``_monitoring`` counts traces and compilations: a step loop
+must not recompile); ``_mm`` computes the multimodal PrefixLM ranges.
 """
 
 from jaxkv.step._attn_metadata import build_attn_metadata, build_attn_metadata_from_step
@@ -33,6 +34,12 @@ from jaxkv.step._fast_prefill import (
     FastPrefillHelper,
     stage_logits_indices,
 )
+from jaxkv.step._mm import (
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    compute_mm_prefix_ranges,
+)
+from jaxkv.step._monitoring import count_compilations
 from jaxkv.step._packing import StepCapacity, StepFields, pack_step, unpack_step
 from jaxkv.step._programs import Programs
 from jaxkv.step._reduced_metadata import (
@@ -53,6 +60,8 @@ __all__ = [
     "CompileMode",
     "FastPrefillBatchMetadata",
     "FastPrefillHelper",
+    "MultiModalFeatureSpec",
+    "PlaceholderRange",
     "Programs",
     "StepArrays",
     "StepCapacity",
@@ -61,6 +70,8 @@ __all__ = [
     "StepMetadataBuilder",
     "build_attn_metadata",
     "build_attn_metadata_from_step",
+    "compute_mm_prefix_ranges",
+    "count_compilations",
     "decode_step_inputs",
     "make_kv_sharing_fast_prefill_common_attn_metadata",
     "pack_step",

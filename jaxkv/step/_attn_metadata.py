@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._kv_cache_config import KVCacheConfig
-from jaxkv._mamba_spec import MambaSpec
+from jaxkv.config import KVCacheConfig, MambaSpec
 from jaxkv.groups import AttentionGroup
 from jaxkv.step._common_metadata import CommonAttentionMetadata
 from jaxkv.step._fast_prefill import FastPrefillBatchMetadata

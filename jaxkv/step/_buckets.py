@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 
-from jaxkv._backends import AttentionCGSupport
 from jaxkv._util import check_positive_int
+from jaxkv.config import AttentionCGSupport
 
 
 class CompileMode(enum.Enum):

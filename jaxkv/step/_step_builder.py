@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._mamba_spec import MambaSpec
 from jaxkv._util import checks_own_arguments
+from jaxkv.config import MambaSpec
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.step._attn_metadata import build_attn_metadata_from_step
 from jaxkv.step._buckets import BatchDescriptor, BucketDispatcher, CompileMode

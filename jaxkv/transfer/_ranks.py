@@ -20,7 +20,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from jaxkv._mamba_spec import MambaSpec
+from jaxkv.config import MambaSpec
 from jaxkv.kv import Pools
 from jaxkv.plan import ShardedPlan
 from jaxkv.transfer._requests import LayerKV, RequestKV, export_request, import_request

@@ -6,7 +6,7 @@ capability flags) and those you register.
 
 from __future__ import annotations
 
-from jaxkv._backends import (
+from jaxkv.config._backends import (
     AttentionBackend,
     AttentionCGSupport,
     KVCacheLayout,

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from jaxkv._specs import (
+from jaxkv._util import (
+    check_positive_int,
+)
+from jaxkv.config._specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -20,9 +23,6 @@ from jaxkv._specs import (
     SlidingWindowSpec,
     draft_field,
     spec_dataclass,
-)
-from jaxkv._util import (
-    check_positive_int,
 )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from jaxkv._config import RunnerConfig
-from jaxkv._specs import KVCacheSpec
+from jaxkv.config._config import RunnerConfig
+from jaxkv.config._specs import KVCacheSpec
 
 
 def get_kv_cache_spec(vllm_config: RunnerConfig) -> dict[str, KVCacheSpec]:

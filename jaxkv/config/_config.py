@@ -8,10 +8,10 @@ from typing import Literal
 
 import jax
 
-from jaxkv._backends import AttentionBackend, KVCacheLayout
-from jaxkv._mamba_spec import MambaSpec
-from jaxkv._specs import KVCacheSpec, MLAAttentionSpec
 from jaxkv._util import check_non_negative_int, check_positive_int, checks_own_arguments
+from jaxkv.config._backends import AttentionBackend, KVCacheLayout
+from jaxkv.config._mamba_spec import MambaSpec
+from jaxkv.config._specs import KVCacheSpec, MLAAttentionSpec
 
 LayerType = Literal["attention", "mla", "mamba"]
 AttnType = Literal["decoder", "encoder", "encoder_only", "encoder_decoder"]

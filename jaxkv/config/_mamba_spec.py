@@ -10,11 +10,16 @@ import math
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxkv._specs import KVCacheSpec, draft_field, normalize_dtype, spec_dataclass
 from jaxkv._util import (
     check_positive_int,
     is_int,
     reject_unsupported,
+)
+from jaxkv.config._specs import (
+    KVCacheSpec,
+    draft_field,
+    normalize_dtype,
+    spec_dataclass,
 )
 
 

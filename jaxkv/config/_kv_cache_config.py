@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 
 import jax
 
-from jaxkv._specs import KVCacheSpec
 from jaxkv._util import check_non_negative_int, check_positive_int
+from jaxkv.config._specs import KVCacheSpec
 
 
 @jax.tree_util.register_static
