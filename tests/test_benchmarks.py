@@ -35,6 +35,10 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
             "--num-blocks 64 --token-buckets 8,32 --iters 1".split(),
         ),
         ("bench_layer_scan", "--layers 3 --tokens 32".split()),
+        (
+            "bench_sizing",
+            "--layers 2 --tokens 32 --quick --memory-gib 0.5".split(),
+        ),
         ("kernel_report", ["--quick"]),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
         (
@@ -137,6 +141,14 @@ def _layer_scan(r):
     assert r["scan_equals_unrolled"]
 
 
+def _sizing(r):
+    (row,) = r["rows"]
+    assert row["compiles"] >= 3
+    assert row["blocks"] >= 2
+    assert row["fixed_GiB"] > row["weights_GiB"] > 0  # the step holds more
+    assert row["blocks"] < row["weights_only_blocks"]
+
+
 def _serve(r):
     assert r["same_tokens"]
     assert r["compiles"] == 0
@@ -206,6 +218,7 @@ FIGURES = {
     "bench_attention": _attention,
     "bench_step_loop": _step_loop,
     "bench_layer_scan": _layer_scan,
+    "bench_sizing": _sizing,
     "kernel_report": _kernel_report,
     "bench_serve": _serve,
     "bench_sched": _sched,
