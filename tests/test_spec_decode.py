@@ -265,3 +265,73 @@ def test_bad_drafts_and_bad_acceptances_are_refused_and_change_nothing():
     q.spec_token_ids = [5]
     with pytest.raises(ValueError, match="Mamba groups"):
         hybrid.schedule()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "budget", "blocks"),
+    [
+        (6, 16, [3]),  # vLLM 0.32: ceil((6 + 3) / 4) = 3 (jaxkv held 2)
+        (16, 16, [5]),  # ceil((16 + 3) / 4) = 5 (jaxkv held 4)
+        (16, 8, [3, 5]),  # chunks of 8: ceil(11 / 4), then ceil(19 / 4)
+    ],
+)
+def test_lookahead_slots_are_held_for_prefills_as_vllm_holds_them(
+    prompt, budget, blocks
+):
+    # vLLM's Scheduler passes num_lookahead_tokens to allocate_slots for every
+    # request it schedules, at admission and for running prefill chunks
+    # (min(computed + new + lookahead, max_model_len) slots); the blocks hold
+    # no more than the chunk's tokens in the prefix cache.
+    plan = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=1, block_size=4), num_blocks=32
+    )
+    s = jaxkv.Scheduler(
+        plan, num_lookahead_tokens=3, max_num_batched_tokens=budget, vocab_size=50
+    )
+    r = jaxkv.Request("a", prompt=list(range(prompt)), max_new_tokens=4)
+    s.add_request(r)
+    held = []
+    for _ in blocks:
+        step = s.schedule()
+        held.append(len([b for b in s.manager.blocks_of(r)[0] if b]))
+        s.update(step, [9] * len(step.sampled))
+    assert held == blocks
+
+
+def test_lookahead_slots_are_not_cached_as_computed_tokens():
+    # A prefill chunk's lookahead blocks hold slots, not K/V: another request
+    # with the same prompt hits only the chunk's full blocks.
+    plan = jaxkv.make_plan(
+        jaxkv.llama_like_config(num_layers=1, block_size=4), num_blocks=32
+    )
+    s = jaxkv.Scheduler(
+        plan,
+        num_lookahead_tokens=4,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+        vocab_size=50,
+    )
+    a = jaxkv.Request("a", prompt=list(range(16)), max_new_tokens=4)
+    s.add_request(a)
+    s.schedule()  # tokens 0-7, slots to 11: three blocks held, two computed
+    assert len([b for b in s.manager.blocks_of(a)[0] if b]) == 3
+    b = jaxkv.Request("b", prompt=list(range(16)), max_new_tokens=4)
+    assert s.manager.find_cache_hit(b) == 8
+
+
+def test_lookahead_after_a_prefix_hit_stops_at_max_model_len():
+    # Admitted with 8 tokens from the prefix cache and 6 to compute: the
+    # lookahead counts from token 14, so 2 slots (max_model_len 16), not 3.
+    cfg = jaxkv.llama_like_config(num_layers=1, block_size=4, max_model_len=16)
+    plan = jaxkv.make_plan(cfg, num_blocks=32)
+    s = jaxkv.Scheduler(
+        plan, num_lookahead_tokens=3, enable_prefix_caching=True, vocab_size=50
+    )
+    first = jaxkv.Request("first", prompt=list(range(8)) + [40], max_new_tokens=1)
+    s.add_request(first)
+    s.update(s.schedule(), [1])  # finished: its two full blocks stay cached
+    r = jaxkv.Request("r", prompt=list(range(14)), max_new_tokens=2)
+    s.add_request(r)
+    s.schedule()
+    assert r.num_cached_tokens == 8
+    assert len([b for b in s.manager.blocks_of(r)[0] if b]) == 4  # 16 slots

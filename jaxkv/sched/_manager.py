@@ -253,12 +253,13 @@ class KVCacheManager:
     # --- changes ----------------------------------------------------------------
 
     def _check_allocate(
-        self, req: Request, num_new_tokens: int, num_cached: int
+        self, req: Request, num_new_tokens: int, num_cached: int, lookahead: int = 0
     ) -> None:
         """Refuses counts that are not non-negative ints, and a late cache hit."""
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_cached", num_cached),
+            ("num_lookahead_tokens", lookahead),
         ):
             if not isinstance(value, int | np.integer):
                 raise TypeError(
@@ -283,6 +284,7 @@ class KVCacheManager:
         *,
         num_cached: int = 0,
         full_sequence_must_fit: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Holds the blocks `req` needs to compute `num_new_tokens` more tokens.
 
@@ -302,6 +304,11 @@ class KVCacheManager:
         the prompt, and the output of a preempted request), not just this
         chunk; windowed and Mamba groups count the blocks they hold at most.
 
+        `num_lookahead_tokens` more slots are held past them (vLLM's
+        ``num_lookahead_tokens``: a draft model writes there); the caller keeps
+        them within ``max_model_len``. They count toward the free blocks
+        needed, not toward the prefix cache or the full-sequence gate.
+
         All or nothing: returns ``False`` and changes nothing when too few
         blocks are free or a hit's Mamba state is not computed yet.
         """
@@ -318,6 +325,7 @@ class KVCacheManager:
                 self._free_skipped(req, held, req.num_computed)
         if (
             num_new_tokens == 1
+            and not num_lookahead_tokens
             and not num_cached
             and not full_sequence_must_fit
             and type(num_new_tokens) is int
@@ -325,7 +333,7 @@ class KVCacheManager:
             done = self._allocate_decode(req)
             if done is not None:
                 return done
-        self._check_allocate(req, num_new_tokens, num_cached)
+        self._check_allocate(req, num_new_tokens, num_cached, num_lookahead_tokens)
         tables = self._tables.get(req.req_id) or [[] for _ in self.block_sizes]
         hits: list[list[int]] = []
         from_host: list[tuple[int, int, bytes]] = []
@@ -336,9 +344,12 @@ class KVCacheManager:
             tables, hits, from_host = found
         start = num_cached or req.num_computed
         end = start + num_new_tokens
-        if self._fewest_new(tables, start, end) > self.num_free_blocks:
+        slots = end + num_lookahead_tokens
+        if self._fewest_new(tables, start, slots) > self.num_free_blocks:
             return False  # before listing columns: 10**9 tokens cost nothing
-        new = [self._new_columns(g, tables[g], start, end) for g in range(len(tables))]
+        new = [
+            self._new_columns(g, tables[g], start, slots) for g in range(len(tables))
+        ]
         need = sum(map(len, new)) + len(from_host)
         touched_free = (
             sum(

@@ -78,9 +78,11 @@ class Scheduler:
         prefilled. ``req.wait_reason`` says what held the head of the queue.
       enable_kv_cache_events: The manager keeps vLLM's KV-cache events
         (``scheduler.manager.take_events()``; see :class:`KVCacheManager`).
-      num_lookahead_tokens: Slots held past each decoding request's step
-        tokens (vLLM's ``num_lookahead_tokens``: a draft model that writes its
-        own K/V there, EAGLE-style).
+      num_lookahead_tokens: Slots held past the step's tokens of every
+        request scheduled, decoding, admitted or running a prefill chunk,
+        within ``max_model_len`` (vLLM's ``num_lookahead_tokens`` as its
+        ``allocate_slots`` holds them: a draft model that writes its own K/V
+        there, EAGLE-style).
 
     Speculative decoding: after a step, set ``req.spec_token_ids`` to the
     drafts for a decoding request; the next step computes its last token and
@@ -439,11 +441,8 @@ class Scheduler:
             if not n:  # an aligned chunk does not fit this step's budget
                 i += 1
                 continue
-            slots = n
-            if decoding and self.num_lookahead_tokens:
-                room = self.max_model_len - req.num_computed - n
-                slots += max(0, min(self.num_lookahead_tokens, room))
-            while not self.manager.allocate(req, slots):
+            lookahead = self._lookahead(req.num_computed + n)
+            while not self.manager.allocate(req, n, num_lookahead_tokens=lookahead):
                 victim = (
                     max(self.running, key=self._order)
                     if self.policy == "priority"
@@ -483,6 +482,7 @@ class Scheduler:
                 n,
                 num_cached=hit,
                 full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                num_lookahead_tokens=self._lookahead(hit + n),
             ):
                 req.wait_reason = self._wait_reason(req, n, hit)
                 break
@@ -520,6 +520,15 @@ class Scheduler:
             batch, preempted, self.manager.step_blocks(batch), spec
         )
         return self._latest
+
+    def _lookahead(self, end: int) -> int:
+        """Lookahead slots past a step ending at token `end` (within max_model_len).
+
+        vLLM's ``allocate_slots`` holds ``min(end + num_lookahead_tokens,
+        max_model_len)`` slots for every request it schedules: decoding,
+        admitted, or running a prefill chunk.
+        """
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The draft tokens of decoding `req` that fit this step.
