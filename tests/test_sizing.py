@@ -4,6 +4,9 @@ not; budgets too small or unknown are refused naming the numbers.
 """  # noqa: D205
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -89,3 +92,17 @@ def test_a_device_limit_is_read_where_the_backend_reports_one():
     sizing = jaxkv.size_kv_cache(CFG, _compile, device=Limited(), memory_fraction=0.75)
     assert sizing.budget_bytes == 3 * 2**20
     assert "0.75 x bytes_limit 4194304 of tpu:0" in sizing.budget_source
+
+
+@pytest.mark.slow
+def test_on_a_2x4_mesh_a_block_costs_each_device_its_share():
+    script = Path(__file__).with_name("sizing_mesh_check.py")
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")

@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxkv._util import check_positive_int, checks_own_arguments
 from jaxkv.config import RunnerConfig
 from jaxkv.plan._make_plan import make_plan
 from jaxkv.plan._plan import KVCachePlan
+from jaxkv.plan._shard import shard_plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,6 +144,7 @@ def size_kv_cache(
     memory_fraction: float = 0.9,
     device: Any = None,
     probe_blocks: Sequence[int] = (8, 16),
+    mesh: Mesh | None = None,
     **plan_options: Any,
 ) -> KVCacheSizing:
     """The largest ``num_blocks`` whose compiled step fits a memory budget.
@@ -159,11 +162,17 @@ def size_kv_cache(
       memory_fraction: See `memory_bytes`.
       device: The device whose limit is read (default: the first).
       probe_blocks: The two pool sizes compiled to fit the step's bytes.
-      plan_options: Passed to :func:`make_plan` (``storage=``, ...).
+      mesh: Plan over this mesh (:func:`shard_plan`; `compile_step` gets a
+        :class:`ShardedPlan`, whose pools it compiles with their
+        ``pool_sharding``): the budget and every figure are per device, and
+        ``num_blocks`` is per data-parallel rank.
+      plan_options: Passed to :func:`make_plan` (or :func:`shard_plan`:
+        ``storage=``, ``data_axis=``, ...).
 
     Returns:
       A :class:`KVCacheSizing`; ``make_plan(runner_config,
-      num_blocks=sizing.num_blocks, **plan_options)`` is the plan.
+      num_blocks=sizing.num_blocks, **plan_options)`` (or ``shard_plan``) is
+      the plan.
 
     Raises:
       ValueError: If the budget holds fewer than two blocks beside the step
@@ -184,11 +193,15 @@ def size_kv_cache(
     small, large = _probes(probe_blocks)
 
     def measure(n: int) -> int:
-        out = compile_step(make_plan(runner_config, num_blocks=n, **plan_options))
+        if mesh is None:
+            plan: Any = make_plan(runner_config, num_blocks=n, **plan_options)
+        else:
+            plan = shard_plan(runner_config, mesh=mesh, num_blocks=n, **plan_options)
+        out = compile_step(plan)
         return int(out) if isinstance(out, int) else step_bytes(out)
 
     probes = [(small, measure(small)), (large, measure(large))]
-    pool_per_block = _block_bytes(runner_config, plan_options)
+    pool_per_block = _block_bytes(runner_config, {} if mesh else plan_options)
     per_block = max((probes[1][1] - probes[0][1]) // (large - small), 1)
     fixed = max(probes[0][1] - per_block * small, 0)
     n = (budget - fixed) // per_block
