@@ -22,30 +22,57 @@ def _run(s, step):
 
 
 def test_a_stored_block_carries_its_tokens_parent_and_group():
+    # vLLM's cache_full_blocks: one BlockStored per group per caching call,
+    # covering every block that became full, the parent of the first.
     s = jaxkv.Scheduler(
         _plan(), enable_prefix_caching=True, enable_kv_cache_events=True
     )
     s.add_request(jaxkv.Request("a", prompt=list(range(10)), max_new_tokens=3))
     _run(s, s.schedule())
-    events = s.manager.take_events()
-    assert [type(e) for e in events] == [BlockStored, BlockStored]
-    first, second = (e for e in events if isinstance(e, BlockStored))
+    (first,) = s.manager.take_events()
+    assert isinstance(first, BlockStored)
     hashes = jaxkv.sched.hash_token_blocks(list(range(10)), 4)
-    assert first.block_hashes == (hashes[0],)
+    assert first.block_hashes == (hashes[0], hashes[1])
     assert first.parent_block_hash is None
-    assert first.token_ids == (0, 1, 2, 3)
-    assert second.block_hashes == (hashes[1],)
-    assert second.parent_block_hash == hashes[0]
-    assert second.token_ids == (4, 5, 6, 7)
-    assert (second.block_size, second.group_idx, second.medium) == (4, 0, "GPU")
+    assert first.token_ids == tuple(range(8))
+    assert (first.block_size, first.group_idx, first.medium) == (4, 0, "GPU")
+    assert first.kv_cache_spec_kind == "full_attention"
+    assert first.kv_cache_spec_sliding_window is None
     assert s.manager.take_events() == []  # taken
     # The third block fills with two sampled tokens: its event has them.
     _run(s, s.schedule())
     _run(s, s.schedule())
     (third,) = s.manager.take_events()
     assert isinstance(third, BlockStored)
+    assert third.block_hashes == (
+        jaxkv.sched.hash_token_blocks([*range(10), 7, 7], 4)[2],
+    )
     assert third.token_ids == (8, 9, 7, 7)
     assert third.parent_block_hash == hashes[1]
+
+
+def test_each_groups_event_names_its_kind_and_window():
+    cfg = jaxkv.pattern_config(
+        "LG", num_layers=2, sliding_window=4, num_heads=2, num_kv_heads=1,
+        head_size=8, block_size=4, max_model_len=64,
+    )  # fmt: skip
+    s = jaxkv.Scheduler(
+        jaxkv.make_plan(cfg, num_blocks=32),
+        enable_prefix_caching=True,
+        enable_kv_cache_events=True,
+    )
+    s.add_request(jaxkv.Request("a", prompt=list(range(12)), max_new_tokens=2))
+    _run(s, s.schedule())
+    events = {
+        e.group_idx: e for e in s.manager.take_events() if isinstance(e, BlockStored)
+    }
+    kinds = {g: (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+             for g, e in events.items()}  # fmt: skip
+    assert sorted(kinds.values()) == [("full_attention", None), ("sliding_window", 4)]
+    for e in events.values():
+        assert e.token_ids == tuple(range(12))  # the range: blocks 0-2
+        assert e.parent_block_hash is None
+        assert len(e.block_hashes) == 3  # all written this step: all cached
 
 
 def test_an_evicted_block_is_removed_and_a_reset_clears_all():
@@ -56,7 +83,7 @@ def test_an_evicted_block_is_removed_and_a_reset_clears_all():
     while s.has_unfinished:
         _run(s, s.schedule())
     stored = [e for e in s.manager.take_events() if isinstance(e, BlockStored)]
-    assert len(stored) == 2
+    assert sum(len(e.block_hashes) for e in stored) == 2
     # 4 usable blocks: a new 13-token prompt needs all of them, evicting both.
     s.add_request(jaxkv.Request("b", prompt=[50] * 13, max_new_tokens=1))
     _run(s, s.schedule())
@@ -90,7 +117,8 @@ def _replay(view, events):
         if isinstance(e, AllBlocksCleared):
             view.clear()
         elif isinstance(e, BlockStored):
-            view[(e.group_idx, e.block_hashes[0])] += 1
+            for h in e.block_hashes:
+                view[(e.group_idx, h)] += 1
         elif isinstance(e, BlockRemoved):
             key = (e.group_idx, e.block_hashes[0])
             view[key] -= 1

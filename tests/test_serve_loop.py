@@ -402,9 +402,10 @@ def test_a_loop_reports_kv_cache_events_and_serves_by_priority():
     assert first_tokens == [r.req_id for r in reversed(reqs)]
     m = loop.scheduler.manager
     stored = {
-        (e.group_idx, e.block_hashes[0])
+        (e.group_idx, h)
         for e in m.take_events()
         if isinstance(e, jaxkv.sched.BlockStored)
+        for h in e.block_hashes
     }
     assert stored == set(m.allocator._cached)  # nothing evicted: all still cached
     assert loop.scheduler.make_stats().prefix_cache_stats.hits > 0

@@ -23,6 +23,7 @@ from jaxkv.sched._events import (
     BlockStored,
     KVCacheEvent,
     external_block_hash,
+    spec_kind,
 )
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._manager import KVCacheManager
@@ -59,4 +60,5 @@ __all__ = [
     "longest_cache_hit",
     "prefix_caching_unsupported",
     "sampled_token_indices",
+    "spec_kind",
 ]

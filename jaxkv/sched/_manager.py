@@ -27,6 +27,7 @@ from jaxkv.sched._events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    spec_kind,
 )
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._prefix import (
@@ -128,6 +129,7 @@ class KVCacheManager:
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self.widths = list(plan.block_table_widths)
         self.is_mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
+        self._spec_kinds = [spec_kind(g.kv_cache_spec) for g in groups]
         # The spec that decides what a group keeps: its own when every layer
         # reading it (KV-sharing layers included) has it; None (keep all) else.
         kinds = plan.group_kinds
@@ -388,7 +390,7 @@ class KVCacheManager:
                 tables[g][j] = block = next(ids)
                 self.allocator.cache(block, key=(g, block_hash))
                 if self.enable_kv_cache_events:
-                    self._stored(req, g, j)
+                    self._stored(req, g, j, j + 1, [block_hash])
                 if self.host is not None:
                     self.host.record_restore(
                         key=(g, block_hash), block=block, claimed=entry
@@ -457,17 +459,26 @@ class KVCacheManager:
             if self.host is not None and self.allocator.lookup(key) is None:
                 self.host.record_offload(group=group, block=block, key=key)
 
-    def _stored(self, req: Request, g: int, j: int) -> None:
-        """Reports block `j` of `req` in group `g`, just cached."""
+    def _stored(
+        self, req: Request, g: int, start: int, end: int, stored: list[bytes]
+    ) -> None:
+        """Reports `req`'s blocks ``[start, end)`` of group `g`, `stored` cached.
+
+        vLLM's ``cache_full_blocks`` event: the range's tokens, the parent
+        of its first block, the hashes of the blocks it cached.
+        """
         bs = self.block_sizes[g]
-        hashes = self._block_hashes(req, bs)
+        parent = self._block_hashes(req, bs)[start - 1] if start else None
+        kind, window = self._spec_kinds[g]
         self._events.append(
             BlockStored(
-                block_hashes=(hashes[j],),
-                parent_block_hash=hashes[j - 1] if j else None,
-                token_ids=tuple(req.token_range(j * bs, (j + 1) * bs)),
+                block_hashes=tuple(stored),
+                parent_block_hash=parent,
+                token_ids=tuple(req.token_range(start * bs, end * bs)),
                 block_size=bs,
                 group_idx=g,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
             )
         )
 
@@ -835,13 +846,15 @@ class KVCacheManager:
                 cols = [full - 1] if n % bs == 0 else []
             else:
                 cols = range(registered[g], full)
+            stored = []
             for j in cols:
                 block = table[j]
                 if block and self.allocator.key_of(block) is None:
                     self.allocator.cache(block, key=(g, hashes[j]))
-                    if self.enable_kv_cache_events:
-                        self._stored(req, g, j)
+                    stored.append(hashes[j])
                     self._uncommitted.setdefault(req.req_id, []).append(block)
                     if self.is_mamba[g]:
                         self._hold(req, (g, hashes[j]))
+            if self.enable_kv_cache_events:  # one event per group, as vLLM's
+                self._stored(req, g, registered[g], full, stored)
             registered[g] = full
