@@ -4,8 +4,6 @@ not; budgets too small or unknown are refused naming the numbers.
 """  # noqa: D205
 
 import functools
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +12,7 @@ import pytest
 
 import jaxkv
 from jaxkv.plan import step_bytes
+from tests.test_shard import _run_check
 
 CFG = jaxkv.llama_like_config(num_layers=2, token_buckets=(16,))
 
@@ -96,13 +95,4 @@ def test_a_device_limit_is_read_where_the_backend_reports_one():
 
 @pytest.mark.slow
 def test_on_a_2x4_mesh_a_block_costs_each_device_its_share():
-    script = Path(__file__).with_name("sizing_mesh_check.py")
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=script.parent.parent,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.strip().endswith("OK")
+    _run_check(Path(__file__).with_name("sizing_mesh_check.py"))
