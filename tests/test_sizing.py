@@ -96,3 +96,18 @@ def test_a_device_limit_is_read_where_the_backend_reports_one():
 @pytest.mark.slow
 def test_on_a_2x4_mesh_a_block_costs_each_device_its_share():
     _run_check(Path(__file__).with_name("sizing_mesh_check.py"))
+
+
+def test_a_step_growing_faster_than_its_pools_is_sized_by_what_fits():
+    # Bytes quadratic in the blocks (a step that copies per pair of blocks):
+    # the linear fit overshoots, the checks step down to a count that fits.
+    def compile_step(plan):
+        n = plan.num_blocks
+        return 1000 + 10 * n + n * n
+
+    sizing = jaxkv.size_kv_cache(CFG, compile_step, memory_bytes=10**6)
+    n = sizing.num_blocks
+    assert compile_step(jaxkv.make_plan(CFG, num_blocks=n)) <= 10**6
+    assert sizing.step_bytes <= 10**6
+    assert n >= 8  # at least what the probes showed fits
+    assert len(sizing.probes) <= 2 + 8

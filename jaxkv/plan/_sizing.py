@@ -205,29 +205,46 @@ def size_kv_cache(
     per_block = max((probes[1][1] - probes[0][1]) // (large - small), 1)
     fixed = max(probes[0][1] - per_block * small, 0)
     n = (budget - fixed) // per_block
-    # The fit is checked by compiling at its answer: a step whose bytes are
-    # not linear in the blocks steps down until it fits.
-    while n >= 2:
+    # The fit is checked by compiling at its answer. A step whose bytes grow
+    # faster than linearly steps down (by the overshoot, or halfway to the
+    # largest count that fit) for a few compiles; the answer always fit.
+    lo = max(((m, b) for m, b in probes if b <= budget), default=None)
+    hi = min((m for m, b in probes if b > budget), default=None)
+    for _ in range(_MAX_CHECKS):
+        if hi is not None and n >= hi:
+            n = hi - 1
+        if n < 2 or (lo is not None and n <= lo[0]):
+            break
         got = measure(n)
         probes.append((n, got))
         if got <= budget:
-            return KVCacheSizing(
-                num_blocks=int(n),
-                budget_bytes=budget,
-                budget_source=source,
-                fixed_bytes=int(fixed),
-                bytes_per_block=int(per_block),
-                pool_bytes_per_block=int(pool_per_block),
-                step_bytes=got,
-                probes=tuple(probes),
-            )
+            lo = (n, got)
+            break
+        hi = n
         n -= max(1, -(-(got - budget) // per_block))
-    raise ValueError(
-        f"size_kv_cache: the budget of {budget} bytes per device ({source}) holds "
-        f"fewer than 2 blocks: the step needs {fixed} bytes besides its pools and "
-        f"each block {per_block} more (at {small} blocks the step needs "
-        f"{probes[0][1]})."
+        if lo is not None:
+            n = max(n, (lo[0] + hi) // 2)
+    if lo is None or lo[0] < 2:
+        raise ValueError(
+            f"size_kv_cache: the budget of {budget} bytes per device ({source}) "
+            f"holds fewer than 2 blocks: the step needs {fixed} bytes besides its "
+            f"pools and each block {per_block} more (at {small} blocks the step "
+            f"needs {probes[0][1]})."
+        )
+    return KVCacheSizing(
+        num_blocks=int(lo[0]),
+        budget_bytes=budget,
+        budget_source=source,
+        fixed_bytes=int(fixed),
+        bytes_per_block=int(per_block),
+        pool_bytes_per_block=int(pool_per_block),
+        step_bytes=int(lo[1]),
+        probes=tuple(probes),
     )
+
+
+_MAX_CHECKS = 8
+"""Compiles after the two probes, at most, to find a count that fits."""
 
 
 def _probes(probe_blocks: Sequence[int]) -> tuple[int, int]:
