@@ -52,7 +52,7 @@ def _scheduler(prefix=True, num_blocks=40, **kw):
 def _sampled(step):
     return [
         _token(r, c + n)
-        for (r, n), (c, _) in zip(step.batch, step._before, strict=True)
+        for (r, n), (c, _) in zip(step.batch, step.scheduled_counts, strict=True)
         if c + n == len(r.prompt) + _
     ]
 

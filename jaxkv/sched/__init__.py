@@ -26,6 +26,7 @@ from jaxkv.sched._events import (
     spec_kind,
 )
 from jaxkv.sched._host_tier import HostKVCache
+from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._metrics import PrefixCacheStats, PrometheusCollector, SchedulerStats
 from jaxkv.sched._prefix import (
@@ -55,6 +56,7 @@ __all__ = [
     "Scheduler",
     "SchedulerStats",
     "StepBlocks",
+    "StepLedger",
     "external_block_hash",
     "hash_token_blocks",
     "longest_cache_hit",

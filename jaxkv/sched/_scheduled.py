@@ -45,10 +45,12 @@ class ScheduledStep(StepArrays):
     batch: list[tuple[Request, int]]
     preempted: list[Request]
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    # Each request's (num_computed, len(output)) when the step was scheduled:
-    # update() applies the step from them, so applying it again after an
-    # exception midway changes nothing twice.
-    _before: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
+    #: Each request's ``(num_computed, len(output))`` when the step was
+    #: scheduled, in batch order: the step is applied from them, so applying
+    #: it again after an exception midway changes nothing twice.
+    scheduled_counts: list[tuple[int, int]] = dataclasses.field(
+        default_factory=list, repr=False
+    )
     #: ``(k, request, token)`` for each token :meth:`Scheduler.resolve` took
     #: (``k``: its rank in :attr:`sampled`); tokens of requests that ended
     #: before are not in it.
@@ -62,8 +64,6 @@ class ScheduledStep(StepArrays):
     filled_by_iteration: list[list[tuple[int, Request, int]]] = dataclasses.field(
         default_factory=list, repr=False
     )
-    # Requests advance() finished (their last token still on the device).
-    _early: list[Request] = dataclasses.field(default_factory=list, repr=False)
     #: Decode iterations the step runs on the device (``1``: an ordinary step;
     #: more: :meth:`Scheduler.schedule_decode`).
     num_steps: int = 1
@@ -76,8 +76,10 @@ class ScheduledStep(StepArrays):
     steps_per_request: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not self._before:
-            self._before = [(r.num_computed, len(r.output)) for r, _ in self.batch]
+        if not self.scheduled_counts:
+            self.scheduled_counts = [
+                (r.num_computed, len(r.output)) for r, _ in self.batch
+            ]
 
     @property
     def sampled(self) -> list[Request]:
@@ -89,7 +91,7 @@ class ScheduledStep(StepArrays):
         spec = self.spec_token_ids
         return [
             r
-            for (r, n), (c, o) in zip(self.batch, self._before, strict=True)
+            for (r, n), (c, o) in zip(self.batch, self.scheduled_counts, strict=True)
             if c + n - len(spec.get(r.req_id, ())) == len(r.prompt) + o
         ]
 

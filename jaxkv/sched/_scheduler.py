@@ -24,6 +24,7 @@ from jaxkv._util import (
 )
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._host_tier import HostKVCache
+from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._metrics import PrefixCacheStats, SchedulerStats
 from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus, request_problem
@@ -162,15 +163,12 @@ class Scheduler:
         # The latest rejections (bounded: a long-lived server keeps no more);
         # stats["rejected"] counts them all.
         self.rejected: deque[Request] = deque(maxlen=MAX_REJECTED_KEPT)
-        self._applied: ScheduledStep | None = None
-        self._latest: ScheduledStep | None = None
-        self._applying: ScheduledStep | None = None
+        # Which step may be applied next, and how far the steps in flight are.
+        self.ledger = StepLedger()
         self._ids: set[str] = set()
         # Admission order, the last tie-break of the priority order.
         self._arrivals: dict[str, int] = {}
         self._num_arrivals = 0
-        # Steps advance() applied whose tokens resolve() has not filled yet.
-        self._unresolved: deque[ScheduledStep] = deque()
         # With prefix caching and Mamba groups, prefill chunks end where every
         # group's blocks end (the lcm of the block sizes), so a hit there finds
         # full attention blocks and the Mamba state after them.
@@ -205,12 +203,12 @@ class Scheduler:
     @property
     def unresolved(self) -> tuple[ScheduledStep, ...]:
         """Steps :meth:`advance` applied that :meth:`resolve` has not, oldest first."""
-        return tuple(self._unresolved)
+        return self.ledger.unresolved
 
     @property
     def last_applied(self) -> ScheduledStep | None:
         """The latest step :meth:`update` finished applying."""
-        return self._applied
+        return self.ledger.applied
 
     def rejection_reason(self, req: Request) -> str | None:
         """Why `req` can never be served, or ``None``.
@@ -415,11 +413,7 @@ class Scheduler:
           RuntimeError: If :meth:`update` of the latest step raised midway
             (finish it with ``update(step, tokens)`` first).
         """
-        if self._applying is not None:
-            raise RuntimeError(
-                "schedule: update() of the latest step raised midway; call "
-                "update(step, tokens) again with the same step to finish it."
-            )
+        self.ledger.check_not_midway("schedule")
         self._check_drafts()
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
@@ -516,10 +510,9 @@ class Scheduler:
         for req, _ in batch:  # drafts are used once, all that fit
             if req.spec_token_ids and req.num_computed == req.num_tokens - 1:
                 req.spec_token_ids = []
-        self._latest = scheduled_step(
-            batch, preempted, self.manager.step_blocks(batch), spec
+        return self.ledger.made(
+            scheduled_step(batch, preempted, self.manager.step_blocks(batch), spec)
         )
-        return self._latest
 
     def _lookahead(self, end: int) -> int:
         """Lookahead slots past a step ending at token `end` (within max_model_len).
@@ -678,11 +671,7 @@ class Scheduler:
             raise ValueError(
                 f"schedule_decode: num_steps must be an int >= 1, got {num_steps!r}."
             )
-        if self._applying is not None:
-            raise RuntimeError(
-                "schedule_decode: update() of the latest step raised midway; call "
-                "update(step, tokens) again with the same step to finish it."
-            )
+        self.ledger.check_not_midway("schedule_decode")
         running = self.running
         # After advance() the tokens of blocks in flight are placeholders
         # (pending), their last one read on the device; after advance() of an
@@ -690,7 +679,7 @@ class Scheduler:
         if (
             self._align
             or self.waiting
-            or any(s.num_steps == 1 for s in self._unresolved)
+            or any(s.num_steps == 1 for s in self.ledger.unresolved)
             or not running
             or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
             or any(r.num_computed != r.num_tokens - 1 for r in running)
@@ -716,8 +705,7 @@ class Scheduler:
         step.steps_per_request = k_arr
         step.num_steps = num_steps
         self.stats["steps"] += 1
-        self._latest = step
-        return step
+        return self.ledger.made(step)
 
     @checks_own_arguments
     def update(
@@ -753,9 +741,10 @@ class Scheduler:
           TypeError: If the tokens are not integers (floats, NaN, bools) or
             are traced values.
         """
-        if self._unresolved:
+        if self.ledger.unresolved:
             raise RuntimeError(
-                f"update: {len(self._unresolved)} advanced steps are not resolved; "
+                f"update: {len(self.ledger.unresolved)} advanced steps are not "
+                "resolved; "
                 "with advance() every step is finished by resolve()."
             )
         if step.steps_per_request is not None:
@@ -780,10 +769,12 @@ class Scheduler:
         # interrupt), update() again with the same step finishes it, applying
         # nothing twice. Requests aborted since schedule() are skipped (their
         # token dropped).
-        self._applying = step
+        self.ledger.start(step)
         tokens = iter(int(t) for t in tokens_in)
         live = []
-        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
+        for (req, n), (computed, outputs) in zip(
+            step.batch, step.scheduled_counts, strict=True
+        ):
             sample = computed + n == len(req.prompt) + outputs
             token = next(tokens) if sample else None
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
@@ -799,10 +790,12 @@ class Scheduler:
         self, step: ScheduledStep, accepted: list[list[int]]
     ) -> list[Request]:
         """:meth:`update` of a step verifying draft tokens (same guarantees)."""
-        self._applying = step
+        self.ledger.start(step)
         rows = iter(accepted)
         live = []
-        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
+        for (req, n), (computed, outputs) in zip(
+            step.batch, step.scheduled_counts, strict=True
+        ):
             k = len(step.spec_token_ids.get(req.req_id, ()))
             row = next(rows) if computed + n - k == len(req.prompt) + outputs else None
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
@@ -870,8 +863,7 @@ class Scheduler:
         finished = [req for req in live if req.finished]
         for req in finished:
             self.finish(req)
-        self._applied = step
-        self._applying = None
+        self.ledger.close(step)
         return finished
 
     @checks_own_arguments
@@ -885,11 +877,11 @@ class Scheduler:
         """
         self._check_latest(step, "update", "schedule_decode()")
         rows = self._checked_rows("update", step, sampled_token_ids)
-        self._applying = step
+        self.ledger.start(step)
         live = []
         step.filled_by_iteration = [[] for _ in range(step.num_steps)]
         for k, ((req, _), (computed, outputs), row) in enumerate(
-            zip(step.batch, step._before, rows, strict=True)
+            zip(step.batch, step.scheduled_counts, rows, strict=True)
         ):
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
                 continue
@@ -940,8 +932,9 @@ class Scheduler:
         """
         self._check_latest(step, "advance", "schedule_decode()")
         counts = cast(np.ndarray, step.steps_per_request)  # a decode step
+        early: list[Request] = []
         for k, ((req, _), (computed, outputs), n) in enumerate(
-            zip(step.batch, step._before, counts.tolist(), strict=True)
+            zip(step.batch, step.scheduled_counts, counts.tolist(), strict=True)
         ):
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
                 continue
@@ -954,10 +947,9 @@ class Scheduler:
                 # Its blocks stay until its tokens are known: resolve()
                 # caches the blocks they fill (as update() would), then
                 # gives them back.
-                step._early.append(req)
+                early.append(req)
                 self._finish(req, keep_pending=True, keep_blocks=True)
-        self._applied = step
-        self._unresolved.append(step)
+        self.ledger.advanced(step, early)
 
     @checks_own_arguments
     def _resolve_decode(
@@ -983,16 +975,12 @@ class Scheduler:
             tokens are not one row per request with its count of valid ids.
           TypeError: If the tokens are not integers.
         """
-        if not self._unresolved or step is not self._unresolved[0]:
-            raise ValueError(
-                "resolve: the step is not the oldest advanced and unresolved "
-                "one; resolve steps once each, in the order they were advanced."
-            )
+        self.ledger.check_oldest(step)
         rows = self._checked_rows("resolve", step, sampled_token_ids)
         step.filled_by_iteration = [[] for _ in range(step.num_steps)]
         done = []
         for k, ((req, _), (_, outputs), row) in enumerate(
-            zip(step.batch, step._before, rows, strict=True)
+            zip(step.batch, step.scheduled_counts, rows, strict=True)
         ):
             n = len(row)
             if not (
@@ -1024,7 +1012,7 @@ class Scheduler:
                 self._finish(req, keep_pending=False)
             if req.status is RequestStatus.FINISHED and not req.num_pending:
                 done.append(req)
-        self._unresolved.popleft()
+        self.ledger.resolved(step)
         return done
 
     @checks_own_arguments
@@ -1078,16 +1066,7 @@ class Scheduler:
                 "restore. Call flush(pools) after schedule() and before "
                 "dispatching each step (ServingLoop does)."
             )
-        if step is self._applied:
-            raise ValueError(
-                f"{op}: this step was already applied (a retry?); schedule the "
-                "next step instead."
-            )
-        if step is not self._latest:
-            raise ValueError(
-                f"{op}: the step is not the one {made_by} returned last; apply "
-                "each scheduled step once, in order."
-            )
+        self.ledger.check_latest(step, op, made_by)
 
     @checks_own_arguments
     def _checked_tokens(
@@ -1152,11 +1131,7 @@ class Scheduler:
           ValueError: If `step` is not the latest scheduled one, or was
             already applied.
         """
-        if self._applying is not None:
-            raise RuntimeError(
-                "advance: update() of the latest step raised midway; call "
-                "update(step, tokens) again with the same step first."
-            )
+        self.ledger.check_not_midway("advance")
         if step.steps_per_request is not None:
             self._advance_decode(step)
             return
@@ -1168,7 +1143,10 @@ class Scheduler:
             )
         sampled = step.sampled
         rank = {id(r): k for k, r in enumerate(sampled)}
-        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
+        early: list[Request] = []
+        for (req, n), (computed, outputs) in zip(
+            step.batch, step.scheduled_counts, strict=True
+        ):
             if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed = computed + n
@@ -1178,10 +1156,9 @@ class Scheduler:
                 req.num_pending += 1
             self.manager.commit(req)
             if len(req.output) >= req.max_new_tokens:
-                step._early.append(req)
+                early.append(req)
                 self._finish(req, keep_pending=True)
-        self._applied = step
-        self._unresolved.append(step)
+        self.ledger.advanced(step, early)
 
     @checks_own_arguments
     def resolve(
@@ -1208,17 +1185,15 @@ class Scheduler:
             return self._resolve_decode(
                 step, cast(Sequence[Sequence[int]], sampled_token_ids)
             )
-        if not self._unresolved or step is not self._unresolved[0]:
-            raise ValueError(
-                "resolve: the step is not the oldest advanced and unresolved one; "
-                "resolve steps once each, in the order they were advanced."
-            )
+        self.ledger.check_oldest(step)
         tokens_in = self._checked_tokens(
             "resolve", step, cast(Sequence[int], sampled_token_ids)
         )
         done = []
         k = -1
-        for (req, n), (computed, outputs) in zip(step.batch, step._before, strict=True):
+        for (req, n), (computed, outputs) in zip(
+            step.batch, step.scheduled_counts, strict=True
+        ):
             if computed + n != len(req.prompt) + outputs:
                 continue  # samples nothing this step
             k += 1
@@ -1239,7 +1214,7 @@ class Scheduler:
                     self._finish(req, keep_pending=False)
             if req.status is RequestStatus.FINISHED and not req.num_pending:
                 done.append(req)
-        self._unresolved.popleft()
+        self.ledger.resolved(step)
         return done
 
     def recompute_all(self) -> list[Request]:
@@ -1264,21 +1239,15 @@ class Scheduler:
           >>> [r.req_id for r in s.recompute_all()], s.waiting[0].num_computed
           (['a'], 0)
         """
-        if self._applying is not None:
-            raise RuntimeError(
-                "recompute_all: update() of the latest step raised midway; call "
-                "update(step, tokens) again first."
-            )
+        self.ledger.check_not_midway("recompute_all")
         # Tokens still on the device are lost with it: placeholders go, and
         # requests advance() finished before their last token was read are
         # served again.
-        for step in self._unresolved:
-            for req in step._early:
-                if req.num_pending:
-                    self.running.append(req)
-                    self._ids.add(req.req_id)
-                    self._arrived(req)
-        self._unresolved.clear()
+        for req in self.ledger.forget():
+            if req.num_pending:
+                self.running.append(req)
+                self._ids.add(req.req_id)
+                self._arrived(req)
         for req in [*self.running, *self.waiting]:
             if req.num_pending:
                 del req.output[len(req.output) - req.num_pending :]
@@ -1293,7 +1262,6 @@ class Scheduler:
             requeued.append(req)
         self.manager.reset_prefix_cache()
         self.stats["recomputed"] += len(requeued)
-        self._latest = None
         return requeued[::-1]
 
     def finish(self, req: Request) -> None:
