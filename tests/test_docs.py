@@ -91,3 +91,17 @@ def test_the_readme_is_a_front_door():
     linked = set(re.findall(r"\]\((docs/[a-z_A-Z]+\.md)\)", text))
     # Every page but the site's home (the README's own text) is linked.
     assert {p for p in PAGES if p.startswith("docs/")} - {"docs/index.md"} <= linked
+
+
+def test_no_page_teaches_the_unchecked_bare_view_and_slot_array_form():
+    # write_kv(pools, layer.view, k, v, meta.slot_mapping) carries no group:
+    # another group's slots went through unchecked (issue 56). Pages teach
+    # write_kv(pools, layer, k, v, meta), which is checked.
+    bare = re.compile(r"write_kv\([^)]*\.view,[^)]*\.slot_mapping\b", re.S)
+    pages = [
+        *PAGES,
+        *(str(p.relative_to(ROOT)) for p in ROOT.glob("notebooks/*.ipynb")),
+    ]
+    taught = [page for page in pages if bare.search((ROOT / page).read_text())]
+    assert taught == []
+    assert bare.search("jaxkv.write_kv(pools, layer.view, k, v, m.slot_mapping)")
