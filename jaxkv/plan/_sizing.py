@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxkv._util import check_positive_int, checks_own_arguments
+from jaxkv._util import check_positive_int, checks_own_arguments, is_int
 from jaxkv.config import RunnerConfig
 from jaxkv.plan._make_plan import make_plan
 from jaxkv.plan._plan import KVCachePlan
@@ -198,7 +198,7 @@ def size_kv_cache(
         else:
             plan = shard_plan(runner_config, mesh=mesh, num_blocks=n, **plan_options)
         out = compile_step(plan)
-        return int(out) if isinstance(out, int) else step_bytes(out)
+        return int(out) if is_int(out) else step_bytes(out)
 
     probes = [(small, measure(small)), (large, measure(large))]
     pool_per_block = _block_bytes(runner_config, {} if mesh else plan_options)
