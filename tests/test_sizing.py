@@ -111,3 +111,39 @@ def test_a_step_growing_faster_than_its_pools_is_sized_by_what_fits():
     assert sizing.step_bytes <= 10**6
     assert n >= 8  # at least what the probes showed fits
     assert len(sizing.probes) <= 2 + 8
+
+
+def _toy_loop(plan):
+    layer = plan.attention_layer("layers.0.self_attn")
+
+    def forward(params, pools, meta, tokens, sample):
+        x, m = params[tokens], meta[layer.name]
+        pools = jaxkv.write_kv(pools, layer, x[:, None], x[:, None], m)
+        out = jaxkv.paged_attention(x[:, None], pools, layer, m, scale=1.0)
+        return pools, out[sample, 0] @ params.T
+
+    return jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8)
+
+
+def _loop_bytes(plan):
+    loop = _toy_loop(plan)
+    loop.warm_up()
+    return max(step_bytes(exe) for exe in loop.programs.executables())
+
+
+def test_a_serving_loop_is_sized_by_its_largest_program():
+    cfg = jaxkv.pattern_config(
+        "G", num_layers=1, num_heads=1, num_kv_heads=1, head_size=8,
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+        token_buckets=(4, 16),
+    )  # fmt: skip
+    budget = 2**19
+    sizing = jaxkv.serve.size_loop_kv_cache(cfg, _toy_loop, memory_bytes=budget)
+    n = sizing.num_blocks
+    assert _loop_bytes(jaxkv.make_plan(cfg, num_blocks=n)) <= budget
+    assert _loop_bytes(jaxkv.make_plan(cfg, num_blocks=n + 1)) > budget
+    # The sized loop serves.
+    loop = _toy_loop(jaxkv.make_plan(cfg, num_blocks=n))
+    r = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=3)
+    loop.run([r])
+    assert r.output == [3, 3, 3]

@@ -23,13 +23,12 @@ from jaxkv import (
     KVCacheLayout,
     RunnerConfig,
     count_compilations,
-    size_kv_cache,
     tiny_hybrid_config,
 )
 from jaxkv.demo._engine import Engine, EngineRequest
 from jaxkv.demo._model import TinyHybridModel
 from jaxkv.demo._oracle import generate_dense
-from jaxkv.plan import step_bytes
+from jaxkv.serve import size_loop_kv_cache
 from jaxkv.vllm import MultipleOf
 
 
@@ -272,19 +271,14 @@ def _sized(
     if mesh is not None:
         raise SystemExit("--num-blocks auto: not on a mesh yet; give --num-blocks N")
 
-    def compile_step(plan: Any) -> int:
-        probe = Engine(
-            cfg,
-            model,
-            num_blocks=plan.num_blocks,
-            implementation=args.implementation,
+    def make_loop(plan: Any) -> Engine:  # the Engine plans the same pools
+        return Engine(
+            cfg, model, num_blocks=plan.num_blocks, implementation=args.implementation
         )
-        probe.warm_up()
-        return max(step_bytes(exe) for exe in probe.programs.executables())
 
     try:
-        sizing = size_kv_cache(
-            cfg, compile_step, memory_bytes=args.memory_bytes, maps_slot_mapping=True
+        sizing = size_loop_kv_cache(
+            cfg, make_loop, memory_bytes=args.memory_bytes, maps_slot_mapping=True
         )
     except ValueError as err:
         raise SystemExit(f"--num-blocks auto: {err}") from None

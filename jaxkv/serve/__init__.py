@@ -13,6 +13,7 @@ from jaxkv.serve._sampling import (
     sample_tokens,
     sample_tokens_per_row,
 )
+from jaxkv.serve._sizing import size_loop_kv_cache
 
 __all__ = [
     "ExecutionOptions",
@@ -23,4 +24,5 @@ __all__ = [
     "request_seed",
     "sample_tokens",
     "sample_tokens_per_row",
+    "size_loop_kv_cache",
 ]
