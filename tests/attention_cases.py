@@ -142,6 +142,28 @@ CASES = (
     ),
     # Blocks of 128: one page is two of the GPU kernel's 64-key steps.
     Case("decode_block128", block=128, cols=2, reqs=((1, 200), (1, 129), (1, 5))),
+    # Head dims of 128 lanes: the TPU kernel picks each KV head's rows out of
+    # token-major pages by strided loads of 32-bit words (two bf16 heads a
+    # word; a fused page's K and V halves in buffers of their own), and waits
+    # for a full wave at once.
+    Case(
+        "decode_fused_bf16_head128_strided",
+        dtype="bfloat16",
+        head=128,
+        reqs=((1, 20), (1, 9), (1, 3)),
+        pages=2,
+    ),
+    Case(
+        "mixed_kv_f32_bits_head128_strided",
+        layout="kv",
+        pool_dtype="bits",
+        kv_heads=1,
+        q_heads=2,
+        head=128,
+        reqs=((3, 10), (1, 17)),
+        tile=2,
+        pages=2,
+    ),
     # One long request over a wide table: the GPU kernel splits its keys over
     # programs (split-KV) and merges their partial softmaxes.
     Case(

@@ -24,6 +24,7 @@ _QUICK = {
     "decode_past_table",  # one rule for keys past the table, native included
     "decode_waves_of_2",  # the TPU kernel's DMA waves, several per row
     "mixed_kv_waves_window",
+    "decode_fused_bf16_head128_strided",  # the TPU kernel's strided head loads
 }
 
 

@@ -138,8 +138,20 @@ def tpu_attention(
     # into its lanes, (N, H, D) -> (N, H * D), is no bitcast on a TPU (its
     # HBM tiles are (8, 128) over the last two dims): XLA would relayout the
     # whole pool on every call (tests/test_tpu_compile.py checks it does not).
-    halves = 1 if lay.fused else 2
-    page_bytes = halves * slots.dtype.itemsize * math.prod(page_shape)
+    page_bytes = (1 if lay.fused else 2) * slots.dtype.itemsize * math.prod(page_shape)
+    # Token-major pages whose heads a strided load can pick: a fused page's
+    # K and V lane halves are DMA'd into buffers of their own (a strided
+    # load takes a buffer 128 lanes wide per row of words, not 2 x 128).
+    token_major = lay.roles.index("token") < lay.roles.index("head")
+    split = (
+        lay.fused
+        and token_major
+        and dk == dv
+        and strided_heads((*page_shape[:-1], dk), slots.dtype) > 0
+    )
+    if split:
+        page_shape = (*page_shape[:-1], dk)
+    halves = 2 if split or not lay.fused else 1
     wave = (
         min(call.pages_per_chunk, cols)
         if call.pages_per_chunk
@@ -151,6 +163,7 @@ def tpu_attention(
         kvh=kvh,
         block_size=view.block_size,
         dk=dk,
+        split=split,
         cols=cols,
         wave=wave,
         scale=call.scale,
@@ -214,6 +227,56 @@ def page_block_shape(lay: PageLayout) -> tuple[int, ...]:
     )
 
 
+def strided_heads(buf_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
+    """KV heads one strided load gives out of token-major pages (0: none).
+
+    A wave buffer ``(2, wave, N, H, D)`` of 32-bit words (two 16-bit heads a
+    word, as a TPU packs 16-bit rows in pairs) read every ``H / pack``-th
+    row: one head's (or, for 16-bit pages, two heads') rows of every token
+    in one strided load, and no per-head gather over the whole wave. It
+    needs lanes of 128 (``D % 128 == 0``), 16- or 32-bit elements and an
+    even head count for 16-bit ones.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxkv.attention._pallas_tpu import strided_heads
+      >>> strided_heads((2, 16, 16, 8, 128), jnp.dtype(jnp.bfloat16))
+      2
+      >>> strided_heads((2, 16, 16, 8, 128), jnp.dtype(jnp.float32))
+      1
+      >>> strided_heads((2, 16, 16, 8, 96), jnp.dtype(jnp.bfloat16))  # lanes
+      0
+    """
+    heads, dim, item = buf_shape[-2], buf_shape[-1], jnp.dtype(dtype).itemsize
+    if dim % 128 or item not in (2, 4):
+        return 0
+    pack = 4 // item
+    return pack if heads % pack == 0 else 0
+
+
+def _strided_rows(buf, half_slot, word_row: int, pack: int, dtype) -> list[jax.Array]:
+    """The ``pack`` heads held by 32-bit row `word_row` of each token, ``(wave * N, D)``.
+
+    The buffer's half as 32-bit words ``(wave * N * H / pack * D / 128, 128)``
+    and a load of every ``H / pack * D / 128``-th row per 128 lanes (Mosaic's
+    strided loads take 32-bit data, 128 lanes wide: tpu-inference's RPA v3
+    reads its K/V-interleaved pages the same way); 16-bit heads are then the
+    low (even head) and high (odd head) halves of each word.
+    """
+    _, wave, tokens, heads, dim = buf.shape
+    words = buf.bitcast(jnp.uint32) if pack > 1 else buf
+    per, folds = heads // pack, dim // 128
+    flat = words.at[half_slot].reshape(wave * tokens * per, dim)
+    rows = pl.ds(word_row, wave * tokens, stride=per)
+    parts = [flat[rows, pl.ds(f * 128, 128)] for f in range(folds)]
+    x = parts[0] if folds == 1 else jnp.concatenate(parts, axis=1)
+    if pack == 1:
+        return [x if x.dtype == dtype else pltpu.bitcast(x, dtype)]
+    low = x.astype(jnp.uint16)
+    high = (x >> 16).astype(jnp.uint16)
+    return [pltpu.bitcast(low, dtype), pltpu.bitcast(high, dtype)]
+
+
 def _kernel(
     info_ref,
     table_ref,
@@ -227,13 +290,14 @@ def _kernel(
     kvh: int,
     block_size: int,
     dk: int,
+    split: bool,
     cols: int,
     wave: int,
     scale: float,
     cap: float | None,
     num_blocks: int,
 ) -> None:
-    halves = 1 if lay.fused else 2
+    halves = 2 if split or not lay.fused else 1
     bufs = scratch[:halves]
     sems, half_ref, top_ref, denom_ref, acc_ref = scratch[halves:]
     num_layers = lay.slots_shape[0]
@@ -265,7 +329,8 @@ def _kernel(
             page, live = page_at(row, w, i)
             page = jnp.clip(page, 0, num_blocks - 1)
             for h, buf in enumerate(bufs):
-                src = pool_ref.at[lay.at(layer_c, page, slice(None), h, slice(None))]
+                lanes = slice(h * dk, (h + 1) * dk) if split else slice(None)
+                src = pool_ref.at[lay.at(layer_c, page, slice(None), h, lanes)]
                 dst = buf.at[half_slot, i]
                 out.append((live, pltpu.make_async_copy(src, dst, sems.at[half_slot])))
         return out
@@ -275,8 +340,20 @@ def _kernel(
             pl.when(live)(cp.start)
 
     def wait(row, w, half_slot):
-        for live, cp in copies(row, w, half_slot):
-            pl.when(live)(cp.wait)
+        # A full wave is waited for at once: its DMAs all signal the half's
+        # one semaphore, and a wait takes the bytes of the descriptor given.
+        _, full = page_at(row, w, wave - 1)
+
+        @pl.when(full)
+        def _whole():
+            for buf in bufs:
+                whole = buf.at[half_slot]
+                pltpu.make_async_copy(whole, whole, sems.at[half_slot]).wait()
+
+        @pl.when(jnp.logical_not(full))
+        def _page_by_page():
+            for live, cp in copies(row, w, half_slot):
+                pl.when(live)(cp.wait)
 
     n_waves = waves_of(r)
 
@@ -325,9 +402,18 @@ def _kernel(
             bad = bad | (in_page & jnp.logical_not(ok))
 
         head_first = lay.roles.index("head") < lay.roles.index("token")
+        strided = not head_first and strided_heads(bufs[0].shape, bufs[0].dtype)
+        loaded: dict[tuple[int, int], list[jax.Array]] = {}
 
-        def head_rows(buf, h):
-            """``(wave * N, D)``: KV head `h`'s rows of the wave."""
+        def head_rows(b, h):
+            """``(wave * N, D)``: KV head `h`'s rows of the wave in buffer `b`."""
+            buf = bufs[b]
+            if strided:
+                if (b, h // strided) not in loaded:
+                    loaded[b, h // strided] = _strided_rows(
+                        buf, half_slot, h // strided, strided, lay.dtype
+                    )
+                return loaded[b, h // strided][h % strided]
             if head_first:  # (wave, H, N, D): a head is a leading index
                 x = buf[half_slot, :, h]
             else:  # (wave, N, H, D): the head's sublane of every token
@@ -347,9 +433,10 @@ def _kernel(
             else jax.lax.Precision.HIGHEST
         )
         for h in range(kvh):
-            heads = [head_rows(buf, h) for buf in bufs]  # (wave * N, D)
-            k = heads[0][:, :dk].astype(mxu)
-            v = (heads[0][:, dk:] if lay.fused else heads[1]).astype(mxu)
+            heads = [head_rows(b, h) for b in range(halves)]  # (wave * N, D)
+            fused = lay.fused and not split
+            k = (heads[0][:, :dk] if fused else heads[0]).astype(mxu)
+            v = (heads[0][:, dk:] if fused else heads[1]).astype(mxu)
             q = q_ref[h].astype(mxu)  # (M, Dk)
             s = jax.lax.dot_general(
                 q,
