@@ -149,6 +149,8 @@ CASES = (
     Case(
         "decode_fused_bf16_head128_strided",
         dtype="bfloat16",
+        kv_heads=4,
+        q_heads=8,
         head=128,
         reqs=((1, 20), (1, 9), (1, 3)),
         pages=2,
