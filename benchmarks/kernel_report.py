@@ -25,9 +25,14 @@ The model (per chip: ``CHIPS``; every constant is stated there):
   (``mxus`` units of ``mxu_width`` columns at ``clock``, a head of ``D`` <
   width using ``D`` of them); the VPU does ``VPU_OPS_PER_SCORE`` operations
   per vreg of scores (``(tile * G / 8) x (keys / 128)`` vregs per head)
-  and ``VPU_OPS_PER_KV`` per vreg of V, ``vpu_slots`` a cycle; the scalar
-  unit starts and waits on each DMA (``dma_issue_us`` each). The TPU
-  issues the three in the same VLIW bundles, so the estimate takes the
+  and ``VPU_OPS_PER_KV`` per vreg of V, ``vpu_slots`` a cycle; token-major
+  pages add either a gather per head over every vreg of the wave
+  (``VPU_OPS_PER_HEAD_GATHER``) or, where heads are loaded by stride, one
+  strided load per vreg of 32-bit words (``LOAD_SLOTS`` a cycle) and
+  ``VPU_OPS_PER_WORD_UNPACK`` per vreg of 16-bit pages; the scalar
+  unit starts each DMA and waits on each of a part-empty wave's, or once
+  per buffer for a full wave (``dma_issue_us`` each). The TPU
+  issues these in the same VLIW bundles, so the estimate takes the
   largest plus one KV head's MXU and VPU work (the softmax of a head waits
   for its scores: the tail that cannot overlap). The *no-overlap bound*
   adds the three instead (a floor no schedule falls below).
@@ -62,7 +67,11 @@ from _gpu_model import describe as describe_gpu_model  # noqa: E402
 from _gpu_model import gpu_rows, write_rows  # noqa: E402
 from _harness import parser, print_table, write_json  # noqa: E402
 
-from jaxkv.attention._pallas_tpu import TPU_TUNING, pages_per_wave  # noqa: E402
+from jaxkv.attention._pallas_tpu import (  # noqa: E402
+    TPU_TUNING,
+    pages_per_wave,
+    strided_heads,
+)
 from tests.device_compile import (  # noqa: E402
     Step,
     attention_step,
@@ -101,10 +110,17 @@ VPU_OPS_PER_SCORE = 16  # two bounds compares, and, NaN-page select, scale,
 # mask select, running max, subtract, exp (~4), select, sum, rescale
 VPU_OPS_PER_KV = 2  # V zeroed where no query sees it, the cast to the MXU type
 # A token-major page (N, H, D) holds every head of a token in one vreg's
-# rows: one KV head's (N, D) rows are gathered from every vreg of the wave,
-# for each head (assumed one op per vreg touched). Head-first pages (H, N, D)
-# need none.
+# rows. Where the kernel cannot load a head by stride (D not a multiple of
+# 128 lanes, or an odd head count of 16-bit pages), one KV head's (N, D) rows
+# are gathered from every vreg of the wave, for each head (assumed one op per
+# vreg touched). Head-first pages (H, N, D) need none.
 VPU_OPS_PER_HEAD_GATHER = 1
+# Where it can (``strided_heads``), every 32-bit word of the wave is loaded
+# once by a strided load (a load slot, ``LOAD_SLOTS`` a cycle, assumed) and
+# 16-bit pages are unpacked: the even head by a truncating convert (1 op),
+# the odd one by a shift and a convert (2 ops), per vreg of words.
+VPU_OPS_PER_WORD_UNPACK = 3
+LOAD_SLOTS = 1
 
 CONFIGS = [
     Step("decode 256x4096 block 16"),
@@ -151,7 +167,11 @@ def attention_model(
     the step's own are empty grid steps, ``step_us`` each.
     """
     item = jnp.dtype(step.dtype).itemsize
-    halves = 1 if step.layout == "fused" else 2
+    strided = step.layout != "hnd" and strided_heads(
+        (step.kv_heads, step.head), jnp.dtype(step.dtype)
+    )
+    # A fused page loaded by stride is DMA'd as its K and V halves.
+    halves = 1 if step.layout == "fused" and not strided else 2
     page_bytes = 2 * step.block * step.kv_heads * step.head * item
     groups = step.q_heads // step.kv_heads
     width = min(chip.mxu_width, step.head)
@@ -173,16 +193,26 @@ def attention_model(
             vpu = step.kv_heads * (
                 score_vregs * VPU_OPS_PER_SCORE + kv_vregs * VPU_OPS_PER_KV
             )
-            if step.layout != "hnd":  # every vreg of K and V, once per head
+            word_vregs = n * page_bytes / 4096  # the wave as vregs of 32-bit words
+            loads = 0.0
+            if strided:  # each word loaded once by stride, 16-bit ones unpacked
+                loads = word_vregs
+                if item == 2:
+                    vpu += word_vregs * VPU_OPS_PER_WORD_UNPACK
+            elif step.layout != "hnd":  # every vreg of K and V, once per head
                 wave_vregs = 2 * step.kv_heads * kv_vregs
                 vpu += step.kv_heads * wave_vregs * VPU_OPS_PER_HEAD_GATHER
             mxu_us = mxu / chip.clock * 1e6
             vpu_us = vpu / chip.vpu_slots / chip.clock * 1e6
-            scalar_us = 2 * n * halves * chip.dma_issue_us
+            load_us = loads / LOAD_SLOTS / chip.clock * 1e6
+            # Each DMA started; a full wave waited for once per buffer, a
+            # part-empty one DMA by DMA.
+            waits = halves if n == wave else n * halves
+            scalar_us = (n * halves + waits) * chip.dma_issue_us
             tail_us = (mxu_us + vpu_us) / step.kv_heads
-            compute_us = max(mxu_us, vpu_us, scalar_us) + tail_us
+            compute_us = max(mxu_us, vpu_us, load_us, scalar_us) + tail_us
             total_us += max(dma_us, compute_us)
-            serial_us += max(dma_us, mxu_us + vpu_us + scalar_us)
+            serial_us += max(dma_us, mxu_us + vpu_us + load_us + scalar_us)
             read += n * page_bytes
             dmas += n * halves
             waves += 1
@@ -343,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "\nModel constants (per chip): "
         + "; ".join(f"{k}: {v}" for k, v in CHIPS.items())
         + f"; VPU ops per score vreg {VPU_OPS_PER_SCORE}, per K/V vreg "
-        f"{VPU_OPS_PER_KV}, per vreg gathered per head (token-major pages) "
-        f"{VPU_OPS_PER_HEAD_GATHER}; waves sized by {TPU_TUNING}"
+        f"{VPU_OPS_PER_KV}, per vreg gathered per head (token-major pages "
+        f"not loaded by stride) {VPU_OPS_PER_HEAD_GATHER}, per vreg of 16-bit "
+        f"words unpacked (loaded by stride) {VPU_OPS_PER_WORD_UNPACK}, strided "
+        f"loads {LOAD_SLOTS} a cycle; waves sized by {TPU_TUNING}"
     )
     # The targets of issue 54, on the model's estimate, per page layout.
     met = {}
@@ -371,6 +403,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "vpu_ops_per_score": VPU_OPS_PER_SCORE,
         "vpu_ops_per_kv": VPU_OPS_PER_KV,
         "vpu_ops_per_head_gather": VPU_OPS_PER_HEAD_GATHER,
+        "vpu_ops_per_word_unpack": VPU_OPS_PER_WORD_UNPACK,
+        "load_slots": LOAD_SLOTS,
         "tpu": rows,
         "target_met": met,
     }

@@ -18,8 +18,14 @@ XLA's gather fills it.
 
 A head-first page ``(H, N, D)`` (vLLM's HND) gives a KV head's keys as a
 leading index of the wave; a token-major page ``(N, H, D)`` (NHD, jaxkv's
-default) as one sublane of every token, which the kernel gathers in vregs
-(the pool is never relaid out: its HBM tiles are the page's own). A wave is
+default) as one sublane of every token. Where the head dim is 128 lanes, the
+kernel reads the wave as 32-bit words and picks a head's rows
+of every token with one strided load (two bf16 heads a word, split by a
+shift: RPA v3 reads its K/V-packed pages the same way; a fused page's K and
+V lane halves are DMA'd into buffers of their own for it,
+:func:`strided_heads`); otherwise it gathers them in vregs. The pool is
+never relaid out: its HBM tiles are the page's own. A full wave is waited
+for with one wait per buffer. A wave is
 computed per KV head as one matmul of the row's ``tile * G``
 query heads of that KV head (GQA packed into the matmul's rows) against
 every key of the wave (``pages_per_wave * block_size`` of them), bf16 pages
@@ -234,8 +240,9 @@ def strided_heads(buf_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
     word, as a TPU packs 16-bit rows in pairs) read every ``H / pack``-th
     row: one head's (or, for 16-bit pages, two heads') rows of every token
     in one strided load, and no per-head gather over the whole wave. It
-    needs lanes of 128 (``D % 128 == 0``), 16- or 32-bit elements and an
-    even head count for 16-bit ones.
+    needs rows of 128 lanes (``D == 128``: Mosaic's strided load takes a
+    buffer exactly 128 lanes wide), 16- or 32-bit elements and an even head
+    count for 16-bit ones.
 
     Example:
       >>> import jax.numpy as jnp
@@ -244,32 +251,30 @@ def strided_heads(buf_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
       2
       >>> strided_heads((2, 16, 16, 8, 128), jnp.dtype(jnp.float32))
       1
-      >>> strided_heads((2, 16, 16, 8, 96), jnp.dtype(jnp.bfloat16))  # lanes
+      >>> strided_heads((2, 16, 16, 8, 256), jnp.dtype(jnp.bfloat16))  # lanes
       0
     """
     heads, dim, item = buf_shape[-2], buf_shape[-1], jnp.dtype(dtype).itemsize
-    if dim % 128 or item not in (2, 4):
+    if dim != 128 or item not in (2, 4):
         return 0
     pack = 4 // item
     return pack if heads % pack == 0 else 0
 
 
 def _strided_rows(buf, half_slot, word_row: int, pack: int, dtype) -> list[jax.Array]:
-    """The ``pack`` heads held by 32-bit row `word_row` of each token, ``(wave * N, D)``.
+    """The ``pack`` heads in 32-bit row `word_row` of each token, ``(wave * N, D)``.
 
-    The buffer's half as 32-bit words ``(wave * N * H / pack * D / 128, 128)``
-    and a load of every ``H / pack * D / 128``-th row per 128 lanes (Mosaic's
-    strided loads take 32-bit data, 128 lanes wide: tpu-inference's RPA v3
-    reads its K/V-interleaved pages the same way); 16-bit heads are then the
-    low (even head) and high (odd head) halves of each word.
+    The buffer's half as 32-bit words ``(wave * N * H / pack, 128)`` and a
+    load of every ``H / pack``-th row (Mosaic's strided loads take 32-bit
+    data from a buffer 128 lanes wide: tpu-inference's RPA v3 reads its
+    K/V-interleaved pages the same way); 16-bit heads are then the low (even
+    head) and high (odd head) halves of each word.
     """
     _, wave, tokens, heads, dim = buf.shape
     words = buf.bitcast(jnp.uint32) if pack > 1 else buf
-    per, folds = heads // pack, dim // 128
+    per = heads // pack
     flat = words.at[half_slot].reshape(wave * tokens * per, dim)
-    rows = pl.ds(word_row, wave * tokens, stride=per)
-    parts = [flat[rows, pl.ds(f * 128, 128)] for f in range(folds)]
-    x = parts[0] if folds == 1 else jnp.concatenate(parts, axis=1)
+    x = flat[pl.ds(word_row, wave * tokens, stride=per), :]
     if pack == 1:
         return [x if x.dtype == dtype else pltpu.bitcast(x, dtype)]
     low = x.astype(jnp.uint16)
