@@ -212,6 +212,69 @@ class BlockAllocator:
         copies = self._cached.get(key)
         return next(iter(copies)) if copies else None
 
+    def in_use(self) -> list[int]:
+        """The ids whose bytes matter: held by a request or cached, ascending."""
+        return [
+            b for b in range(1, self.num_blocks) if self._refs[b] or b in self._key_of
+        ]
+
+    def resize(self, num_blocks: int) -> None:
+        """Ids ``1..num_blocks-1`` from now on; every kept block keeps its id.
+
+        Grown, the new ids join the *front* of the free queue in ascending
+        order (fresh and uncached, used first as freed uncached blocks are),
+        so cached free blocks stay where eviction reaches them last. Shrunk,
+        the ids past the end must be free: cached ones among them are evicted
+        (counted in :attr:`num_evictions`). Checked before anything changes.
+
+        Example (``NORMALIZE_WHITESPACE`` wraps the message):
+          >>> import jaxkv
+          >>> a = jaxkv.sched.BlockAllocator(4)
+          >>> held = a.allocate(2)
+          >>> a.resize(6); a.free_queue()
+          [4, 5, 3]
+          >>> a.resize(2)  # doctest: +NORMALIZE_WHITESPACE
+          Traceback (most recent call last):
+          ...
+          ValueError: BlockAllocator.resize: num_blocks=2 would drop 1 block held
+          by requests (ids [2]); at least 3 blocks needed (the largest held id + 1).
+
+        Raises:
+          TypeError: If `num_blocks` is not an int.
+          ValueError: If it is below 2, or an id it would drop is held.
+        """
+        num_blocks = check_positive_int(
+            "BlockAllocator.resize", "num_blocks", num_blocks
+        )
+        if num_blocks < 2:
+            raise ValueError(
+                f"BlockAllocator.resize: num_blocks must be >= 2 (the null block "
+                f"and one more), got {num_blocks}."
+            )
+        held = [b for b in range(num_blocks, self.num_blocks) if self._refs[b]]
+        if held:
+            raise ValueError(
+                f"BlockAllocator.resize: num_blocks={num_blocks} would drop "
+                f"{len(held)} block{'s' * (len(held) != 1)} held by requests (ids "
+                f"{held[:8]}{' ...' if len(held) > 8 else ''}); at least "
+                f"{held[-1] + 1} blocks needed (the largest held id + 1)."
+            )
+        old = self.num_blocks
+        if num_blocks < old:
+            for block in range(num_blocks, old):
+                if block in self._key_of:
+                    if self.record_evictions:
+                        self._evicted.append((block, self._key_of[block]))
+                    self._evict(block)
+                del self._free[block]
+            del self._refs[num_blocks:]
+        else:
+            self._refs.extend([0] * (num_blocks - old))
+            for block in range(num_blocks - 1, old - 1, -1):
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        self.num_blocks = num_blocks
+
     def evict_all(self) -> None:
         """Forgets every cached block (held blocks stay held)."""
         self.generation += 1

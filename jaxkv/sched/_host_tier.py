@@ -599,6 +599,20 @@ class HostKVCache:
             self._zeros[key] = zero
         return zero
 
+    def retarget(self, plan: KVCachePlan) -> None:
+        """Copies to and from `plan`'s pools from now on (the same model resized).
+
+        Host entries are bytes per block and stay; the compiled copy programs
+        (built for the old pools' shapes) are dropped. Nothing may be pending.
+        """
+        if self._pending:
+            raise RuntimeError(
+                "HostKVCache.retarget: copies are pending; flush them on the old "
+                "pools first."
+            )
+        self.plan = plan
+        self._programs.clear()
+
     @property
     def nbytes(self) -> int:
         """Bytes the host tier holds (flushed entries)."""

@@ -657,6 +657,45 @@ class KVCacheManager:
             self.allocator.free([b for b in table[::-1] if b])
         self._rows.release(req.req_id)
 
+    def resize(self, plan: KVCachePlan) -> None:
+        """Manages `plan`'s blocks from now on: the same model, another size.
+
+        Every block keeps its id (requests' tables, the prefix cache and the
+        host tier stay valid); grown, the new blocks are free, used first;
+        shrunk, the blocks past the end must be free, and cached ones among
+        them leave the prefix cache (``BlockRemoved`` events; not offloaded
+        to the host tier). The pools are the caller's to copy (see
+        :meth:`jaxkv.ServingLoop.resize`). Checked before anything changes.
+
+        Raises:
+          ValueError: If `plan` is another model's or has other block sizes,
+            or a block it would drop is held.
+        """
+        if (
+            not isinstance(plan, KVCachePlan)
+            or plan.runner_config != self.plan.runner_config
+            or plan.block_sizes != self.plan.block_sizes
+            or plan.block_table_widths != self.plan.block_table_widths
+        ):
+            raise ValueError(
+                "KVCacheManager.resize: plan must be the same model's plan with "
+                "another num_blocks (same runner config, block sizes and table "
+                f"widths), got {type(plan).__name__}."
+            )
+        self.allocator.resize(plan.num_blocks)
+        self.plan = plan
+        self._hit_memo = None
+        if self.enable_kv_cache_events:
+            for _, key in self.allocator.take_evicted():
+                group, block_hash = cast(tuple[int, bytes], key)
+                self._events.append(
+                    BlockRemoved(block_hashes=(block_hash,), group_idx=group)
+                )
+        else:
+            self.allocator.take_evicted()
+        if self.host is not None:
+            self.host.retarget(plan)
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (vLLM's ``reset_prefix_cache``).
 

@@ -1217,6 +1217,24 @@ class Scheduler:
         self.ledger.resolved(step)
         return done
 
+    def resize(self, plan: KVCachePlan) -> None:
+        """Schedules over `plan`'s blocks: the same model, another ``num_blocks``.
+
+        Every request keeps its blocks and the prefix cache its entries
+        (:meth:`KVCacheManager.resize`); the pools are the caller's to copy
+        (:meth:`jaxkv.ServingLoop.resize` does). Not while a step is midway.
+
+        Example:
+          >>> import jaxkv
+          >>> cfg = jaxkv.tiny_hybrid_config()
+          >>> s = jaxkv.Scheduler(jaxkv.make_plan(cfg, num_blocks=8))
+          >>> s.resize(jaxkv.make_plan(cfg, num_blocks=32))
+          >>> s.manager.num_usable_blocks
+          31
+        """
+        self.ledger.check_not_midway("resize")
+        self.manager.resize(plan)
+
     def recompute_all(self) -> list[Request]:
         """Forgets what the KV cache held: every running request is requeued.
 

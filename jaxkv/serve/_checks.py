@@ -110,6 +110,35 @@ def check_loop_arguments(
         )
 
 
+def check_same_model(old: KVCachePlan, new: object) -> None:
+    """`new` is `old`'s model planned the same way, but for ``num_blocks``."""
+    if not isinstance(new, KVCachePlan):
+        raise TypeError(
+            "ServingLoop.resize: plan must be a KVCachePlan (make_plan), got "
+            f"{type(new).__name__}."
+        )
+    differs = [
+        name
+        for name, get in (
+            ("runner_config", lambda p: p.runner_config),
+            ("KV-cache groups", lambda p: p.kv_cache_config.kv_cache_groups),
+            ("kernel_block_sizes", lambda p: p.kernel_block_sizes),
+            ("storage", lambda p: (p.storage, p.pool_dtype)),
+            ("pools", lambda p: [(x.word, x.typed_dtype, x.layers) for x in p.pools]),
+            ("layers", lambda p: sorted(p.views)),
+        )
+        if get(old) != get(new)
+    ]
+    if differs:
+        raise ValueError(
+            "ServingLoop.resize: plan must be the loop's model planned with the "
+            "same options and another num_blocks; its "
+            f"{', '.join(differs)} differ from the loop's plan (make it with "
+            "make_plan(loop.plan.runner_config, num_blocks=..., <the same "
+            "options>))."
+        )
+
+
 def check_param_specs(params: Any, param_specs: Any) -> None:
     """`param_specs` has one ``PartitionSpec`` per leaf of `params`."""
     specs, tree = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))

@@ -29,9 +29,11 @@ from jaxkv.serve._checks import (
     check_loop_arguments,
     check_options,
     check_param_specs,
+    check_same_model,
 )
 from jaxkv.serve._device_step import DeviceStep, Forward
 from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
+from jaxkv.serve._resize import move_blocks
 from jaxkv.serve._sampling import (
     SamplingParams,
     abstract_sampling_rows,
@@ -183,20 +185,7 @@ class ServingLoop:
         self.params, self.pools, self._param_specs = self._place(
             params, execution.param_specs
         )
-        self.device_step = DeviceStep(
-            builder=self.builder,
-            forward=forward,
-            sharded=sharded,
-            param_specs=self._param_specs,
-            width=self._width,
-            sampling=self.sampling,
-            per_request_sampling=self.per_request_sampling,
-            vocab_size=self.schedulers[0].vocab_size,
-        )
-        self.programs = Programs(self.device_step, donate_argnums=0)
-        #: Multi-step decode programs (``decode_steps > 1``), one per decode
-        #: bucket.
-        self.decode_programs = Programs(self.device_step.decode_steps, donate_argnums=0)
+        self._build_device()
         #: Steps run (a multi-step decode counts once), steps with fast prefill
         #: armed, rank steps with a prefill chunk that did not finish its
         #: prompt, iterations run by multi-step decodes.
@@ -220,6 +209,111 @@ class ServingLoop:
         self._pipeline: deque[tuple[list[ScheduledStep], jax.Array, jax.Array]] = (
             deque()
         )
+        self._prev_tokens = self._no_tokens()
+
+    def _build_device(self) -> None:
+        """The device step and its program caches, for :attr:`builder`'s plan."""
+        self.device_step = DeviceStep(
+            builder=self.builder,
+            forward=self.forward,
+            sharded=self.sharded,
+            param_specs=self._param_specs,
+            width=self._width,
+            sampling=self.sampling,
+            per_request_sampling=self.per_request_sampling,
+            vocab_size=self.schedulers[0].vocab_size,
+        )
+        self.programs = Programs(self.device_step, donate_argnums=0)
+        #: Multi-step decode programs (``decode_steps > 1``), one per decode
+        #: bucket.
+        self.decode_programs = Programs(self.device_step.decode_steps, donate_argnums=0)
+
+    def resize(self, plan: KVCachePlan, *, forward: Forward | None = None) -> None:
+        """Serves from `plan`'s pools: the same model with another ``num_blocks``.
+
+        Grows (or shrinks) the KV cache without a restart, as vLLM's growable
+        cache does: what is in flight is finished first (:meth:`resume`),
+        then `plan`'s pools are allocated and every block whose bytes matter
+        (held by a request or cached) is copied once to the same id, so
+        running requests, the prefix cache and the host tier carry on and
+        produce the tokens a loop started at the new size would. Grown, the
+        new blocks are free and used first; shrunk, the blocks past the end
+        must be free (cached ones among them leave the prefix cache). The
+        step programs compile again for the new pools, once per bucket
+        (:meth:`warm_up` does it ahead). Old and new pools coexist during
+        the copy. Not on a mesh yet.
+
+        Args:
+          plan: ``make_plan`` of the same runner config with the same options
+            and another `num_blocks` (or :func:`jaxkv.size_kv_cache`'s).
+          forward: The model step for `plan` (default: the current one). A
+            forward that closes over the old plan's layers or views must be
+            rebuilt from `plan`: their views address the old pools.
+
+        Raises:
+          ValueError: If `plan` is not the same model's plan (runner config,
+            groups, layouts, storage), or a held block would not fit.
+          NotImplementedError: On a mesh.
+          RuntimeError: Inside ``run()`` (from ``on_token``).
+
+        Example (the class's toy model, grown mid-request):
+          >>> import jax.numpy as jnp
+          >>> import jaxkv
+          >>> cfg = jaxkv.pattern_config("G", num_layers=1, num_heads=2,
+          ...     num_kv_heads=1, head_size=8, max_model_len=64, max_num_seqs=2,
+          ...     max_num_batched_tokens=16, token_buckets=(4, 16))
+          >>> def forward_for(plan):
+          ...     layer = plan.attention_layer("layers.0.self_attn")
+          ...     def forward(params, pools, meta, tokens, sample):
+          ...         x = params[tokens]
+          ...         m = meta[layer.name]
+          ...         pools = jaxkv.write_kv(pools, layer, x[:, None], x[:, None], m)
+          ...         q = jnp.repeat(x[:, None, :], 2, axis=1)
+          ...         out = jaxkv.paged_attention(q, pools, layer, m, scale=1.0)
+          ...         return pools, out[sample, 0] @ params.T
+          ...     return forward
+          >>> small, big = (jaxkv.make_plan(cfg, num_blocks=n) for n in (8, 32))
+          >>> loop = jaxkv.ServingLoop(small, forward_for(small), jnp.eye(8),
+          ...     vocab_size=8)
+          >>> r = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=4)
+          >>> loop.submit(r), len(loop.step())  # its prompt, in flight
+          (True, 0)
+          >>> loop.resize(big, forward=forward_for(big))
+          >>> loop.scheduler.manager.num_usable_blocks
+          31
+          >>> while loop.has_unfinished:
+          ...     _ = loop.step()
+          >>> r.output
+          [3, 3, 3, 3]
+        """
+        if self._on_token is not None:
+            raise RuntimeError(
+                "ServingLoop.resize: cannot resize inside run() (from on_token, "
+                "while a step's tokens are being applied); resize between "
+                "step() calls or runs."
+            )
+        if self.sharded is not None:
+            raise NotImplementedError(
+                "ServingLoop.resize: not on a mesh yet; make a new loop from "
+                "shard_plan(..., num_blocks=...) (and size it with "
+                "jaxkv.serve.size_loop_kv_cache)."
+            )
+        check_same_model(self.plan, plan)
+        old, old_pools = self.plan, self.pools
+        self.resume()
+        self._flush_host_tiers()
+        sched = self.schedulers[0]
+        sched.resize(plan)  # refuses a held block past the end, unchanged
+        ids = sched.manager.allocator.in_use()
+        self.pools = move_blocks(old, old_pools, plan, plan.allocate(), ids)
+        self.plan = plan
+        if forward is not None:
+            check_loop_arguments(plan, forward, self.sampling, None)
+            self.forward = forward
+        self.builder = StepMetadataBuilder(
+            plan, self.execution.dispatcher, model_inputs=True
+        )
+        self._build_device()
         self._prev_tokens = self._no_tokens()
 
     def _schedulers(
