@@ -211,11 +211,12 @@ class ServingLoop:
         )
         self._prev_tokens = self._no_tokens()
 
-    def _build_device(self) -> None:
-        """The device step and its program caches, for :attr:`builder`'s plan."""
-        self.device_step = DeviceStep(
-            builder=self.builder,
-            forward=self.forward,
+    def _device_step(
+        self, builder: StepMetadataBuilder, forward: Forward
+    ) -> DeviceStep:
+        return DeviceStep(
+            builder=builder,
+            forward=forward,
             sharded=self.sharded,
             param_specs=self._param_specs,
             width=self._width,
@@ -223,6 +224,10 @@ class ServingLoop:
             per_request_sampling=self.per_request_sampling,
             vocab_size=self.schedulers[0].vocab_size,
         )
+
+    def _build_device(self, step: DeviceStep | None = None) -> None:
+        """The device step (`step`, or one for :attr:`builder`) and its programs."""
+        self.device_step = step or self._device_step(self.builder, self.forward)
         self.programs = Programs(self.device_step, donate_argnums=0)
         #: Multi-step decode programs (``decode_steps > 1``), one per decode
         #: bucket.
@@ -299,6 +304,20 @@ class ServingLoop:
                 "jaxkv.serve.size_loop_kv_cache)."
             )
         check_same_model(self.plan, plan)
+        if forward is not None:
+            check_loop_arguments(plan, forward, self.sampling, None)
+        builder = StepMetadataBuilder(
+            plan, self.execution.dispatcher, model_inputs=True
+        )
+        step = self._device_step(builder, self.forward if forward is None else forward)
+        # A forward that writes through the old plan's views is named before
+        # anything changes (traced from shapes: nothing is allocated).
+        jax.eval_shape(
+            step.check_writes,
+            jax.eval_shape(plan.allocate),
+            jax.tree.map(_abstract, self.params),
+            builder.abstract_inputs()[0],
+        )
         old, old_pools = self.plan, self.pools
         self.resume()
         self._flush_host_tiers()
@@ -306,14 +325,10 @@ class ServingLoop:
         sched.resize(plan)  # refuses a held block past the end, unchanged
         ids = sched.manager.allocator.in_use()
         self.pools = move_blocks(old, old_pools, plan, plan.allocate(), ids)
-        self.plan = plan
+        self.plan, self.builder = plan, builder
         if forward is not None:
-            check_loop_arguments(plan, forward, self.sampling, None)
             self.forward = forward
-        self.builder = StepMetadataBuilder(
-            plan, self.execution.dispatcher, model_inputs=True
-        )
-        self._build_device()
+        self._build_device(step)
         self._prev_tokens = self._no_tokens()
 
     def _schedulers(

@@ -60,6 +60,17 @@ def check_forward_writes(
     jax.make_jaxpr(traced)(*args)
     if not log:  # writes by other means than jaxkv's: nothing to follow
         return
+    views = list(plan.views.values())
+    for w in log:
+        if not any(_covers(w, v) for v in views):
+            theirs = getattr(_unstacked(w.view), "num_blocks", None)
+            raise ValueError(
+                f"ServingLoop: forward writes through a view that is not one of "
+                f"the loop's plan (a view of {theirs} blocks; the plan's pools "
+                f"hold {plan.num_blocks}): it addresses other pools' pages. Build "
+                "forward from the loop's plan (plan.attention_layer(name)); after "
+                "ServingLoop.resize(plan), pass forward= built from that plan."
+            )
     for view, owners in _owners(plan).items():
         mine = [i for i, w in enumerate(log) if _covers(w, view)]
         any_slot = any(_traced(log[i].layer) for i in mine)
