@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
         ("bench_layer_scan", "--layers 3 --tokens 32".split()),
         (
             "bench_sizing",
-            "--layers 2 --tokens 32 --quick --memory-gib 0.5".split(),
+            "--layers 2 --tokens 32 --quick --memory-gib 0.5 --grow-from 16".split(),
         ),
         ("kernel_report", ["--quick"]),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
@@ -147,6 +147,10 @@ def _sizing(r):
     assert row["blocks"] >= 2
     assert row["fixed_GiB"] > row["weights_GiB"] > 0  # the step holds more
     assert row["blocks"] < row["weights_only_blocks"]
+    grow = r["grow"]
+    assert grow["to_blocks"] == 2 * grow["from_blocks"]
+    assert grow["moved_blocks"] > 0
+    assert grow["move_s"] > 0
 
 
 def _serve(r):
