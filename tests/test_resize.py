@@ -104,11 +104,7 @@ def test_shrinking_refuses_a_held_block_past_the_end_and_serves_on():
     for r in requests:
         loop.submit(r)
     loop.step()
-    held = max(
-        b
-        for b in range(1, 64)
-        if loop.scheduler.manager.allocator.ref_count(b)
-    )
+    held = max(b for b in range(1, 64) if loop.scheduler.manager.allocator.ref_count(b))
     small = jaxkv.make_plan(CFG, num_blocks=held)
     with pytest.raises(ValueError, match=rf"held by requests.*at least {held + 1}"):
         loop.resize(small, forward=_forward_for(small))
