@@ -604,6 +604,25 @@ class HostKVCache:
 
         Host entries are bytes per block and stay; the compiled copy programs
         (built for the old pools' shapes) are dropped. Nothing may be pending.
+
+        Example (a block offloaded from 8-block pools, restored into 16):
+          >>> import jax.numpy as jnp
+          >>> import jaxkv
+          >>> cfg = jaxkv.tiny_hybrid_config()
+          >>> small, big = (jaxkv.make_plan(cfg, num_blocks=n) for n in (8, 16))
+          >>> host = jaxkv.sched.HostKVCache(small, num_blocks=4)
+          >>> pools, layer = small.allocate(), small.views["layers.0.self_attn"]
+          >>> kv = jnp.ones((32, 2, 32))
+          >>> pools = jaxkv.write_kv(pools, layer, kv, kv, jnp.arange(32, 64))
+          >>> host.record_offload(group=0, block=1, key=(0, b"prefix"))
+          >>> _ = host.flush(pools)
+          >>> host.retarget(big)
+          >>> host.record_restore(key=(0, b"prefix"), block=12)  # past 8: fine
+          >>> pools = host.flush(big.allocate())
+          >>> k, _ = jaxkv.gather_kv_pages(pools, big.views["layers.0.self_attn"],
+          ...     jnp.array([[12]]))
+          >>> float(k.sum())
+          2048.0
         """
         if self._pending:
             raise RuntimeError(
