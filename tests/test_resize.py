@@ -182,4 +182,3 @@ def test_a_shrink_reports_the_cached_blocks_it_drops_as_removed():
     assert len(removed) == len(cached) - 1
     assert allocator.num_cached == 1
     assert sorted(allocator.free_queue()) == list(range(1, keep))
-

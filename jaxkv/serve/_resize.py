@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.groups import AttentionGroup
 from jaxkv.kv import (
     Pools,
     gather_kv_pages,
@@ -23,13 +24,15 @@ from jaxkv.kv import (
     write_kv,
     write_mamba_state,
 )
-from jaxkv.plan import KVCachePlan, MambaView
+from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
 
 MOVE_CHUNK = 256
 """Block ids one compiled move takes (the last chunk padded with ``-1``)."""
 
 
-def _owners(plan: KVCachePlan, group: int) -> list[tuple[object, object]]:
+def _owners(
+    plan: KVCachePlan, group: int
+) -> list[tuple[KVCacheView | MambaView, AttentionGroup]]:
     """``(view, attention group)`` of each layer of `group` owning its view."""
     seen: set[int] = set()
     out = []
