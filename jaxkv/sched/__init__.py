@@ -22,6 +22,7 @@ from jaxkv.sched._events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    KVEventBatch,
     external_block_hash,
     spec_kind,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "HostKVCache",
     "KVCacheEvent",
     "KVCacheManager",
+    "KVEventBatch",
     "MEDIUM_GPU",
     "PrefixCacheStats",
     "PrometheusCollector",

@@ -97,6 +97,26 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 """One KV-cache event: a block stored, a block removed, or every block cleared."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVEventBatch:
+    """The events of one step of one engine, as vLLM publishes them.
+
+    vLLM's ``KVEventBatch`` (``vllm/distributed/kv_events.py``): what a
+    ``ServingLoop`` gives its ``kv_event_sink`` after each step, one batch
+    per data-parallel rank with events.
+
+    Attributes:
+      ts: When the batch was taken (``time.time()``, seconds).
+      events: The events, oldest first.
+      data_parallel_rank: The rank whose scheduler emitted them (``None``
+        on a single rank).
+    """
+
+    ts: float
+    events: tuple[KVCacheEvent, ...]
+    data_parallel_rank: int | None = None
+
+
 def spec_kind(spec: KVCacheSpec) -> tuple[str, int | None]:
     """``(kind, sliding window)`` of a group's spec, as vLLM names them.
 

@@ -502,6 +502,11 @@ class KVCacheManager:
         out, self._events = self._events, []
         return out
 
+    def requeue_events(self, events: Sequence[KVCacheEvent]) -> None:
+        """Puts `events` back before those pending (a publisher that failed)."""
+        if self.enable_kv_cache_events:
+            self._events[:0] = list(events)
+
     def _allocate_decode(self, req: Request) -> bool | None:
         """One more token where every group has its block already.
 

@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec as P
 from jaxkv._util import check_bool, checks_own_arguments
 from jaxkv.kv import Pools, any_deleted
 from jaxkv.plan import KVCachePlan, ShardedPlan
-from jaxkv.sched import HostKVCache, Request, RequestStatus, ScheduledStep, Scheduler
+from jaxkv.sched import (
+    AllBlocksCleared,
+    HostKVCache,
+    KVEventBatch,
+    Request,
+    RequestStatus,
+    ScheduledStep,
+    Scheduler,
+)
 from jaxkv.serve._checks import (
     check_decode_steps,
     check_host_blocks,
@@ -330,6 +338,7 @@ class ServingLoop:
             self.forward = forward
         self._build_device(step)
         self._prev_tokens = self._no_tokens()
+        self.publish_kv_events()  # the cached blocks a shrink dropped
 
     def _schedulers(
         self, *, num_blocks: int | None, options: SchedulingOptions | None = None
@@ -360,7 +369,8 @@ class ServingLoop:
                 max_num_seqs=opts.max_num_seqs,
                 policy=opts.policy,
                 scheduler_reserve_full_isl=opts.scheduler_reserve_full_isl,
-                enable_kv_cache_events=opts.enable_kv_cache_events,
+                enable_kv_cache_events=opts.enable_kv_cache_events
+                or opts.kv_event_sink is not None,
             )
             for rank in range(self.num_ranks)
         ]
@@ -515,9 +525,19 @@ class ServingLoop:
         for scheduler in self.schedulers:
             for req in [*scheduler.running, *scheduler.waiting]:
                 scheduler.finish(req)
+        self.publish_kv_events()  # the old schedulers' last events
+        cleared = self.scheduling.kv_event_sink is not None and any(
+            s.manager.enable_kv_cache_events for s in self.schedulers
+        )
         self.scheduling = options
         self.schedulers = schedulers
         self.logits = {}
+        if cleared and options.kv_event_sink is not None:
+            # The new schedulers start with an empty prefix cache: a router
+            # forgets the old one's blocks.
+            for sched in schedulers:
+                sched.manager.requeue_events([AllBlocksCleared()])
+            self.publish_kv_events()
 
     # --- device side ----------------------------------------------------------
 
@@ -672,8 +692,66 @@ class ServingLoop:
 
         With ``overlap=True`` the step is dispatched and the one before it
         applied (its requests are those returned); the last step is applied
-        by the call that finds nothing more to schedule.
+        by the call that finds nothing more to schedule. The KV-cache events
+        it caused go to ``scheduling.kv_event_sink`` when one is set.
         """
+        done = self._step()
+        self.publish_kv_events()
+        return done
+
+    def publish_kv_events(self) -> None:
+        """Gives each rank's pending KV-cache events to the sink, as a batch.
+
+        ``scheduling.kv_event_sink`` gets one :class:`jaxkv.sched.KVEventBatch`
+        per data-parallel rank with events (nothing without a sink). If the
+        sink raises, that batch and the later ranks' stay pending, first in
+        line for the next call; the exception propagates.
+
+        Example (the class's toy model; blocks of 16 tokens):
+          >>> import jax.numpy as jnp
+          >>> import jaxkv
+          >>> cfg = jaxkv.pattern_config("G", num_layers=1, num_heads=2,
+          ...     num_kv_heads=1, head_size=8, max_model_len=64, max_num_seqs=2,
+          ...     max_num_batched_tokens=32, token_buckets=(4, 32))
+          >>> plan = jaxkv.make_plan(cfg, num_blocks=8)
+          >>> layer = plan.attention_layer("layers.0.self_attn")
+          >>> def forward(params, pools, meta, tokens, sample):
+          ...     x = params[tokens]
+          ...     m = meta[layer.name]
+          ...     pools = jaxkv.write_kv(pools, layer, x[:, None], x[:, None], m)
+          ...     q = jnp.repeat(x[:, None, :], 2, axis=1)
+          ...     out = jaxkv.paged_attention(q, pools, layer, m, scale=1.0)
+          ...     return pools, out[sample, 0] @ params.T
+          >>> batches = []
+          >>> loop = jaxkv.ServingLoop(plan, forward, jnp.eye(8), vocab_size=8,
+          ...     scheduling=jaxkv.SchedulingOptions(enable_prefix_caching=True,
+          ...         kv_event_sink=batches.append))
+          >>> _ = loop.run([jaxkv.Request("a", prompt=list(range(8)) * 2 + [1],
+          ...     max_new_tokens=2)])
+          >>> [[type(e).__name__ for e in b.events] for b in batches]
+          [['BlockStored']]
+          >>> len(batches[0].events[0].token_ids), batches[0].data_parallel_rank
+          (16, None)
+        """
+        sink = self.scheduling.kv_event_sink
+        if sink is None:
+            return
+        for rank, sched in enumerate(self.schedulers):
+            events = sched.manager.take_events()
+            if not events:
+                continue
+            batch = KVEventBatch(
+                ts=time.time(),
+                events=tuple(events),
+                data_parallel_rank=rank if self.num_ranks > 1 else None,
+            )
+            try:
+                sink(batch)
+            except BaseException:
+                sched.manager.requeue_events(events)
+                raise
+
+    def _step(self) -> list[Request]:
         if self.overlap:
             self._recover()
         else:

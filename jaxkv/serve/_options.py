@@ -7,6 +7,7 @@ scheduled, and how each step runs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxkv._util import (
@@ -15,6 +16,7 @@ from jaxkv._util import (
     check_positive_int,
     checks_own_arguments,
 )
+from jaxkv.sched import KVEventBatch
 from jaxkv.step import BucketDispatcher
 
 
@@ -37,6 +39,11 @@ class SchedulingOptions:
       enable_kv_cache_events: Each scheduler's manager keeps vLLM's KV-cache
         events for a KV-aware router (``loop.schedulers[rank].manager.
         take_events()`` after each step).
+      kv_event_sink: Called after each ``ServingLoop.step()`` (and after a
+        ``reset`` or ``resize``) with a :class:`jaxkv.sched.KVEventBatch` per
+        data-parallel rank that has events, as vLLM's event publisher is
+        (implies ``enable_kv_cache_events``; the loop takes the events). A
+        batch whose call raises stays pending and goes first next time.
 
     Example:
       >>> import jaxkv
@@ -52,6 +59,7 @@ class SchedulingOptions:
     scheduler_reserve_full_isl: bool = True
     host_blocks: int = 0
     enable_kv_cache_events: bool = False
+    kv_event_sink: Callable[[KVEventBatch], None] | None = None
 
     def __post_init__(self) -> None:
         """Each option of the right kind (``"yes"`` is not a bool), named."""
@@ -66,6 +74,11 @@ class SchedulingOptions:
             if getattr(self, name) is not None:
                 check_positive_int(owner, name, getattr(self, name))
         check_non_negative_int(owner, "host_blocks", self.host_blocks)
+        if self.kv_event_sink is not None and not callable(self.kv_event_sink):
+            raise TypeError(
+                f"{owner}.kv_event_sink must be callable (it takes a KVEventBatch), "
+                f"got {type(self.kv_event_sink).__name__}."
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"{owner}.policy must be 'fcfs' or 'priority', got {self.policy!r}."
