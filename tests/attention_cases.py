@@ -54,6 +54,9 @@ class Case:
     max_reqs: int = 4
     pad_tokens: int = 3
     pages: int | None = None  # pages_per_chunk (the TPU kernel's DMA wave)
+    quant: str = "none"  # kv_quant_mode: 8-bit pages in a word pool (issue 58)
+    k_scale: float | None = None  # fp8_per_tensor's static scales
+    v_scale: float | None = None
 
 
 CASES = (
@@ -186,7 +189,7 @@ class Built:
     view: jaxkv.KVCacheView
     meta: Any
     kw: dict
-    layer: jax.Array
+    layer: jax.Array | None
     keys: list  # per request: (kv_len, kv_heads, head) float64, as stored
     values: list
     num_tokens: int
@@ -203,11 +206,13 @@ def build(case: Case, seed: int = 0) -> Built:
         if case.kernel_block
         else (jaxkv.vllm.MultipleOf(1),),
     )
+    quantized = case.quant != "none"
     spec = jaxkv.FullAttentionSpec(
         block_size=case.block,
         num_kv_heads=case.kv_heads,
         head_size=case.head,
-        dtype=case.dtype,
+        dtype=_QUANT_DTYPE.get(case.quant, case.dtype),
+        kv_quant_mode=case.quant,
     )
     cfg = jaxkv.RunnerConfig(
         layers=[
@@ -215,9 +220,15 @@ def build(case: Case, seed: int = 0) -> Built:
         ]
     )
     plan = jaxkv.make_plan(
-        cfg, num_blocks=24, storage="stacked", pool_dtype=case.pool_dtype
+        cfg,
+        num_blocks=24,
+        storage="words" if quantized else "stacked",
+        pool_dtype="auto" if quantized else case.pool_dtype,
     )
     view = plan.views["a"]
+    scales = {"k_scale": case.k_scale, "v_scale": case.v_scale} if quantized else {}
+    # Word pools hold one layer per view: no layer slot.
+    slot_of = (lambda _: None) if quantized else jnp.int32
     assert isinstance(view, jaxkv.KVCacheView)
     kb = view.block_size
     pools = plan.allocate()
@@ -232,7 +243,8 @@ def build(case: Case, seed: int = 0) -> Built:
             nan,
             nan,
             jnp.arange(n_slots, dtype=jnp.int32),
-            layer=jnp.int32(slot),
+            layer=slot_of(slot),
+            **scales,
         )
     free = list(rng.permutation(np.arange(1, view.num_blocks)))
     tables = np.zeros((case.max_reqs, case.cols), np.int32)
@@ -246,9 +258,14 @@ def build(case: Case, seed: int = 0) -> Built:
         v = rng.standard_normal((kv_len, heads, head)).astype(dtype)
         pos = np.arange(kv_len)
         slots = (tables[r][pos // kb] * kb + pos % kb).astype(np.int32)
-        pools = jaxkv.write_kv(pools, view, k, v, slots, layer=jnp.int32(case.layer))
-        keys.append(np.asarray(k, np.float64))
+        pools = jaxkv.write_kv(
+            pools, view, k, v, slots, layer=slot_of(case.layer), **scales
+        )
+        keys.append(slots if quantized else np.asarray(k, np.float64))
         values.append(np.asarray(v, np.float64))
+    if quantized:  # the oracle reads what was stored, dequantized
+        every = stored(pools, view, case)
+        keys, values = [every[0][s] for s in keys], [every[1][s] for s in keys]
     q_lens = [q for q, _ in case.reqs]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_tokens = int(qsl[-1])
@@ -276,6 +293,7 @@ def build(case: Case, seed: int = 0) -> Built:
         request_causal=jnp.asarray(causal),
     )
     kw: dict[str, Any] = {"scale": 0.5, "query_tile": case.tile}
+    kw.update({k: v for k, v in scales.items() if v is not None})
     if case.window is not None:
         kw["sliding_window"] = case.window
     if case.chunk is not None:
@@ -292,11 +310,56 @@ def build(case: Case, seed: int = 0) -> Built:
         view,
         meta,
         kw,
-        jnp.int32(case.layer),
+        slot_of(case.layer),
         keys,
         values,
         num_tokens,
     )
+
+
+_QUANT_DTYPE = {
+    "int8_per_token_head": "int8",
+    "fp8_per_token_head": "float8_e4m3fn",
+    "fp8_per_tensor": "float8_e4m3fn",
+}
+
+
+def stored(pools, view, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot's K/V in a quantized view, dequantized (float64, by slot)."""
+    from jaxkv.kv._quant import scale_view
+
+    table = jnp.arange(view.num_blocks, dtype=jnp.int32)[None, :]
+
+    def flat(x):
+        x = np.asarray(x.astype(jnp.float32), np.float64)
+        return x.reshape(view.num_blocks * view.block_size, *x.shape[3:])
+
+    k, v = (flat(x) for x in jaxkv.gather_kv_pages(pools, view, table))
+    if case.quant == "fp8_per_tensor":
+        return k * (case.k_scale or 1.0), v * (case.v_scale or 1.0)
+    ks, vs = (flat(x) for x in jaxkv.gather_kv_pages(pools, scale_view(view), table))
+    return k * ks, v * vs
+
+
+QUANT_CASES = (
+    Case("decode_int8_per_token_head", quant="int8_per_token_head", q_heads=8),
+    Case(
+        "mixed_fp8_per_token_head_kv_window",
+        layout="kv",
+        quant="fp8_per_token_head",
+        reqs=((5, 12), (1, 20), (3, 3)),
+        tile=4,
+        window=5,
+    ),
+    Case(
+        "decode_fp8_per_tensor_cap",
+        quant="fp8_per_tensor",
+        k_scale=0.5,
+        v_scale=2.0,
+        cap=3.0,
+    ),
+)
+"""8-bit pages (issue 58): XLA's path against the oracle of what was stored."""
 
 
 def run(built: Built, implementation: str | None) -> np.ndarray:

@@ -174,7 +174,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "spec kv_quant_mode",
-        lambda: _full(kv_quant_mode="int8"),
+        lambda: _full(kv_quant_mode="nvfp4"),
         NotImplementedError,
         "kv_quant_mode",
     ),

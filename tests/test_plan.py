@@ -143,7 +143,7 @@ def test_equal_bindings_are_equal_and_hash_equal():
                 num_kv_heads=1,
                 head_size=8,
                 dtype="float32",
-                kv_quant_mode="int8",
+                kv_quant_mode="nvfp4",
             ),
             "kv_quant_mode",
         ),

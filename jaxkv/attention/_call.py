@@ -32,6 +32,8 @@ class Call(NamedTuple):
     pages_per_chunk: int | None
     query_tile: int
     contraction: str
+    k_scale: float | None = None  # fp8_per_tensor pages' static scales
+    v_scale: float | None = None
 
 
 def kv_heads_of(view: KVCacheView) -> int:

@@ -11,6 +11,7 @@ globals.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -50,6 +51,8 @@ def paged_attention(
     layer: Int[ArrayLike, ""] | None = None,
     contraction: str = "auto",
     implementation: str | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim_v"]:
     """Attention of a ragged batch over K/V read through a layer's view.
 
@@ -116,7 +119,12 @@ def paged_attention(
         ==============  ====================================================
 
         An implementation asked for by name that cannot run this call raises
-        a ValueError naming why.
+        a ValueError naming why. Quantized pages (the spec's
+        ``kv_quant_mode``) are dequantized by XLA's path only, for now.
+      k_scale: The static K scale of ``"fp8_per_tensor"`` pages (a Python
+        float, vLLM's ``layer._k_scale``; default 1.0): K is read as the
+        stored value times it. Only for those pages.
+      v_scale: The same for V.
 
     Returns:
       ``(num_tokens, num_heads, head_dim_v)``; zero for padded tokens.
@@ -223,6 +231,8 @@ def paged_attention(
         pages_per_chunk=pages_per_chunk,
         query_tile=query_tile,
         contraction=contraction,
+        k_scale=_static_scale(k_scale, "k_scale", view),
+        v_scale=_static_scale(v_scale, "v_scale", view),
     )
     resolve_contraction(contraction, query_tile, platform="cpu")  # a bad name raises
     _check_heads(q.shape, view)
@@ -239,6 +249,27 @@ def paged_attention(
     return _attend(
         q, pools, view, meta, layer, call=call, choice=choice, platform=platform
     )
+
+
+def _static_scale(value: object, name: str, view: KVCacheView) -> float | None:
+    """A per-tensor scale as a static float, only for fp8_per_tensor pages."""
+    if value is None:
+        return None
+    if view.kv_quant_mode != "fp8_per_tensor":
+        raise ValueError(
+            f"paged_attention: {name} is the static scale of fp8_per_tensor pages; "
+            f"this view holds {view.kv_quant_mode!r} pages."
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        raise TypeError(
+            f"paged_attention: {name} must be a Python float (a static scale), got "
+            f"{type(value).__name__}."
+        )
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(
+            f"paged_attention: {name} must be finite and > 0, got {value}."
+        )
+    return float(value)
 
 
 def _check_call(

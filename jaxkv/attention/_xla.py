@@ -29,6 +29,7 @@ from jaxkv.attention._rows import (
     visible,
 )
 from jaxkv.kv import Pools, gather_kv_pages
+from jaxkv.kv._quant import PER_TOKEN_HEAD, dequantize, scale_view
 from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
@@ -204,6 +205,12 @@ def xla_attention(
         n = pages.shape[0]
         k = k_pages.reshape(n, span, kv_heads, -1)
         v = v_pages.reshape(n, span, kv_heads, -1)
+        if view.kv_quant_mode in PER_TOKEN_HEAD:  # the pages' own scales
+            ks, vs = gather_kv_pages(pools, scale_view(view), pages)
+            k = dequantize(k, ks.reshape(n, span, kv_heads, 1))
+            v = dequantize(v, vs.reshape(n, span, kv_heads, 1))
+        elif view.kv_quant_mode == "fp8_per_tensor":
+            k, v = dequantize(k, call.k_scale), dequantize(v, call.v_scale)
         mask = visible(rows, meta, opts, j)  # (rows, tile, span)
         return online_softmax_step(
             carry, qg, k, v, mask, scale, logits_soft_cap, contraction

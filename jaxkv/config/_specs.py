@@ -105,6 +105,34 @@ class KVCacheSpec:
         raise NotImplementedError
 
 
+KV_QUANT_MODES = (
+    "none",
+    "fp8_per_tensor",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+)
+"""vLLM's KV quantization modes jaxkv stores (``KVQuantMode``'s names, lower
+case): 8-bit pages with a static scale per tensor, or with a float32 scale per
+token and head for K and for V computed when the token is written."""
+
+_QUANT_DTYPES = {
+    "fp8_per_tensor": ("float8_e4m3fn", "float8_e5m2"),
+    "int8_per_token_head": ("int8",),
+    "fp8_per_token_head": ("float8_e4m3fn", "float8_e5m2"),
+}
+# vLLM's other modes (packed 4-bit, NVFP4, TurboQuant, ...): named as such.
+_VLLM_ONLY_MODES = {
+    "INT4_PER_TOKEN_HEAD",
+    "NVFP4",
+    "TURBOQUANT_K8V4",
+    "TURBOQUANT_4BIT_NC",
+    "TURBOQUANT_K3V4_NC",
+    "TURBOQUANT_3BIT_NC",
+    "NVFP4_DS_MLA",
+    "ULTRAQUANT_4BIT",
+}
+
+
 @spec_dataclass
 class AttentionSpec(KVCacheSpec):
     """Paged K/V of an attention layer.
@@ -126,6 +154,13 @@ class AttentionSpec(KVCacheSpec):
     - ``state_content_bytes``: ``C`` when the content is packed (quantized
       values with their scales); a multiple of the dtype's size.
 
+    ``kv_quant_mode`` (:data:`KV_QUANT_MODES`, vLLM's ``KVQuantMode``):
+    ``"fp8_per_tensor"`` pages of ``float8_e4m3fn``/``float8_e5m2`` with a
+    static scale per tensor (half a bf16 page); ``"int8_per_token_head"`` /
+    ``"fp8_per_token_head"`` pages of ``int8`` / fp8 with a float32 scale per
+    token and head for K and V, computed as each token is written, kept at
+    the end of each page (8 bytes per head and token more: vLLM's page).
+
     Example:
       >>> import jaxkv
       >>> spec = jaxkv.FullAttentionSpec(
@@ -135,6 +170,9 @@ class AttentionSpec(KVCacheSpec):
       >>> jaxkv.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=68,
       ...     dtype="uint8", state_content_bytes=68, tokens_per_state=4).page_size_bytes
       1088
+      >>> jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+      ...     dtype="int8", kv_quant_mode="int8_per_token_head").page_size_bytes
+      33792
     """
 
     block_size: int
@@ -167,7 +205,7 @@ class AttentionSpec(KVCacheSpec):
                 f"{owner}.head_size_v must be positive (only MLA specs store no "
                 "values), got 0."
             )
-        reject_unsupported(owner, "kv_quant_mode", self.kv_quant_mode, "none")
+        self._check_quant_mode(owner)
         self._check_packing(owner)
         if self.page_size_padded is not None:
             check_positive_int(owner, "page_size_padded", self.page_size_padded)
@@ -176,6 +214,42 @@ class AttentionSpec(KVCacheSpec):
                     f"{owner}.page_size_padded={self.page_size_padded} is smaller "
                     f"than the unpadded page of {self.real_page_size_bytes} bytes."
                 )
+
+    def _check_quant_mode(self, owner: str) -> None:
+        """`kv_quant_mode` is one of vLLM's KV quantization modes jaxkv stores."""
+        mode = self.kv_quant_mode
+        if mode not in KV_QUANT_MODES:
+            if not isinstance(mode, str) or mode.upper() not in _VLLM_ONLY_MODES:
+                raise ValueError(
+                    f"{owner}.kv_quant_mode must be one of {KV_QUANT_MODES}, got "
+                    f"{mode!r}."
+                )
+            raise NotImplementedError(
+                f"{owner}.kv_quant_mode={mode!r} (vLLM's {mode.upper()}) is not "
+                f"implemented by jaxkv; it stores {KV_QUANT_MODES}."
+            )
+        want = _QUANT_DTYPES.get(mode)
+        if want is not None and np.dtype(self.dtype).name not in want:
+            raise ValueError(
+                f"{owner}.kv_quant_mode={mode!r} stores its pages as one of {want}, "
+                f"but dtype is {np.dtype(self.dtype).name}."
+            )
+        if mode.endswith("per_token_head") and self.state_content_bytes is not None:
+            raise ValueError(
+                f"{owner}.kv_quant_mode={mode!r} computes the page from the head "
+                "sizes and the scales; give no state_content_bytes."
+            )
+
+    @property
+    def quant_scale_bytes(self) -> int:
+        """Bytes of quantization scales per (head slot, state) of a page.
+
+        A pair of float32 scales (K's and V's) per token and head under the
+        per-token-head modes, 0 otherwise: vLLM's ``customize_spec`` of the
+        Triton and MLA backends counts the same 8 bytes (an MLA latent, with
+        no values, keeps the pair too).
+        """
+        return 8 if self.kv_quant_mode.endswith("per_token_head") else 0
 
     def _check_packing(self, owner: str) -> None:
         """Validates and normalises vLLM's packing fields."""
@@ -262,8 +336,13 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def real_page_size_bytes(self) -> int:
-        """``U = H * N * C`` (by default ``B * H * (D + Dv) * E``)."""
-        return self.num_heads * self.num_states * self.state_content_size_bytes
+        """``U = H * N * C`` (by default ``B * H * (D + Dv) * E``).
+
+        Per-token-head quantized pages add their scales:
+        ``U = H * N * (C + 8)`` (:attr:`quant_scale_bytes`), vLLM's page.
+        """
+        cell = self.state_content_size_bytes + self.quant_scale_bytes
+        return self.num_heads * self.num_states * cell
 
     @property
     def page_size_bytes(self) -> int:

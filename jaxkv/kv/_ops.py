@@ -16,7 +16,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Array, Float, Int, Shaped
 
 from jaxkv._util import checks_own_arguments
 from jaxkv.kv import _typed as typed
@@ -32,6 +32,7 @@ from jaxkv.kv._kernel_table import GPU_PLATFORMS, Kernel, KernelTable
 from jaxkv.kv._native_write import native_write, native_write_unfit
 from jaxkv.kv._page_layout import pallas_view_unfit
 from jaxkv.kv._pallas_write import gpu_write, tpu_write, tpu_write_unfit
+from jaxkv.kv._quant import quant_unfit, quantize, scale_view
 from jaxkv.kv._strided import (
     access_plan,
     from_bits,
@@ -135,6 +136,8 @@ def write_kv(
     *,
     layer: Int[ArrayLike, ""] | None = None,
     implementation: str | None = None,
+    k_scale: Float[ArrayLike, ""] | None = None,
+    v_scale: Float[ArrayLike, ""] | None = None,
 ) -> Pools:
     """Writes new K/V of a batch of tokens through `view`; the pools are donated.
 
@@ -175,7 +178,12 @@ def write_kv(
         platform and interpreted elsewhere; ``"native"``: jaxkv's C++
         XLA:CPU write (opt-in; compiled on first use). Every one writes the
         same bytes; one asked for by name that cannot take the view raises,
-        naming why.
+        naming why. Quantized pages (the spec's ``kv_quant_mode``) are
+        quantized by XLA's path (:mod:`jaxkv.kv._quant`).
+      k_scale: The static K scale of ``"fp8_per_tensor"`` pages (vLLM's
+        ``layer._k_scale``; default 1.0): ``k / k_scale`` is stored. Only
+        for those pages (per-token-head pages compute their own).
+      v_scale: The same for V.
 
     Returns:
       The new pools.
@@ -221,8 +229,32 @@ def write_kv(
             f"slot_mapping.shape={slots.shape}, expected (num_tokens,)="
             f"({key.shape[0]},)."
         )
+    if view.kv_quant_mode != "fp8_per_tensor" and (
+        k_scale is not None or v_scale is not None
+    ):
+        raise ValueError(
+            "write_kv: k_scale / v_scale are the static scales of fp8_per_tensor "
+            f"pages; this view holds {view.kv_quant_mode!r} pages."
+        )
     if slots.shape[0] == 0:
         return pools
+    if view.kv_quant_mode != "none":
+        if implementation not in (None, "xla"):
+            raise ValueError(
+                f"write_kv: implementation={implementation!r} cannot write this "
+                f"view: {quant_unfit(view)} (None picks it)."
+            )
+        key, key_scales = quantize(key, view, k_scale)
+        if value is not None:
+            value, value_scales = quantize(value, view, v_scale)
+        else:
+            value_scales = None
+        pools = _xla_write(pools, view, key, value, slots, layer)
+        if key_scales is None:
+            return pools
+        both = (key_scales, key_scales if value_scales is None else value_scales)
+        k_s, v_s = (x[..., None] for x in both)
+        return _xla_write(pools, scale_view(view), k_s, v_s, slots, None)
     picks = WRITE_KERNELS.pick(implementation, view, value)
     names = set(picks.values())
     fallback = WRITE_KERNELS.fallback.name

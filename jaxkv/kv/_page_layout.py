@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxkv.kv._quant import quant_unfit
 from jaxkv.plan import KVCacheView
 
 _KERNEL_DTYPES = (
@@ -41,6 +42,8 @@ def pallas_view_unfit(view: KVCacheView) -> str | None:
       >>> jaxkv.kv.pallas_view_unfit(typed.views["layers.0.self_attn"]) is None
       True
     """
+    if quant_unfit(view):
+        return quant_unfit(view)
     if not view.typed:
         return (
             "a word pool (storage='words'): the Pallas kernels read typed pools "

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from jaxkv.kv._quant import quant_unfit
 from jaxkv.plan import KVCacheView
 
 
@@ -23,6 +24,8 @@ def raw_unfit(view: KVCacheView) -> str | None:
       >>> jaxkv.kv.raw_unfit(plan.views["layers.0.self_attn"]) is None
       True
     """
+    if quant_unfit(view):
+        return quant_unfit(view)
     if view.owned is not None or view.kv_packing:
         return "a kernel view of a packed pool or a head-packing backend"
     if not {"block", "token", "head", "dim"} <= set(view.axes):

@@ -103,6 +103,14 @@ def _layer_view(
         k, spec.num_kv_heads, spec.head_size, cache_dtype
     )
     dense_kv_first = block_dim != 0 and not page_aligned and not tensor.is_packed
+    if spec.quant_scale_bytes and (dense_kv_first or r > 1):
+        raise ValueError(
+            f"Layer {name!r}: {spec.kv_quant_mode} pages keep their scales at the "
+            "end of each page, which a "
+            f"{'K/V-first' if dense_kv_first else 'kernel-split'} view cannot "
+            "address; use a blocks-first layout with kernel blocks of the whole "
+            "block."
+        )
     if dense_kv_first or r > 1:
         if page != unpadded or tensor.is_packed:
             raise ValueError(
@@ -123,6 +131,7 @@ def _layer_view(
         head_size_v=head_size_v if head_size_v else spec.head_size,
         dtype=np.dtype(spec.dtype),
         cache_dtype=cache_dtype,
+        kv_quant_mode=spec.kv_quant_mode,
         block_stride=None if dense_kv_first else block_stride // r,
         offset=offset,
     )

@@ -66,6 +66,9 @@ class KVCacheView:
         view, a metadata record of another group (its block tables and slots
         address other pages); ``()``: unbound, nothing to check. Not part of
         equality or the hash: views of the same bytes stay equal.
+      kv_quant_mode: The spec's ``kv_quant_mode`` (``"none"``: the pages hold
+        the values). Quantized pages are written and read by XLA's path,
+        which quantizes and dequantizes (:mod:`jaxkv.kv._quant`).
 
     Example:
       >>> import jaxkv
@@ -90,6 +93,7 @@ class KVCacheView:
     windowed: bool = False
     stacked: bool = False
     groups: tuple[int, ...] = dataclasses.field(default=(), compare=False)
+    kv_quant_mode: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(jax.numpy.dtype(self.dtype)))
@@ -282,6 +286,7 @@ def attention_view(
     dtype: np.dtype,
     cache_dtype: str,
     block_stride: int | None,
+    kv_quant_mode: str = "none",
     offset: int = 0,
 ) -> KVCacheView:
     """A view of one attention layer.
@@ -343,6 +348,7 @@ def attention_view(
         axes=axes,
         head_size=head_size,
         kv_packing=packing,
+        kv_quant_mode=kv_quant_mode,
     )
 
 
