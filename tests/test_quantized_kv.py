@@ -30,21 +30,34 @@ def _full(**kw):
         (_full(dtype="float8_e4m3fn", kv_quant_mode="fp8_per_token_head"), 33792),
         # head_size_v != head_size: (192 + 128) * 1 + 8 per head and token
         (
-            _full(head_size=192, head_size_v=128, dtype="int8",
-                  kv_quant_mode="int8_per_token_head"),
+            _full(
+                head_size=192,
+                head_size_v=128,
+                dtype="int8",
+                kv_quant_mode="int8_per_token_head",
+            ),
             16 * 8 * 328,
         ),
         # MLA (DeepSeek's 576-wide latent, no values): 576 * 1 + 8, one slot
         (
-            jaxkv.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
-                                   dtype="float8_e4m3fn",
-                                   kv_quant_mode="fp8_per_token_head"),
+            jaxkv.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                head_size=576,
+                dtype="float8_e4m3fn",
+                kv_quant_mode="fp8_per_token_head",
+            ),
             64 * 584,
         ),
         (
-            jaxkv.SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                    dtype="int8", sliding_window=128,
-                                    kv_quant_mode="int8_per_token_head"),
+            jaxkv.SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=8,
+                head_size=128,
+                dtype="int8",
+                sliding_window=128,
+                kv_quant_mode="int8_per_token_head",
+            ),
             33792,
         ),
     ],
@@ -146,3 +159,31 @@ def test_scales_are_only_for_the_pages_that_take_them():
             jnp.zeros((1,), jnp.int32),
             k_scale=0.5,
         )
+
+
+def test_quantized_blocks_are_never_moved_through_a_requantizing_write():
+    # Gathered 8-bit values carry no per-token-head scales: writing them
+    # again is refused (a block copy, a host tier or a transfer would lose
+    # the scales); the host tier refuses such a plan up front.
+    built = build(QUANT_CASES[0])
+    k, v = jaxkv.gather_kv_pages(built.pools, built.view, jnp.array([[1]]))
+    k, v = (x.reshape(-1, *x.shape[3:]) for x in (k, v))
+    slots = jnp.arange(k.shape[0], dtype=jnp.int32)
+    with pytest.raises(ValueError, match="carry no scales"):
+        jaxkv.write_kv(built.pools, built.view, k, v, slots)
+    spec = jaxkv.FullAttentionSpec(
+        block_size=8,
+        num_kv_heads=2,
+        head_size=16,
+        dtype="int8",
+        kv_quant_mode="int8_per_token_head",
+    )
+    backend = jaxkv.AttentionBackend(
+        name="q", layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name="a", spec=spec, backend=backend)]
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=8)
+    with pytest.raises(NotImplementedError, match="per-token-head"):
+        jaxkv.sched.HostKVCache(plan, num_blocks=4)

@@ -28,8 +28,7 @@ from jaxkv.attention._rows import (
     value_dim,
     visible,
 )
-from jaxkv.kv import Pools, gather_kv_pages
-from jaxkv.kv._quant import PER_TOKEN_HEAD, dequantize, scale_view
+from jaxkv.kv import PER_TOKEN_HEAD, Pools, dequantize, gather_kv_pages, scale_view
 from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 

@@ -7,7 +7,8 @@ typed pools; ``_pallas_write`` and ``_native_write`` the kernels, with
 ``_kernel_handoff`` a layer's cache as a kernel's array, ``_kernel_table``
 the table each operation picks its kernel from per platform, ``_checks`` the
 host-side id and pool checks they share, ``_write_log`` the record of the
-writes a traced function makes (ServingLoop's check of `forward`).
+writes a traced function makes (ServingLoop's check of `forward`), ``_quant``
+quantized pages (8-bit values and their scales).
 """
 
 from jaxkv.kv._checks import (
@@ -37,6 +38,13 @@ from jaxkv.kv._page_layout import (
     pallas_view_unfit,
 )
 from jaxkv.kv._pallas_write import mosaic_dtype_unfit
+from jaxkv.kv._quant import (
+    PER_TOKEN_HEAD,
+    dequantize,
+    quant_unfit,
+    quantize,
+    scale_view,
+)
 from jaxkv.kv._raw_address import (
     raw_address,
     raw_unfit,
@@ -53,6 +61,7 @@ __all__ = [
     "GPU_PLATFORMS",
     "Kernel",
     "KernelTable",
+    "PER_TOKEN_HEAD",
     "PageLayout",
     "Pools",
     "WRITE_KERNELS",
@@ -63,6 +72,7 @@ __all__ = [
     "check_pools_alive",
     "copy_blocks",
     "copy_kv_cache_blocks",
+    "dequantize",
     "gather_kv_pages",
     "kernel_cache",
     "layer_index",
@@ -70,11 +80,14 @@ __all__ = [
     "page_layout",
     "pallas_view_unfit",
     "put_kernel_cache",
+    "quant_unfit",
+    "quantize",
     "raw_address",
     "raw_unfit",
     "read_mamba_state",
     "read_view",
     "recording_writes",
+    "scale_view",
     "validate_block_ids",
     "validate_slot_mapping",
     "write_kv",

@@ -244,6 +244,7 @@ def write_kv(
                 f"write_kv: implementation={implementation!r} cannot write this "
                 f"view: {quant_unfit(view)} (None picks it)."
             )
+        _check_quant_input(view, key, value, k_scale, v_scale)
         key, key_scales = quantize(key, view, k_scale)
         if value is not None:
             value, value_scales = quantize(value, view, v_scale)
@@ -272,6 +273,29 @@ def write_kv(
             **{p: _write_branch(name, p, view) for p, name in picks.items()},
         )
     return _replace(pools, view.pool, new)
+
+
+def _check_quant_input(
+    view: KVCacheView, key: jax.Array, value: jax.Array | None, *scales: object
+) -> None:
+    """Quantized pages take real values; already-8-bit ones only as raw fp8 copies.
+
+    K/V already in the pages' dtype (gathered from another cache: a block
+    copy, a host tier, a transfer) would be quantized again, and their
+    per-token-head scales are not in them: refused. fp8_per_tensor pages
+    take them as they are when no scale is given (their bytes, copied).
+    """
+    raw = key.dtype == view.dtype or (value is not None and value.dtype == view.dtype)
+    if not raw:
+        return
+    if view.kv_quant_mode == "fp8_per_tensor" and all(s is None for s in scales):
+        return
+    raise ValueError(
+        f"write_kv: key/value are already {view.dtype.name} ({view.kv_quant_mode} "
+        "pages quantize real-valued K/V as they are written): quantized values "
+        "carry no scales. Moving quantized blocks between caches (host tier, "
+        "transfer, resize) is not supported yet."
+    )
 
 
 def _write_branch(name: str, platform: str, view: KVCacheView) -> Any:

@@ -26,10 +26,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxkv.plan import KVCacheView
 
 PER_TOKEN_HEAD = ("int8_per_token_head", "fp8_per_token_head")
+"""The quantization modes whose pages keep a scale per token and head."""
 
 
 def quant_unfit(view: KVCacheView) -> str | None:
@@ -61,8 +63,10 @@ def scale_view(view: KVCacheView) -> KVCacheView:
       >>> from jaxkv.kv._quant import scale_view
       >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=8,
       ...     head_size=128, dtype="int8", kv_quant_mode="int8_per_token_head")
+      >>> backend = jaxkv.AttentionBackend(name="b",
+      ...     layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED)
       >>> cfg = jaxkv.RunnerConfig(layers=(jaxkv.LayerConfig(name="attn",
-      ...     spec=spec, backend=jaxkv.AttentionBackend(name="b")),))
+      ...     spec=spec, backend=backend),))
       >>> view = jaxkv.make_plan(cfg, num_blocks=4).views["attn"]
       >>> s = scale_view(view)
       >>> s.shape, s.strides, s.offset - view.offset  # after 16*8*256 data bytes
@@ -111,7 +115,7 @@ def scale_view(view: KVCacheView) -> KVCacheView:
 
 
 def quantize(
-    x: jax.Array, view: KVCacheView, scale: jax.Array | float | None
+    x: jax.Array, view: KVCacheView, scale: ArrayLike | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """`x` ``(tokens, heads, dim)`` as `view`'s 8-bit values, and its scales.
 

@@ -301,6 +301,7 @@ def attention_view(
       head_size_v: ``Dv``.
       dtype: Element dtype.
       cache_dtype: Cache dtype name given to the shape rule.
+      kv_quant_mode: The spec's quantization mode, carried by the view.
       block_stride: Bytes between blocks with the block axis made physically
         outermost (V1 and page-aligned V3); ``None`` for the dense K/V-first
         form (V2), where the whole layer is one dense array.

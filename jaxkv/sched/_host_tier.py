@@ -323,6 +323,17 @@ class HostKVCache:
     ) -> None:
         """Checks the plan and the memory kind; the host tier starts empty."""
         self.plan = plan
+        quantized = sorted(
+            name
+            for name, view in plan.views.items()
+            if getattr(view, "kv_quant_mode", "none")
+            in ("int8_per_token_head", "fp8_per_token_head")
+        )
+        if quantized:
+            raise NotImplementedError(
+                f"HostKVCache: layers {quantized[:3]} hold per-token-head quantized "
+                "pages, whose scales the host tier does not copy yet."
+            )
         self.num_blocks = check_positive_int("HostKVCache", "num_blocks", num_blocks)
         self.sharded, self.rank = sharded, rank
         if sharded is not None:
