@@ -27,6 +27,7 @@ def tiny_hybrid_config(
     dtype: str = "float32",
     kv_sharing_fast_prefill: bool = True,
     attention_backend: str | AttentionBackend = "JAX_PAGED",
+    kv_quant_mode: str = "none",
     **runner_kwargs: object,
 ) -> RunnerConfig:
     """The built-in small hybrid model: attention, sliding window, Mamba and YOCO.
@@ -35,6 +36,9 @@ def tiny_hybrid_config(
     ``4`` sliding window, ``5`` Mamba, then ``6`` and ``7`` reading the caches of
     ``3`` and ``4`` (the YOCO cross-decoder, eligible for fast prefill). The
     Mamba page is padded to the attention page so all three share pools.
+    `kv_quant_mode` (:data:`jaxkv.config.KV_QUANT_MODES`) gives the attention
+    layers 8-bit pages (``int8`` for int8 per token and head, else
+    ``float8_e4m3fn``); the Mamba states keep `dtype`.
 
     Example:
       >>> import jaxkv
@@ -45,18 +49,23 @@ def tiny_hybrid_config(
       16384
     """
     attn = get_backend(attention_backend)
+    kv_dtype = {"none": dtype, "int8_per_token_head": "int8"}.get(
+        kv_quant_mode, "float8_e4m3fn"
+    )
     full = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        dtype=dtype,
+        dtype=kv_dtype,
+        kv_quant_mode=kv_quant_mode,
     )
     swa = SlidingWindowSpec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        dtype=dtype,
+        dtype=kv_dtype,
         sliding_window=sliding_window,
+        kv_quant_mode=kv_quant_mode,
     )
     hidden = num_heads * head_size
     mamba = MambaSpec(

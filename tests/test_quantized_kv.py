@@ -187,3 +187,16 @@ def test_quantized_blocks_are_never_moved_through_a_requantizing_write():
     plan = jaxkv.make_plan(cfg, num_blocks=8)
     with pytest.raises(NotImplementedError, match="per-token-head"):
         jaxkv.sched.HostKVCache(plan, num_blocks=4)
+
+
+def test_the_demo_serves_the_hybrid_model_from_an_int8_cache(capsys):
+    # Full, sliding-window and YOCO layers on int8 pages with per-token-head
+    # scales (Mamba states stay float32), through the Engine's ServingLoop.
+    from jaxkv.demo._cli import main
+
+    argv = "--kv-cache-dtype int8_per_token_head --num-requests 2 --max-new-tokens 6"
+    assert main(argv.split()) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    agree, total = map(int, line.split(": ")[1].split()[0].split("/"))
+    assert total == 12
+    assert agree >= 9, line

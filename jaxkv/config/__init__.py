@@ -46,6 +46,7 @@ from jaxkv.config._mamba_spec import (
     MambaSpec,
 )
 from jaxkv.config._specs import (
+    KV_QUANT_MODES,
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -71,6 +72,7 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheSpec",
     "KVCacheTensor",
+    "KV_QUANT_MODES",
     "LayerConfig",
     "MLAAttentionSpec",
     "MambaSpec",
