@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
             "--layers 2 --tokens 32 --quick --memory-gib 0.5 --grow-from 16".split(),
         ),
         ("kernel_report", ["--quick"]),
+        ("bench_quant", "--batch 2 --context 32 --iters 1 --no-model".split()),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
         (
             "bench_offload",
@@ -141,6 +142,13 @@ def _layer_scan(r):
     assert r["scan_equals_unrolled"]
 
 
+def _quant(r):
+    rows = {row["mode"]: row for row in r["rows"]}
+    assert rows["int8_per_token_head"]["blocks_vs_bf16"] == pytest.approx(1.939, 1e-3)
+    assert rows["fp8_per_tensor"]["blocks_vs_bf16"] == 2
+    assert rows["int8_per_token_head"]["max_abs_err"] < 0.05
+
+
 def _sizing(r):
     (row,) = r["rows"]
     assert row["compiles"] >= 3
@@ -223,6 +231,7 @@ FIGURES = {
     "bench_step_loop": _step_loop,
     "bench_layer_scan": _layer_scan,
     "bench_sizing": _sizing,
+    "bench_quant": _quant,
     "kernel_report": _kernel_report,
     "bench_serve": _serve,
     "bench_sched": _sched,

@@ -189,6 +189,7 @@ def test_quantized_blocks_are_never_moved_through_a_requantizing_write():
         jaxkv.sched.HostKVCache(plan, num_blocks=4)
 
 
+@pytest.mark.slow
 def test_the_demo_serves_the_hybrid_model_from_an_int8_cache(capsys):
     # Full, sliding-window and YOCO layers on int8 pages with per-token-head
     # scales (Mamba states stay float32), through the Engine's ServingLoop.
