@@ -75,4 +75,4 @@ def test_a_failing_sink_loses_no_event_and_the_reset_and_shrink_are_told():
 
 def test_a_sink_that_is_not_callable_is_named():
     with pytest.raises(TypeError, match="kv_event_sink must be callable"):
-        jaxkv.SchedulingOptions(kv_event_sink="tcp://router:5557")
+        jaxkv.SchedulingOptions(kv_event_sink="tcp://router:5557")  # pyright: ignore[reportArgumentType]

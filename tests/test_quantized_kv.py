@@ -201,3 +201,38 @@ def test_the_demo_serves_the_hybrid_model_from_an_int8_cache(capsys):
     agree, total = map(int, line.split(": ")[1].split()[0].split("/"))
     assert total == 12
     assert agree >= 9, line
+
+
+def test_a_block_copy_moves_the_pages_scales_with_them():
+    from tests.attention_cases import stored
+
+    case = QUANT_CASES[0]
+    built = build(case)
+    plan_view = built.view
+    # The plan of the case's view: rebuild it as build() does.
+    spec = jaxkv.FullAttentionSpec(
+        block_size=case.block,
+        num_kv_heads=case.kv_heads,
+        head_size=case.head,
+        dtype="int8",
+        kv_quant_mode=case.quant,
+    )
+    backend = jaxkv.AttentionBackend(
+        name="q", layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in "ab"]
+    )
+    plan = jaxkv.make_plan(cfg, num_blocks=24, storage="words")
+    assert plan.views["a"] == plan_view
+    src = int(np.asarray(built.meta.block_table_tensor)[0, 0])
+    free = sorted(
+        set(range(1, 24))
+        - set(np.asarray(built.meta.block_table_tensor).ravel().tolist())
+    )
+    pools = jaxkv.copy_blocks(built.pools, plan, [src], [free[0]])
+    k, _ = stored(pools, plan_view, case)
+    kb = plan_view.block_size
+    np.testing.assert_array_equal(
+        k[free[0] * kb : (free[0] + 1) * kb], k[src * kb : (src + 1) * kb]
+    )

@@ -70,7 +70,7 @@ def _serve(loop, grow_to=None):
         loop.submit(r)
     loop.step()
     loop.step()
-    compiles = None
+    warming: list[str] = []
     if grow_to is not None:
         plan = jaxkv.make_plan(CFG, num_blocks=grow_to)
         loop.resize(plan, forward=_forward_for(plan))
@@ -80,8 +80,7 @@ def _serve(loop, grow_to=None):
         while loop.has_unfinished:
             loop.step()
         last = loop.run(_wave("c"))
-    if grow_to is not None:
-        compiles = (_backend_compiles(warming), _backend_compiles(serving))
+    compiles = (_backend_compiles(warming), _backend_compiles(serving))
     return {r.req_id: r.output for r in first + grown + last}, compiles
 
 

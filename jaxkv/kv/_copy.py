@@ -26,8 +26,9 @@ from jaxkv.kv._checks import (
     check_pools_alive,
 )
 from jaxkv.kv._ops import _plan
+from jaxkv.kv._quant import PER_TOKEN_HEAD, scale_view
 from jaxkv.kv._strided import gather_items, scatter_items
-from jaxkv.plan import KVCachePlan, LayerView, MambaView
+from jaxkv.plan import KVCachePlan, KVCacheView, LayerView, MambaView
 
 
 @checks_own_arguments  # named errors for the ids, before anything changes
@@ -229,6 +230,19 @@ def _checked_pairs(
     return src_ids, dst_ids
 
 
+def _copied(view: LayerView) -> tuple[KVCacheView, ...]:
+    """The views whose bytes a block of `view`'s layer holds.
+
+    A Mamba layer's states; an attention layer's K/V, and the per-token-head
+    scales at the end of quantized pages (a block moves with its scales).
+    """
+    if isinstance(view, MambaView):
+        return tuple(view.states)
+    if view.kv_quant_mode in PER_TOKEN_HEAD:
+        return (view, scale_view(view))
+    return (view,)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy(
     pools: Pools,
@@ -238,7 +252,7 @@ def _copy(
 ) -> Pools:
     out = list(pools)
     for view, src, dst in zip(views, srcs, dsts, strict=True):
-        for v in view.states if isinstance(view, MambaView) else (view,):
+        for v in _copied(view):
             _check_dtype_supported(v)
             s = src if v.owned is None else jnp.where(v.owns(src), src, -1)
             d = dst if v.owned is None else jnp.where(v.owns(dst), dst, -1)
