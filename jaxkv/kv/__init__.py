@@ -43,6 +43,7 @@ from jaxkv.kv._quant import (
     dequantize,
     quant_unfit,
     quantize,
+    raw_views,
     scale_view,
 )
 from jaxkv.kv._raw_address import (
@@ -84,6 +85,7 @@ __all__ = [
     "quantize",
     "raw_address",
     "raw_unfit",
+    "raw_views",
     "read_mamba_state",
     "read_view",
     "recording_writes",

@@ -26,7 +26,7 @@ from jaxkv.kv._checks import (
     check_pools_alive,
 )
 from jaxkv.kv._ops import _plan
-from jaxkv.kv._quant import PER_TOKEN_HEAD, scale_view
+from jaxkv.kv._quant import raw_views
 from jaxkv.kv._strided import gather_items, scatter_items
 from jaxkv.plan import KVCachePlan, KVCacheView, LayerView, MambaView
 
@@ -238,9 +238,7 @@ def _copied(view: LayerView) -> tuple[KVCacheView, ...]:
     """
     if isinstance(view, MambaView):
         return tuple(view.states)
-    if view.kv_quant_mode in PER_TOKEN_HEAD:
-        return (view, scale_view(view))
-    return (view,)
+    return raw_views(view)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -280,9 +280,9 @@ def _check_quant_input(
 ) -> None:
     """Quantized pages take real values; already-8-bit ones only as raw fp8 copies.
 
-    K/V already in the pages' dtype (gathered from another cache: a block
-    copy, a host tier, a transfer) would be quantized again, and their
-    per-token-head scales are not in them: refused. fp8_per_tensor pages
+    K/V already in the pages' dtype (gathered from another cache: a
+    transfer) would be quantized again, and their per-token-head scales are
+    not in them: refused. fp8_per_tensor pages
     take them as they are when no scale is given (their bytes, copied).
     """
     raw = key.dtype == view.dtype or (value is not None and value.dtype == view.dtype)
@@ -293,8 +293,9 @@ def _check_quant_input(
     raise ValueError(
         f"write_kv: key/value are already {view.dtype.name} ({view.kv_quant_mode} "
         "pages quantize real-valued K/V as they are written): quantized values "
-        "carry no scales. Moving quantized blocks between caches (host tier, "
-        "transfer, resize) is not supported yet."
+        "carry no scales. Move quantized blocks through jaxkv.kv.raw_views "
+        "(copy_blocks, the host tier and ServingLoop.resize do); transfers "
+        "between plans do not yet."
     )
 
 

@@ -21,6 +21,7 @@ Only XLA's path writes and reads quantized pages for now: it quantizes in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -147,3 +148,32 @@ def dequantize(pages: jax.Array, scales: jax.Array | float | None) -> jax.Array:
     """
     s = jnp.asarray(1.0 if scales is None else scales, jnp.float32)
     return pages.astype(jnp.float32) * s
+
+
+def raw_views(view: KVCacheView) -> tuple[KVCacheView, ...]:
+    """The views a block of `view`'s pages is moved through, bytes as stored.
+
+    A quantized view as a plain view of its 8-bit values (read and written
+    as they are, not quantized again) and, per token and head, its scales
+    (:func:`scale_view`); any other view as it is. Block copies, the host
+    tier and ``ServingLoop.resize`` move blocks through these.
+
+    Example:
+      >>> import jaxkv
+      >>> from jaxkv.kv._quant import raw_views
+      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=2,
+      ...     head_size=64, dtype="int8", kv_quant_mode="int8_per_token_head")
+      >>> backend = jaxkv.AttentionBackend(name="b",
+      ...     layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED)
+      >>> cfg = jaxkv.RunnerConfig(layers=(jaxkv.LayerConfig(name="attn",
+      ...     spec=spec, backend=backend),))
+      >>> data, scales = raw_views(jaxkv.make_plan(cfg, num_blocks=4).views["attn"])
+      >>> data.kv_quant_mode, data.dtype.name, scales.dtype.name
+      ('none', 'int8', 'float32')
+    """
+    if view.kv_quant_mode == "none":
+        return (view,)
+    plain = dataclasses.replace(view, kv_quant_mode="none")
+    if view.kv_quant_mode in PER_TOKEN_HEAD:
+        return (plain, scale_view(view))
+    return (plain,)

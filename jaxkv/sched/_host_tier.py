@@ -45,6 +45,7 @@ from jaxkv.kv import (
     Pools,
     check_pools_alive,
     gather_kv_pages,
+    raw_views,
     read_mamba_state,
     write_kv,
     write_mamba_state,
@@ -82,7 +83,11 @@ class _Move:
 def _group_layers(
     plan: KVCachePlan, group: int
 ) -> list[tuple[str, KVCacheView | MambaView, AttentionGroup]]:
-    """The layers of KV-cache group `group` owning their view, in plan order."""
+    """The layers of KV-cache group `group` owning their view, in plan order.
+
+    A quantized layer's view comes as the views its bytes are moved through
+    (:func:`jaxkv.kv.raw_views`: its 8-bit values as stored, and its scales).
+    """
     seen: set[int] = set()
     out = []
     for attn_group in plan.attn_groups[group]:
@@ -90,7 +95,10 @@ def _group_layers(
             view = plan.views[name]
             if id(view) not in seen:
                 seen.add(id(view))
-                out.append((name, view, attn_group))
+                if isinstance(view, KVCacheView):
+                    out += [(name, v, attn_group) for v in raw_views(view)]
+                else:
+                    out.append((name, view, attn_group))
     return out
 
 
@@ -323,17 +331,6 @@ class HostKVCache:
     ) -> None:
         """Checks the plan and the memory kind; the host tier starts empty."""
         self.plan = plan
-        quantized = sorted(
-            name
-            for name, view in plan.views.items()
-            if getattr(view, "kv_quant_mode", "none")
-            in ("int8_per_token_head", "fp8_per_token_head")
-        )
-        if quantized:
-            raise NotImplementedError(
-                f"HostKVCache: layers {quantized[:3]} hold per-token-head quantized "
-                "pages, whose scales the host tier does not copy yet."
-            )
         self.num_blocks = check_positive_int("HostKVCache", "num_blocks", num_blocks)
         self.sharded, self.rank = sharded, rank
         if sharded is not None:

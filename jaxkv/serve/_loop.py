@@ -312,13 +312,6 @@ class ServingLoop:
                 "jaxkv.serve.size_loop_kv_cache)."
             )
         check_same_model(self.plan, plan)
-        if any(
-            getattr(v, "kv_quant_mode", "none") != "none" for v in plan.views.values()
-        ):
-            raise NotImplementedError(
-                "ServingLoop.resize: quantized pages are not moved yet (their "
-                "blocks are copied through write_kv, which quantizes)."
-            )
         if forward is not None:
             check_loop_arguments(plan, forward, self.sampling, None)
         builder = StepMetadataBuilder(

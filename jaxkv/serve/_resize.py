@@ -20,6 +20,7 @@ from jaxkv.groups import AttentionGroup
 from jaxkv.kv import (
     Pools,
     gather_kv_pages,
+    raw_views,
     read_mamba_state,
     write_kv,
     write_mamba_state,
@@ -41,7 +42,10 @@ def _owners(
             view = plan.views[name]
             if id(view) not in seen:
                 seen.add(id(view))
-                out.append((view, attn_group))
+                if isinstance(view, KVCacheView):  # quantized: values and scales
+                    out += [(v, attn_group) for v in raw_views(view)]
+                else:
+                    out.append((view, attn_group))
     return out
 
 
