@@ -134,6 +134,7 @@ def run(args: Any) -> dict[str, Any]:
             "max_abs_err": float(err.max()),
             "mean_abs_err": float(err.mean()),
         }
+        row["greedy_tokens_as_float"] = "-"
         if mode != "none" and not args.no_model:
             agree, total = _greedy(mode)
             row["greedy_tokens_as_float"] = f"{agree}/{total}"

@@ -163,9 +163,9 @@ def test_scales_are_only_for_the_pages_that_take_them():
 
 def test_quantized_blocks_are_never_moved_through_a_requantizing_write():
     # Gathered 8-bit values carry no per-token-head scales: writing them
-    # again through the quantized view is refused (a transfer between plans
-    # would lose the scales); block copies, the host tier and a resize move
-    # them through jaxkv.kv.raw_views instead (tests below).
+    # again through the quantized view is refused; block copies, the host
+    # tier and a resize move them through jaxkv.kv.raw_views, transfers as
+    # dequantized values (tests below).
     built = build(QUANT_CASES[0])
     k, v = jaxkv.gather_kv_pages(built.pools, built.view, jnp.array([[1]]))
     k, v = (x.reshape(-1, *x.shape[3:]) for x in (k, v))
@@ -278,3 +278,28 @@ def test_a_loop_of_int8_pages_grows_to_the_tokens_of_one_started_large():
     small.resize(big, forward=_forward_for(big))
     small.run([])
     assert {r.req_id: r.output for r in requests} == want
+
+
+def test_a_transfer_carries_quantized_pages_as_values_requantized_on_import():
+    from tests.test_resize import CFG
+
+    cfg = _quantized(CFG)
+    src, dst = (jaxkv.make_plan(cfg, num_blocks=n) for n in (16, 32))
+    name = cfg.layers[1].name  # the global layer
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((20, 2, 16)), jnp.float32)
+    # The global layer's group (1) on blocks 3, 5, 7; the window's on 2, 4, 6.
+    blocks = [3, 5, 7]
+    slots = jnp.asarray([blocks[t // 8] * 8 + t % 8 for t in range(20)], jnp.int32)
+    pools = jaxkv.write_kv(src.allocate(), src.attention_layer(name), k, -k, slots)
+    assert src.group_of(name) == 1
+    table = [[2, 4, 6], blocks]
+    kv = jaxkv.transfer.export_request(src, pools, block_ids=table, num_tokens=20)
+    assert kv.attention[name].keys.dtype == jnp.float32
+    np.testing.assert_allclose(kv.attention[name].keys, k, atol=0.02)
+    ids = [[8, 10, 12], [9, 11, 13]]
+    moved = jaxkv.transfer.import_request(dst, dst.allocate(), kv, block_ids=ids)
+    again = jaxkv.transfer.export_request(dst, moved, block_ids=ids, num_tokens=20)
+    np.testing.assert_allclose(
+        again.attention[name].keys, kv.attention[name].keys, rtol=1e-5, atol=1e-6
+    )

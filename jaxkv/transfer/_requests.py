@@ -30,9 +30,12 @@ import numpy as np
 from jaxkv._util import cdiv, is_int
 from jaxkv.groups import AttentionGroup
 from jaxkv.kv import (
+    PER_TOKEN_HEAD,
     Pools,
+    dequantize,
     gather_kv_pages,
     read_mamba_state,
+    scale_view,
     write_kv,
     write_mamba_state,
 )
@@ -249,7 +252,10 @@ def export_request(
       num_tokens: Tokens computed.
 
     Returns:
-      The request's :class:`RequestKV`.
+      The request's :class:`RequestKV`: K/V as the pages store them, but
+      per-token-head quantized pages dequantized to float32 (the importing
+      plan quantizes them again as it writes; fp8 per-tensor pages travel as
+      their fp8 bytes).
 
     Raises:
       ValueError: Naming the group or layer: a table of the wrong count or too
@@ -282,6 +288,9 @@ def export_request(
             raise TypeError(f"export_request: layer {name!r} has no attention view.")
         table = _kernel_table(group, ids)
         k_pages, v_pages = gather_kv_pages(pools, view, jnp.asarray(table))
+        if view.kv_quant_mode in PER_TOKEN_HEAD:  # values, not scale-less bytes
+            k_s, v_s = gather_kv_pages(pools, scale_view(view), jnp.asarray(table))
+            k_pages, v_pages = dequantize(k_pages, k_s), dequantize(v_pages, v_s)
         present = ids[np.arange(n) // bs] != 0
         keep = jnp.asarray(present)
         flat = k_pages.reshape(-1, *k_pages.shape[3:])[:n]
@@ -356,6 +365,11 @@ def _checked_layer(
         lambda p, v=view: gather_kv_pages(p, v, jnp.zeros((1, 1), jnp.int32)),
         pools,
     )
+    if view.kv_quant_mode in PER_TOKEN_HEAD:  # exported dequantized, requantized
+        want_k, want_v = (
+            None if w is None else jax.ShapeDtypeStruct(w.shape, jnp.float32)
+            for w in (want_k, want_v)
+        )
     _check_layer(name, want_k, layer.keys, "keys")
     _check_layer(name, want_v, layer.values, "values")
     return view
