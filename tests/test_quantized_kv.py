@@ -181,20 +181,7 @@ def test_a_block_copy_moves_the_pages_scales_with_them():
     built = build(case)
     plan_view = built.view
     # The plan of the case's view: rebuild it as build() does.
-    spec = jaxkv.FullAttentionSpec(
-        block_size=case.block,
-        num_kv_heads=case.kv_heads,
-        head_size=case.head,
-        dtype="int8",
-        kv_quant_mode=case.quant,
-    )
-    backend = jaxkv.AttentionBackend(
-        name="q", layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED
-    )
-    cfg = jaxkv.RunnerConfig(
-        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in "ab"]
-    )
-    plan = jaxkv.make_plan(cfg, num_blocks=24, storage="words")
+    plan = _case_plan(case)
     assert plan.views["a"] == plan_view
     src = int(np.asarray(built.meta.block_table_tensor)[0, 0])
     free = sorted(
@@ -207,6 +194,26 @@ def test_a_block_copy_moves_the_pages_scales_with_them():
     np.testing.assert_array_equal(
         k[free[0] * kb : (free[0] + 1) * kb], k[src * kb : (src + 1) * kb]
     )
+
+
+def _case_plan(case):
+    """The plan `build(case)` makes for a quantized case (its layers a and b)."""
+    spec = jaxkv.FullAttentionSpec(
+        block_size=case.block,
+        num_kv_heads=case.kv_heads,
+        head_size=case.head,
+        dtype="int8",
+        kv_quant_mode=case.quant,
+    )
+    backend = jaxkv.AttentionBackend(
+        name=f"cases_{case.layout}_{case.kernel_block}",
+        layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED,
+        supported_kernel_block_sizes=(jaxkv.vllm.MultipleOf(1),),
+    )
+    cfg = jaxkv.RunnerConfig(
+        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in "ab"]
+    )
+    return jaxkv.make_plan(cfg, num_blocks=24, storage="words")
 
 
 def _quantized(cfg):
@@ -228,20 +235,7 @@ def test_the_host_tier_moves_quantized_blocks_with_their_scales():
     built = build(case)
     table = np.asarray(built.meta.block_table_tensor)
     src = int(table[0, 0])
-    spec = jaxkv.FullAttentionSpec(
-        block_size=case.block,
-        num_kv_heads=case.kv_heads,
-        head_size=case.head,
-        dtype="int8",
-        kv_quant_mode=case.quant,
-    )
-    backend = jaxkv.AttentionBackend(
-        name="q", layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED
-    )
-    cfg = jaxkv.RunnerConfig(
-        layers=[jaxkv.LayerConfig(name=n, spec=spec, backend=backend) for n in "ab"]
-    )
-    plan = jaxkv.make_plan(cfg, num_blocks=24, storage="words")
+    plan = _case_plan(case)
     host = jaxkv.sched.HostKVCache(plan, num_blocks=2)
     host.record_offload(group=0, block=src, key=(0, b"prefix"))
     pools = host.flush(built.pools)

@@ -21,7 +21,7 @@ from jaxkv.kv._checks import (
     validate_block_ids,
     validate_slot_mapping,
 )
-from jaxkv.kv._copy import copy_blocks, copy_kv_cache_blocks
+from jaxkv.kv._copy import block_views, copy_blocks, copy_kv_cache_blocks
 from jaxkv.kv._kernel_handoff import (
     kernel_cache,
     put_kernel_cache,
@@ -68,6 +68,7 @@ __all__ = [
     "WRITE_KERNELS",
     "Write",
     "any_deleted",
+    "block_views",
     "check_fits",
     "check_layer",
     "check_pools_alive",

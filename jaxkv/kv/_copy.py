@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Int
 
 from jaxkv._util import check_positive_int, checks_own_arguments, host_int_array
+from jaxkv.groups import AttentionGroup
 from jaxkv.kv import _typed as typed
 from jaxkv.kv._checks import (
     Pools,
@@ -228,6 +229,37 @@ def _checked_pairs(
             "calls)."
         )
     return src_ids, dst_ids
+
+
+def block_views(
+    plan: KVCachePlan, group: int
+) -> list[tuple[LayerView, AttentionGroup]]:
+    """The views a block of KV-cache group `group` is moved through.
+
+    Each layer owning its view once, in plan order, with its attention
+    group (its kernel blocks); a quantized layer's view as its 8-bit values
+    as stored and its scales (:func:`raw_views`). The host tier and
+    ``ServingLoop.resize`` move blocks through these.
+
+    Example:
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=4)
+      >>> [type(v).__name__ for v, _ in jaxkv.kv.block_views(plan, 0)]
+      ['KVCacheView', 'KVCacheView']
+    """
+    seen: set[int] = set()
+    out: list[tuple[LayerView, AttentionGroup]] = []
+    for attn_group in plan.attn_groups[group]:
+        for name in attn_group.layer_names:
+            view = plan.views[name]
+            if id(view) in seen:
+                continue
+            seen.add(id(view))
+            if isinstance(view, KVCacheView):
+                out += [(v, attn_group) for v in raw_views(view)]
+            else:
+                out.append((view, attn_group))
+    return out
 
 
 def _copied(view: LayerView) -> tuple[KVCacheView, ...]:

@@ -40,17 +40,16 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._util import check_positive_int
-from jaxkv.groups import AttentionGroup
 from jaxkv.kv import (
     Pools,
+    block_views,
     check_pools_alive,
     gather_kv_pages,
-    raw_views,
     read_mamba_state,
     write_kv,
     write_mamba_state,
 )
-from jaxkv.plan import KVCachePlan, KVCacheView, MambaView, ShardedPlan
+from jaxkv.plan import KVCachePlan, MambaView, ShardedPlan
 
 #: Blocks copied by one compiled program; longer runs are split, shorter ones
 #: padded (ids -1: nothing read back, nothing written).
@@ -80,28 +79,6 @@ class _Move:
     entry: _Entry
 
 
-def _group_layers(
-    plan: KVCachePlan, group: int
-) -> list[tuple[str, KVCacheView | MambaView, AttentionGroup]]:
-    """The layers of KV-cache group `group` owning their view, in plan order.
-
-    A quantized layer's view comes as the views its bytes are moved through
-    (:func:`jaxkv.kv.raw_views`: its 8-bit values as stored, and its scales).
-    """
-    seen: set[int] = set()
-    out = []
-    for attn_group in plan.attn_groups[group]:
-        for name in attn_group.layer_names:
-            view = plan.views[name]
-            if id(view) not in seen:
-                seen.add(id(view))
-                if isinstance(view, KVCacheView):
-                    out += [(name, v, attn_group) for v in raw_views(view)]
-                else:
-                    out.append((name, view, attn_group))
-    return out
-
-
 def _read_blocks(
     plan: KVCachePlan, group: int, pools: Pools, ids: jax.Array
 ) -> tuple[Any, ...]:
@@ -112,7 +89,7 @@ def _read_blocks(
     """
     bs = plan.block_sizes[group]
     layers: list[tuple[jax.Array, ...]] = []
-    for _, view, attn_group in _group_layers(plan, group):
+    for view, attn_group in block_views(plan, group):
         if isinstance(view, MambaView):
             layers.append(tuple(read_mamba_state(pools, view, ids)))
             continue
@@ -150,8 +127,8 @@ def _write_blocks(
         ids[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :],
         -1,
     ).reshape(-1)
-    layers = _group_layers(plan, group)
-    for (_, view, attn_group), arrays in zip(layers, stacked, strict=True):
+    layers = block_views(plan, group)
+    for (view, attn_group), arrays in zip(layers, stacked, strict=True):
         if isinstance(view, MambaView):
             pools = write_mamba_state(pools, view, ids, arrays)
             continue

@@ -16,37 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.groups import AttentionGroup
 from jaxkv.kv import (
     Pools,
+    block_views,
     gather_kv_pages,
-    raw_views,
     read_mamba_state,
     write_kv,
     write_mamba_state,
 )
-from jaxkv.plan import KVCachePlan, KVCacheView, MambaView
+from jaxkv.plan import KVCachePlan, MambaView
 
 MOVE_CHUNK = 256
 """Block ids one compiled move takes (the last chunk padded with ``-1``)."""
-
-
-def _owners(
-    plan: KVCachePlan, group: int
-) -> list[tuple[KVCacheView | MambaView, AttentionGroup]]:
-    """``(view, attention group)`` of each layer of `group` owning its view."""
-    seen: set[int] = set()
-    out = []
-    for attn_group in plan.attn_groups[group]:
-        for name in attn_group.layer_names:
-            view = plan.views[name]
-            if id(view) not in seen:
-                seen.add(id(view))
-                if isinstance(view, KVCacheView):  # quantized: values and scales
-                    out += [(v, attn_group) for v in raw_views(view)]
-                else:
-                    out.append((view, attn_group))
-    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
@@ -60,7 +41,7 @@ def _move(
             ids[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :],
             -1,
         ).reshape(-1)
-        pairs = zip(_owners(src, g), _owners(dst, g), strict=True)
+        pairs = zip(block_views(src, g), block_views(dst, g), strict=True)
         for (s_view, s_group), (d_view, d_group) in pairs:
             if isinstance(s_view, MambaView):
                 states = read_mamba_state(src_pools, s_view, ids)
