@@ -6,18 +6,12 @@ nothing lost when the sink fails, and the cache's resets and shrinks told.
 import pytest
 
 import jaxkv
-from tests.test_resize import CFG, PARAMS, VOCAB, _forward_for, _wave
+from tests.test_resize import CFG, _forward_for, _wave
+from tests.test_resize import _loop as _sized_loop
 
 
 def _loop(num_blocks=64, **scheduling):
-    plan = jaxkv.make_plan(CFG, num_blocks=num_blocks)
-    return jaxkv.ServingLoop(
-        plan,
-        _forward_for(plan),
-        PARAMS,
-        vocab_size=VOCAB,
-        scheduling=jaxkv.SchedulingOptions(enable_prefix_caching=True, **scheduling),
-    )
+    return _sized_loop(num_blocks, **scheduling)
 
 
 def _key(event):
