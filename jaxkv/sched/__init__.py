@@ -16,6 +16,7 @@ names, a Prometheus collector).
 """
 
 from jaxkv.sched._blocks import BlockAllocator
+from jaxkv.sched._event_wire import ZmqEventPublisher, encode_kv_event_batch
 from jaxkv.sched._events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -59,6 +60,8 @@ __all__ = [
     "SchedulerStats",
     "StepBlocks",
     "StepLedger",
+    "ZmqEventPublisher",
+    "encode_kv_event_batch",
     "external_block_hash",
     "hash_token_blocks",
     "longest_cache_hit",
