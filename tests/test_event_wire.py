@@ -81,6 +81,8 @@ def _batch(rank):
                 kv_cache_spec_sliding_window=64,
             ),
             BlockRemoved(block_hashes=(h1,), group_idx=1),
+            # Fields left at vLLM's defaults are not sent (omit_defaults).
+            BlockRemoved(block_hashes=(h2,), group_idx=None),
             AllBlocksCleared(),
         ),
         data_parallel_rank=rank,
@@ -94,9 +96,9 @@ def test_a_batch_decodes_with_vllms_schema_and_reencodes_to_its_bytes(rank):
     decoded = msgspec.msgpack.decode(payload, type=_KVBatch)
     assert decoded.ts == batch.ts
     assert decoded.data_parallel_rank == rank
-    stored, removed, cleared = decoded.events
+    stored, removed, _, cleared = decoded.events
     assert isinstance(stored, _Stored)
-    assert stored.block_hashes == list(batch.events[0].block_hashes)
+    assert stored.block_hashes == [bytes(range(32)), bytes(range(1, 33))]
     assert stored.token_ids == list(range(32))
     assert (stored.block_size, stored.medium, stored.group_idx) == (16, "GPU", 1)
     assert stored.kv_cache_spec_kind == "sliding_window"
