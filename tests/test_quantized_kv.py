@@ -297,3 +297,17 @@ def test_a_transfer_carries_quantized_pages_as_values_requantized_on_import():
     np.testing.assert_allclose(
         again.attention[name].keys, kv.attention[name].keys, rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.slow
+def test_the_demo_serves_the_hybrid_model_from_an_int8_cache(capsys):
+    # Full, sliding-window and YOCO layers on int8 pages with per-token-head
+    # scales (Mamba states stay float32), through the Engine's ServingLoop.
+    from jaxkv.demo._cli import main
+
+    argv = "--kv-cache-dtype int8_per_token_head --num-requests 2 --max-new-tokens 6"
+    assert main(argv.split()) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    agree, total = map(int, line.split(": ")[1].split()[0].split("/"))
+    assert total == 12
+    assert agree >= 9, line
