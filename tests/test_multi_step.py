@@ -175,22 +175,21 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
         vocab_size=VOCAB,
         execution=jaxkv.ExecutionOptions(overlap=overlap, decode_steps=4),
     )
-    # Without overlap update() applies a block; with it the block is
-    # advanced when dispatched and resolve() fills its tokens.
-    method = "_resolve_decode" if overlap else "_update_decode"
-    real, calls = getattr(loop.scheduler, method), [0]
+    # A block's tokens are filled by resolve(), with overlap or without.
+    applier = loop.scheduler.applier
+    real, calls = applier.resolve, [0]
 
     def apply(step, tokens):
-        calls[0] += 1
-        if calls[0] == 2:
+        calls[0] += step.num_steps > 1
+        if calls[0] == 2 and step.num_steps > 1:
             raise KeyboardInterrupt
         return real(step, tokens)
 
-    setattr(loop.scheduler, method, apply)
+    applier.resolve = apply
     reqs = _requests(shared=16, seed=3, new=11)
     with pytest.raises(KeyboardInterrupt):
         loop.run(reqs)
-    setattr(loop.scheduler, method, real)
+    applier.resolve = real
     assert loop.resume() == "applied"  # its iterations ran: never run again
     loop.run()
     assert [r.output for r in reqs] == base[: len(reqs)]
@@ -212,18 +211,20 @@ def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model,
         vocab_size=VOCAB,
         execution=jaxkv.ExecutionOptions(decode_steps=3),
     )
-    patched = "_advance_decode" if where == "advance" else "_dispatch_decode"
-    owner = loop.scheduler if where == "advance" else loop
+    patched = "advance" if where == "advance" else "_dispatch_decode"
+    owner = loop.scheduler.applier if where == "advance" else loop
     real, calls = getattr(owner, patched), [0]
 
-    def faulty(*args):
-        calls[0] += 1
+    def faulty(*args, **kwargs):
+        calls[0] += args[0].num_steps > 1
+        if args[0].num_steps == 1:
+            return real(*args, **kwargs)
         if calls[0] == 3:  # a block dispatched while another is in flight
-            assert loop._pipeline, "no block in flight"
+            assert loop.pipeline, "no block in flight"
             if where == "pools":
                 jax.tree.map(lambda a: a.delete(), loop.pools)
             raise RuntimeError("injected")
-        return real(*args)
+        return real(*args, **kwargs)
 
     setattr(owner, patched, faulty)
     reqs = _requests(shared=16, seed=3, new=11)
@@ -449,7 +450,7 @@ def test_overlap_may_change_between_any_two_steps(model, decode_steps):
             n = 0
             while loop.has_unfinished:
                 if n in (first, second):
-                    flips_seen_in_flight += bool(loop._pipeline)
+                    flips_seen_in_flight += bool(loop.pipeline)
                     loop.set_overlap(not loop.overlap)
                 loop.step()
                 n += 1

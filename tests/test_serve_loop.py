@@ -275,8 +275,8 @@ def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overla
     loop = served["loop"]
     loop.set_overlap(overlap)
     reset_loop(loop)
-    # Without overlap update() applies a step; with it resolve() does.
-    method = "resolve" if overlap else "update"
+    # With overlap or without, resolve() fills a step's tokens.
+    method = "resolve"
     real, calls = getattr(loop.scheduler, method), [0]
 
     def apply(step, tokens):

@@ -12,7 +12,6 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from jaxkv._util import (
     host_int_array,
 )
 from jaxkv.plan import KVCachePlan
+from jaxkv.sched._apply import StepApplier
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
@@ -165,6 +165,8 @@ class Scheduler:
         self.rejected: deque[Request] = deque(maxlen=MAX_REJECTED_KEPT)
         # Which step may be applied next, and how far the steps in flight are.
         self.ledger = StepLedger()
+        # Applies steps: advance, resolve, and update (the two at once).
+        self.applier = StepApplier(self)
         self._ids: set[str] = set()
         # Admission order, the last tie-break of the priority order.
         self._arrivals: dict[str, int] = {}
@@ -209,6 +211,14 @@ class Scheduler:
     def last_applied(self) -> ScheduledStep | None:
         """The latest step :meth:`update` finished applying."""
         return self.ledger.applied
+
+    def is_live(self, req: Request) -> bool:
+        """Whether `req` is one of this scheduler's running requests."""
+        return req.req_id in self._ids and req.status is RequestStatus.RUNNING
+
+    def count_generated(self, n: int) -> None:
+        """Counts `n` tokens filled in for a request that finished before them."""
+        self._generated_by_finished += n
 
     def rejection_reason(self, req: Request) -> str | None:
         """Why `req` can never be served, or ``None``.
@@ -741,358 +751,7 @@ class Scheduler:
           TypeError: If the tokens are not integers (floats, NaN, bools) or
             are traced values.
         """
-        if self.ledger.unresolved:
-            raise RuntimeError(
-                f"update: {len(self.ledger.unresolved)} advanced steps are not "
-                "resolved; "
-                "with advance() every step is finished by resolve()."
-            )
-        if step.steps_per_request is not None:
-            return self._update_decode(
-                step, cast(Sequence[Sequence[int]], sampled_token_ids)
-            )
-        self._check_latest(step, "update", "schedule()")
-        if step.spec_token_ids or any(
-            isinstance(t, list | tuple) for t in sampled_token_ids
-        ):
-            return self._update_spec(
-                step, self._checked_accepted(step, sampled_token_ids)
-            )
-        # Validated before anything changes: a bad token leaves every request
-        # and block as it was.
-        tokens_in = self._checked_tokens(
-            "update", step, cast(Sequence[int], sampled_token_ids)
-        )
-        # Each entry is applied from the counts recorded when it was scheduled
-        # (set, not added; a token appended once; commit() frees only what the
-        # count says): if something fails midway (a fault in the manager, an
-        # interrupt), update() again with the same step finishes it, applying
-        # nothing twice. Requests aborted since schedule() are skipped (their
-        # token dropped).
-        self.ledger.start(step)
-        tokens = iter(int(t) for t in tokens_in)
-        live = []
-        for (req, n), (computed, outputs) in zip(
-            step.batch, step.scheduled_counts, strict=True
-        ):
-            sample = computed + n == len(req.prompt) + outputs
-            token = next(tokens) if sample else None
-            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                continue
-            live.append(req)
-            req.num_computed = computed + n
-            if token is not None and len(req.output) == outputs:
-                req.output.append(token)
-            self.manager.commit(req)
-        return self._close_applied(step, live)
-
-    def _update_spec(
-        self, step: ScheduledStep, accepted: list[list[int]]
-    ) -> list[Request]:
-        """:meth:`update` of a step verifying draft tokens (same guarantees)."""
-        self.ledger.start(step)
-        rows = iter(accepted)
-        live = []
-        for (req, n), (computed, outputs) in zip(
-            step.batch, step.scheduled_counts, strict=True
-        ):
-            k = len(step.spec_token_ids.get(req.req_id, ()))
-            row = next(rows) if computed + n - k == len(req.prompt) + outputs else None
-            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                continue
-            live.append(req)
-            if row is None:
-                req.num_computed = computed + n
-            else:
-                # K/V is right up to the last accepted draft; the token sampled
-                # after it is computed next step.
-                req.num_computed = computed + n - k + len(row) - 1
-                taken = _until_stop(req, row)[: req.max_new_tokens - outputs]
-                req.output[outputs:] = taken
-                if len(row) <= k:  # drafts rejected: their slots go back
-                    self.manager.free_beyond(
-                        req, req.num_computed + 1 + self.num_lookahead_tokens
-                    )
-            self.manager.commit(req)
-        return self._close_applied(step, live)
-
-    def _checked_accepted(
-        self, step: ScheduledStep, sampled_token_ids: Sequence[int | Sequence[int]]
-    ) -> list[list[int]]:
-        """The accepted tokens per sampling request of a step with drafts."""
-        sampled = step.sampled
-        if len(sampled_token_ids) != len(sampled):
-            raise ValueError(
-                f"update: {len(sampled)} requests sample this step "
-                f"({[r.req_id for r in sampled][:8]}), got {len(sampled_token_ids)} "
-                "entries (one per request: its accepted tokens)."
-            )
-        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        out = []
-        for req, entry in zip(sampled, sampled_token_ids, strict=True):
-            drafts = step.spec_token_ids.get(req.req_id, [])
-            given = [entry] if isinstance(entry, int | np.integer) else entry
-            row = (
-                host_int_array(given, f"update: request {req.req_id!r} accepted tokens")
-                if len(given)
-                else np.zeros(0, np.int64)
-            ).reshape(-1)
-            if not 1 <= row.size <= len(drafts) + 1:
-                raise ValueError(
-                    f"update: request {req.req_id!r} verified {len(drafts)} draft "
-                    f"tokens and accepts 1 to {len(drafts) + 1} tokens (the drafts "
-                    f"kept, then one sampled), got {row.size}."
-                )
-            if ((row < 0) | (row >= top)).any():
-                raise ValueError(
-                    f"update: request {req.req_id!r} accepted tokens must be in "
-                    f"[0, {top}), got {row.tolist()[:8]}."
-                )
-            kept = row[:-1].tolist()
-            if kept != drafts[: len(kept)]:
-                raise ValueError(
-                    f"update: request {req.req_id!r} accepts {kept} before its "
-                    f"sampled token, but the step computed drafts {drafts}: only a "
-                    "prefix of the drafts can be kept (their K/V is in the cache)."
-                )
-            out.append(row.tolist())
-        return out
-
-    def _close_applied(self, step: ScheduledStep, live: list[Request]) -> list[Request]:
-        """Finishes the requests of `live` the step completed; marks it applied."""
-        finished = [req for req in live if req.finished]
-        for req in finished:
-            self.finish(req)
-        self.ledger.close(step)
-        return finished
-
-    @checks_own_arguments
-    def _update_decode(
-        self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
-    ) -> list[Request]:
-        """:meth:`update` of a :meth:`schedule_decode` step.
-
-        Checked before anything changes, and retry-safe, as :meth:`update`;
-        ``step.filled_by_iteration`` lists the tokens taken.
-        """
-        self._check_latest(step, "update", "schedule_decode()")
-        rows = self._checked_rows("update", step, sampled_token_ids)
-        self.ledger.start(step)
-        live = []
-        step.filled_by_iteration = [[] for _ in range(step.num_steps)]
-        for k, ((req, _), (computed, outputs), row) in enumerate(
-            zip(step.batch, step.scheduled_counts, rows, strict=True)
-        ):
-            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                continue
-            live.append(req)
-            taken = _until_stop(req, row)
-            # Set from the recorded counts: a retry appends nothing twice.
-            del req.output[outputs:]
-            req.output += taken
-            req.num_computed = computed + len(taken)
-            _record(step, k, req, taken)
-            self.manager.register_computed(req)
-            self.manager.commit(req)
-        return self._close_applied(step, live)
-
-    def _advance_decode(self, step: ScheduledStep) -> None:
-        """:meth:`advance` of a :meth:`schedule_decode` step.
-
-        Applies a :meth:`~Scheduler.schedule_decode` step before its tokens
-        are known (async multi-step decoding): the next block of iterations
-        can be scheduled while this one runs on the device.
-
-        Request ``k`` of ``step.batch`` gets ``steps_per_request[k]``
-        placeholder tokens ``-(k + 1)`` (its last one is the next step's input:
-        ``tokens[num_steps - 1][k]`` of this step, read on the device) counted
-        by ``num_pending``; its tokens count as computed and its blocks are
-        committed; a request that reaches ``max_new_tokens`` finishes now
-        (its blocks go back once its tokens are resolved, the blocks they fill
-        cached first). :meth:`resolve` fills the tokens, in the
-        order steps were advanced; a stop token found then ends its request,
-        and what later advanced steps computed for it is dropped.
-
-        Example:
-          >>> import jaxkv
-          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
-          >>> s = jaxkv.Scheduler(plan)
-          >>> _ = s.add_request(jaxkv.Request("a", prompt=[7, 8, 9], max_new_tokens=7))
-          >>> s.update(s.schedule(), [5])
-          []
-          >>> first = s.schedule_decode(3); s.advance(first)
-          >>> second = s.schedule_decode(3); second.token_ids.tolist()  # tokens[2][0]
-          [-1]
-          >>> s.advance(second); s.running, s.unresolved == (first, second)
-          ([], True)
-          >>> s.resolve(first, [[1, 2, 3]]), first.filled_by_iteration[2]
-          ([], [(0, Request(req_id='a', ...), 3)])
-          >>> [r.output for r in s.resolve(second, [[4, 5, 6]])]
-          [[5, 1, 2, 3, 4, 5, 6]]
-        """
-        self._check_latest(step, "advance", "schedule_decode()")
-        counts = cast(np.ndarray, step.steps_per_request)  # a decode step
-        early: list[Request] = []
-        for k, ((req, _), (computed, outputs), n) in enumerate(
-            zip(step.batch, step.scheduled_counts, counts.tolist(), strict=True)
-        ):
-            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                continue
-            req.num_computed = computed + n
-            if len(req.output) == outputs:  # each once, after a fault too
-                req.output += [-(k + 1)] * n
-                req.num_pending += n
-            self.manager.commit(req)
-            if len(req.output) >= req.max_new_tokens:
-                # Its blocks stay until its tokens are known: resolve()
-                # caches the blocks they fill (as update() would), then
-                # gives them back.
-                early.append(req)
-                self._finish(req, keep_pending=True, keep_blocks=True)
-        self.ledger.advanced(step, early)
-
-    @checks_own_arguments
-    def _resolve_decode(
-        self, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
-    ) -> list[Request]:
-        """:meth:`resolve` of a :meth:`schedule_decode` step.
-
-        Fills the tokens of the oldest step :meth:`advance` applied;
-        returns the requests that are now complete (finished, no token
-        pending).
-
-        Args:
-          step: The oldest unresolved step.
-          sampled_token_ids: As for :meth:`update`.
-
-        A stop token ends its request there (the output stops at it; what
-        later advanced steps computed for it is dropped). Checked before
-        anything changes, as :meth:`update`; ``step.filled_by_iteration``
-        lists the tokens taken.
-
-        Raises:
-          ValueError: If `step` is not the oldest unresolved one, or the
-            tokens are not one row per request with its count of valid ids.
-          TypeError: If the tokens are not integers.
-        """
-        self.ledger.check_oldest(step)
-        rows = self._checked_rows("resolve", step, sampled_token_ids)
-        step.filled_by_iteration = [[] for _ in range(step.num_steps)]
-        done = []
-        for k, ((req, _), (_, outputs), row) in enumerate(
-            zip(step.batch, step.scheduled_counts, rows, strict=True)
-        ):
-            n = len(row)
-            if not (
-                req.num_pending >= n
-                and len(req.output) >= outputs + n
-                and req.output[outputs] == -(k + 1)
-            ):
-                continue  # aborted, recomputed, or ended by an earlier stop token
-            taken = _until_stop(req, row)
-            req.output[outputs : outputs + len(taken)] = taken
-            req.num_pending -= n
-            _record(step, k, req, taken)
-            stopped = bool(taken) and taken[-1] in req.stop_token_ids
-            if stopped:
-                del req.output[outputs + len(taken) :]
-                req.num_pending = 0
-            if self.manager.holds_blocks(req):
-                # Its tokens are known up to here: the blocks whose K/V this
-                # step computed are cached, as update() caches them.
-                self.manager.register_computed(
-                    req, num_tokens=len(req.prompt) + outputs + len(taken) - 1
-                )
-                self.manager.commit(req)
-                if req.status is RequestStatus.FINISHED and (
-                    stopped or not req.num_pending
-                ):
-                    self.manager.free(req)  # finished by advance()
-            if stopped and req.status is not RequestStatus.FINISHED:
-                self._finish(req, keep_pending=False)
-            if req.status is RequestStatus.FINISHED and not req.num_pending:
-                done.append(req)
-        self.ledger.resolved(step)
-        return done
-
-    @checks_own_arguments
-    def _checked_rows(
-        self, op: str, step: ScheduledStep, sampled_token_ids: Sequence[Sequence[int]]
-    ) -> list[list[int]]:
-        """Per request of a multi-step step, its tokens, checked.
-
-        Per request of a multi-step step, its ``steps_per_request`` tokens,
-        checked (the errors of :meth:`update`).
-        """
-        counts = cast(np.ndarray, step.steps_per_request)  # a decode step
-        if len(sampled_token_ids) != len(step.batch):
-            raise ValueError(
-                f"{op}: {len(step.batch)} requests decode this step, got "
-                f"{len(sampled_token_ids)} rows of tokens."
-            )
-        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        rows = []
-        for (req, _), k, row in zip(step.batch, counts, sampled_token_ids, strict=True):
-            arr = host_int_array(row, f"{op}: tokens of request {req.req_id!r}")
-            arr = arr.reshape(-1)
-            if arr.size < k:
-                raise ValueError(
-                    f"{op}: request {req.req_id!r} sampled {int(k)} tokens this "
-                    f"step, got {arr.size}."
-                )
-            arr = arr[: int(k)]
-            bad = np.flatnonzero((arr < 0) | (arr >= top))
-            if bad.size:
-                raise ValueError(
-                    f"{op}: request {req.req_id!r} sampled token {arr[bad[0]]}, "
-                    f"outside [0, {top})."
-                )
-            rows.append(arr.tolist())
-        return rows
-
-    def _check_latest(self, step: ScheduledStep, op: str, made_by: str) -> None:
-        """Raises unless `step` is the latest scheduled one and may be applied.
-
-        Raises unless `step` is the latest scheduled one, not applied, and
-        ran after the host tier's copies its scheduling recorded.
-        """
-        host = self.manager.host
-        if host is not None and host.num_pending:
-            raise RuntimeError(
-                f"{op}: the host tier still holds {host.num_pending} copies recorded "
-                "when this step was scheduled, so the step ran before "
-                "manager.host.flush(pools): its writes went into blocks whose old "
-                "bytes the tier was to keep, and it read blocks the tier was to "
-                "restore. Call flush(pools) after schedule() and before "
-                "dispatching each step (ServingLoop does)."
-            )
-        self.ledger.check_latest(step, op, made_by)
-
-    @checks_own_arguments
-    def _checked_tokens(
-        self, caller: str, step: ScheduledStep, sampled_token_ids: Sequence[int]
-    ) -> np.ndarray:
-        sampled = step.sampled
-        if len(sampled_token_ids) != len(sampled):
-            raise ValueError(
-                f"{caller}: {len(sampled)} requests sample a token this step "
-                f"({[r.req_id for r in sampled][:8]}), got "
-                f"{len(sampled_token_ids)} tokens."
-            )
-        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        tokens_in = (
-            host_int_array(sampled_token_ids, f"{caller}: sampled tokens")
-            if sampled
-            else np.zeros(0, np.int64)
-        )
-        bad = np.flatnonzero((tokens_in < 0) | (tokens_in >= top))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"{caller}: request {sampled[i].req_id!r} sampled token "
-                f"{tokens_in[i]}, outside [0, {top})."
-            )
-        return tokens_in
+        return self.applier.update(step, sampled_token_ids)
 
     def advance(self, step: ScheduledStep) -> None:
         """Applies `step` before its sampled tokens are known.
@@ -1111,7 +770,8 @@ class Scheduler:
         for it (already scheduled) is dropped. Prefix-cache blocks are only
         hashed once every token in them is known. A :meth:`schedule_decode`
         step is advanced the same way, each request getting its
-        ``steps_per_request`` placeholders (see :meth:`_advance_decode`).
+        ``steps_per_request`` placeholders (the last one is the next step's
+        input: ``tokens[num_steps - 1][k]`` of this step, read on the device).
 
         Example:
           >>> import jaxkv
@@ -1132,33 +792,13 @@ class Scheduler:
             already applied.
         """
         self.ledger.check_not_midway("advance")
-        if step.steps_per_request is not None:
-            self._advance_decode(step)
-            return
-        self._check_latest(step, "advance", "schedule()")
+        self.applier.check_latest(step, "advance")
         if step.spec_token_ids:
             raise ValueError(
                 "advance: the step verifies draft tokens; apply it with update() "
                 "(the accepted tokens decide the next step's inputs)."
             )
-        sampled = step.sampled
-        rank = {id(r): k for k, r in enumerate(sampled)}
-        early: list[Request] = []
-        for (req, n), (computed, outputs) in zip(
-            step.batch, step.scheduled_counts, strict=True
-        ):
-            if req.req_id not in self._ids or req.status is not RequestStatus.RUNNING:
-                continue
-            req.num_computed = computed + n
-            k = rank.get(id(req))
-            if k is not None and len(req.output) == outputs:
-                req.output.append(-(k + 1))
-                req.num_pending += 1
-            self.manager.commit(req)
-            if len(req.output) >= req.max_new_tokens:
-                early.append(req)
-                self._finish(req, keep_pending=True)
-        self.ledger.advanced(step, early)
+        self.applier.advance(step, finish_early=True)
 
     @checks_own_arguments
     def resolve(
@@ -1181,41 +821,10 @@ class Scheduler:
           ValueError: If `step` is not the oldest unresolved one, or the
             tokens are not one valid id per request of ``step.sampled``.
         """
-        if step.steps_per_request is not None:
-            return self._resolve_decode(
-                step, cast(Sequence[Sequence[int]], sampled_token_ids)
-            )
+        self.ledger.check_not_midway("resolve")
         self.ledger.check_oldest(step)
-        tokens_in = self._checked_tokens(
-            "resolve", step, cast(Sequence[int], sampled_token_ids)
-        )
-        done = []
-        k = -1
-        for (req, n), (computed, outputs) in zip(
-            step.batch, step.scheduled_counts, strict=True
-        ):
-            if computed + n != len(req.prompt) + outputs:
-                continue  # samples nothing this step
-            k += 1
-            token = int(tokens_in[k])
-            if not (
-                req.num_pending
-                and len(req.output) > outputs
-                and req.output[outputs] == -(k + 1)
-            ):
-                continue  # aborted, recomputed, or ended by an earlier stop token
-            req.output[outputs] = token
-            req.num_pending -= 1
-            step.filled.append((k, req, token))
-            if token in req.stop_token_ids:
-                del req.output[outputs + 1 :]
-                req.num_pending = 0
-                if req.status is not RequestStatus.FINISHED:
-                    self._finish(req, keep_pending=False)
-            if req.status is RequestStatus.FINISHED and not req.num_pending:
-                done.append(req)
-        self.ledger.resolved(step)
-        return done
+        rows = self.applier.checked("resolve", step, sampled_token_ids)
+        return self.applier.resolve(step, rows)
 
     def resize(self, plan: KVCachePlan) -> None:
         """Schedules over `plan`'s blocks: the same model, another ``num_blocks``.
@@ -1288,11 +897,17 @@ class Scheduler:
         Frees `req`'s blocks and forgets it (finished or aborted); output
         tokens still pending on the device are dropped.
         """
-        self._finish(req, keep_pending=False)
+        self.retire(req, keep_pending=False)
 
-    def _finish(
+    def retire(
         self, req: Request, *, keep_pending: bool, keep_blocks: bool = False
     ) -> None:
+        """Finishes `req`, keeping its pending tokens or blocks if asked.
+
+        :meth:`finish` drops both; applying a step keeps the pending tokens
+        of a request that reached ``max_new_tokens`` before they were read,
+        and a multi-step decode its blocks until they are cached.
+        """
         if req.num_pending and not keep_pending:
             del req.output[len(req.output) - req.num_pending :]
             req.num_pending = 0
@@ -1307,19 +922,6 @@ class Scheduler:
             self._generated_by_finished += len(req.output) - req.num_pending
         self._arrivals.pop(req.req_id, None)
         req.status = RequestStatus.FINISHED
-
-
-def _until_stop(req: Request, row: list[int]) -> list[int]:
-    """`row`'s tokens up to and with the first of `req`'s stop tokens."""
-    for i, t in enumerate(row):
-        if t in req.stop_token_ids:
-            return row[: i + 1]
-    return row
-
-
-def _record(step: ScheduledStep, k: int, req: Request, taken: list[int]) -> None:
-    for i, token in enumerate(taken):
-        step.filled_by_iteration[i].append((k, req, token))
 
 
 def _within_config(name: str, value: object, limit: int) -> int:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +39,7 @@ from jaxkv.serve._checks import (
 )
 from jaxkv.serve._device_step import DeviceStep, Forward
 from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
+from jaxkv.serve._pipeline import StepPipeline
 from jaxkv.serve._resize import move_blocks
 from jaxkv.serve._sampling import (
     SamplingParams,
@@ -206,18 +205,16 @@ class ServingLoop:
         #: Per request id, the logits each sampled token came from
         #: (``record_logits=True``).
         self.logits: dict[str, list[np.ndarray]] = {}
-        # The steps in flight (one per rank): scheduled, then their results
-        # once they ran.
-        self._inflight: list[ScheduledStep] | None = None
-        self._results: tuple[jax.Array, jax.Array] | None = None
         self._on_token: Callable[[Request, int], None] | None = None
-        # overlap=True: steps dispatched and advanced, not resolved yet, with
-        # their (device) tokens and logits; the latest dispatched step's
-        # tokens, which the next step's decode placeholders index.
-        self._pipeline: deque[tuple[list[ScheduledStep], jax.Array, jax.Array]] = (
-            deque()
+        #: Steps dispatched whose tokens are not read yet (one stays in flight
+        #: between steps with overlap, none without).
+        self.pipeline = StepPipeline(
+            no_tokens=self._no_tokens(),
+            num_ranks=self.num_ranks,
+            record_logits=self.record_logits,
+            deliver=self._deliver,
+            forget=self._forget,
         )
-        self._prev_tokens = self._no_tokens()
 
     def _device_step(
         self, builder: StepMetadataBuilder, forward: Forward
@@ -337,7 +334,7 @@ class ServingLoop:
         if forward is not None:
             self.forward = forward
         self._build_device(step)
-        self._prev_tokens = self._no_tokens()
+        self.pipeline.prev_tokens = self._no_tokens()
         self.publish_kv_events()  # the cached blocks a shrink dropped
 
     def _schedulers(
@@ -564,7 +561,7 @@ class ServingLoop:
         self._check_forward_writes()
         pools = jax.tree.map(_abstract, self.pools)
         params = jax.tree.map(_abstract, self.params)
-        prev = _abstract(self._prev_tokens)
+        prev = _abstract(self.pipeline.prev_tokens)
         ranks = () if self.sharded is None else (self.num_ranks,)
         rows = self._rows()
         todo = self.builder.abstract_inputs()
@@ -682,7 +679,7 @@ class ServingLoop:
     @property
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or has a token in flight."""
-        return any(s.has_unfinished for s in self.schedulers) or bool(self._pipeline)
+        return any(s.has_unfinished for s in self.schedulers) or bool(self.pipeline)
 
     def step(self) -> list[Request]:
         """Schedules and runs one step; returns the requests it finished.
@@ -763,19 +760,19 @@ class ServingLoop:
                 return done
         steps = [s.schedule() for s in self.schedulers]
         if not any(step.batch for step in steps):
-            if self._pipeline:
-                return done + self._resolve_all()
+            if self.pipeline:
+                return done + self.pipeline.drain(self.schedulers)
             if any(s.has_unfinished for s in self.schedulers):
                 raise RuntimeError(
                     "ServingLoop: requests are waiting but none could be scheduled."
                 )
             return done
-        if not self.overlap:
-            return done + self._run_step(steps)
-        self._dispatch_ahead(steps)
-        while len(self._pipeline) > 1:
-            done += self._resolve_oldest()
-        return done
+        self.pipeline.dispatch(self.schedulers, steps, self._run)
+        return done + self._drain()
+
+    def _drain(self) -> list[Request]:
+        """Resolves what is in flight down to the mode's depth (overlap: 1)."""
+        return self.pipeline.drain(self.schedulers, int(self.execution.overlap))
 
     def run(
         self,
@@ -965,26 +962,32 @@ class ServingLoop:
         packs and reads back while the device computes. Returns whether it
         ran and the requests finished.
         """
-        sched = self.schedulers[0]
-        blocks = bool(self._pipeline) and self._pipeline[-1][0][0].num_steps > 1
+        sched, pipeline = self.schedulers[0], self.pipeline
+        blocks = bool(pipeline) and pipeline.entries[-1][0][0].num_steps > 1
         if sched.waiting or not sched.running:
             # An ordinary step starts from known tokens: read the blocks first.
-            return False, (self._resolve_all() if blocks else [])
-        done = [] if blocks else self._resolve_all()
+            return False, (pipeline.drain(self.schedulers) if blocks else [])
+        done = [] if blocks else pipeline.drain(self.schedulers)
         step = sched.schedule_decode(self.decode_steps)
-        if step is None and self._pipeline:
+        if step is None and pipeline:
             # Not steady, or its blocks do not fit yet: with every token known
             # (stop tokens free blocks), once more; else an ordinary step.
-            done += self._resolve_all()
+            done += pipeline.drain(self.schedulers)
             step = sched.schedule_decode(self.decode_steps)
         if step is None:
             return False, done
-        if not self.execution.overlap:
-            return True, done + self._run_decode(step)
-        self._dispatch_ahead([step])
-        while len(self._pipeline) > 1:
-            done += self._resolve_oldest()
-        return True, done
+        pipeline.dispatch(self.schedulers, [step], self._run)
+        return True, done + self._drain()
+
+    def _run(
+        self, steps: list[ScheduledStep], prev_tokens: jax.Array
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """Runs `steps`: ``(tokens, logits, tokens the next step reads)``."""
+        if steps[0].num_steps > 1:  # a multi-step decode (one device)
+            # The next step's placeholders are its last iteration's tokens.
+            return self._dispatch_decode(steps[0], prev_tokens)
+        tokens, logits = self._dispatch(steps, prev_tokens)
+        return tokens, logits, tokens
 
     def _dispatch_decode(
         self, step: ScheduledStep, prev_tokens: jax.Array
@@ -1009,121 +1012,9 @@ class ServingLoop:
         self.counters["decode_iterations"] += step.num_steps
         return tokens, logits, last
 
-    def _run_decode(self, step: ScheduledStep) -> list[Request]:
-        self._inflight, self._results = [step], None
-        tokens, logits, _ = self._dispatch_decode(step, self._no_tokens())
-        # It ran: on resume() it is applied, never run again.
-        self._results = tokens, logits
-        return self._apply()
-
-    def _apply_decode(self, step: ScheduledStep) -> list[Request]:
-        """Applies a multi-step decode step from ``self._results``."""
-        if self._results is None:
-            raise RuntimeError("ServingLoop: no step result to apply.")
-        tokens = _to_host(self._results[0])  # (num_steps, width)
-        host_logits = self._host_decode_logits(self._results[1])
-        sched = self.schedulers[0]
-        rows = tokens[:, : step.num_reqs].T.tolist()
-        finished = [] if sched.last_applied is step else sched.update(step, rows)
-        self._inflight = self._results = None
-        self._forget(finished)
-        self._deliver_iterations(step, host_logits)
-        return finished
-
-    def _resolve_decode(
-        self, step: ScheduledStep, tokens: jax.Array, logits: jax.Array | None
-    ) -> list[Request]:
-        """Reads and resolves the oldest block in flight (overlap)."""
-        host_tokens = _to_host(tokens)  # waits for it
-        host_logits = self._host_decode_logits(logits)
-        sched = self.schedulers[0]
-        finished = []
-        if step in sched.unresolved:  # once, after a fault too
-            rows = host_tokens[:, : step.num_reqs].T.tolist()
-            finished = sched.resolve(step, rows)
-        self._pipeline.popleft()
-        self._forget(finished)
-        self._deliver_iterations(step, host_logits)
-        return finished
-
-    def _host_decode_logits(self, logits: jax.Array | None) -> np.ndarray | None:
-        return _to_host(logits) if logits is not None and self.record_logits else None
-
-    def _deliver_iterations(
-        self, step: ScheduledStep, host_logits: np.ndarray | None
-    ) -> None:
-        """Streams a multi-step decode's tokens in the order they were sampled."""
-        for i, filled in enumerate(step.filled_by_iteration):
-            if filled:
-                self._deliver(filled, None if host_logits is None else host_logits[i])
-
-    def _host_results(
-        self, next_tokens: jax.Array, logits: jax.Array | None
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(ranks, width)`` tokens and ``(ranks, samples, vocab)`` logits."""
-        tokens = _to_host(next_tokens).reshape(self.num_ranks, -1)
-        host = None
-        if logits is not None and self.record_logits:
-            host = _to_host(logits).reshape(self.num_ranks, *logits.shape[-2:])
-        return tokens, host
-
-    def _run_step(self, steps: list[ScheduledStep]) -> list[Request]:
-        self._inflight, self._results = steps, None
-        results = self._dispatch(steps, self._no_tokens())
-        # From here the step has run (the pools hold its K/V and states): on
-        # resume() it is applied, never run again.
-        self._results = results
-        return self._apply()
-
-    def _dispatch_ahead(self, steps: list[ScheduledStep]) -> None:
-        """Dispatches `steps` (overlap) and advances the schedulers past them."""
-        self._inflight = steps
-        if steps[0].num_steps > 1:  # a multi-step decode (one device)
-            # The next step's placeholders are its last iteration's tokens.
-            next_tokens, logits, prev = self._dispatch_decode(
-                steps[0], self._prev_tokens
-            )
-        else:
-            next_tokens, logits = self._dispatch(steps, self._prev_tokens)
-            prev = next_tokens
-        # It ran: from here resume() advances and resolves it, never reruns it.
-        self._pipeline.append((steps, next_tokens, logits))
-        self._prev_tokens = prev
-        self._inflight = None
-        self._advance(steps)
-
-    def _advance(self, steps: list[ScheduledStep]) -> None:
-        for sched, step in zip(self.schedulers, steps, strict=True):
-            if sched.last_applied is not step:  # each once, after a fault too
-                sched.advance(step)
-
-    def _resolve_oldest(self) -> list[Request]:
-        steps, next_tokens, logits = self._pipeline[0]
-        if steps[0].num_steps > 1:
-            return self._resolve_decode(steps[0], next_tokens, logits)
-        tokens, host_logits = self._host_results(next_tokens, logits)  # waits
-        finished = []
-        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
-            if step in sched.unresolved:  # each once, after a fault too
-                n = len(step.sampled)
-                finished += sched.resolve(step, tokens[rank, :n].tolist())
-        self._pipeline.popleft()
-        self._forget(finished)
-        for rank, step in enumerate(steps):
-            self._deliver(
-                step.filled, None if host_logits is None else host_logits[rank]
-            )
-        return finished
-
     def _forget(self, finished: list[Request]) -> list[Request]:
         for req in finished:
             self._request_sampling.pop(req.req_id, None)
-        return finished
-
-    def _resolve_all(self) -> list[Request]:
-        finished = []
-        while self._pipeline:
-            finished += self._resolve_oldest()
         return finished
 
     def _deliver(
@@ -1136,35 +1027,6 @@ class ServingLoop:
         if self._on_token is not None:
             for _, req, token in filled:
                 self._on_token(req, token)
-
-    def _apply(self) -> list[Request]:
-        if self._inflight is None or self._results is None:
-            raise RuntimeError("ServingLoop: no step result to apply.")
-        steps = self._inflight
-        if steps[0].num_steps > 1:
-            return self._apply_decode(steps[0])
-        tokens, host_logits = self._host_results(*self._results)
-        finished, delivered = [], []
-        for rank, (sched, step) in enumerate(zip(self.schedulers, steps, strict=True)):
-            sampled = step.sampled
-            if sched.last_applied is step:  # applied before a fault on another rank
-                continue
-            row = tokens[rank, : len(sampled)].tolist()
-            finished += sched.update(step, row)
-            delivered.append(
-                (
-                    [
-                        (k, r, t)
-                        for k, (r, t) in enumerate(zip(sampled, row, strict=True))
-                    ],
-                    None if host_logits is None else host_logits[rank],
-                )
-            )
-        self._inflight = self._results = None
-        self._forget(finished)
-        for filled, logits in delivered:
-            self._deliver(filled, logits)
-        return finished
 
     def resume(self) -> str | None:
         """Brings the loop back to a consistent state after an exception.
@@ -1185,24 +1047,9 @@ class ServingLoop:
         (applied, or rerun and applied), or, when the pools were consumed,
         all are recomputed (tokens not yet read are sampled again, the same).
         """
-        if not self.execution.overlap:
-            decoding = self._inflight is not None and self._inflight[0].num_steps > 1
-            if self._inflight is None:
-                return None
-            if self._results is not None:
-                self._apply()
-                return "applied"
-            if any_deleted(self.pools):
-                self._recompute_all()
-                return "recomputed"
-            if decoding:
-                self._run_decode(self._inflight[0])
-            else:
-                self._run_step(self._inflight)
-            return "rerun"
         done = self._recover()
-        if self._pipeline:
-            self._resolve_all()
+        if self.pipeline:
+            self.pipeline.drain(self.schedulers)
             done = done or "applied"
         return done
 
@@ -1213,30 +1060,26 @@ class ServingLoop:
         )
         for sched in self.schedulers:
             sched.recompute_all()
-        self._pipeline.clear()
-        self._prev_tokens = self._no_tokens()
-        self._inflight = self._results = None
+        self.pipeline.clear(self._no_tokens())
 
     def _recover(self) -> str | None:
-        """Overlap: finishes a step whose dispatch or advance raised.
+        """Finishes a step whose dispatch or advance raised.
 
-        Overlap: finishes a step whose dispatch or advance raised; steps in
-        flight that ran stay in flight (a normal state).
+        Finishes a step whose dispatch or advance raised; steps in flight
+        that ran stay in flight (a normal state).
         """
-        unadvanced = bool(self._pipeline) and any(
-            sched.last_applied is not step
-            for sched, step in zip(self.schedulers, self._pipeline[-1][0], strict=True)
-        )
-        if self._inflight is None and not unadvanced:
+        pipeline, schedulers = self.pipeline, self.schedulers
+        unadvanced = pipeline.unadvanced(schedulers)
+        if pipeline.inflight is None and not unadvanced:
             return None
         if any_deleted(self.pools):
             # Steps in flight are lost with the pools: their tokens too.
             self._recompute_all()
             return "recomputed"
         if unadvanced:
-            self._advance(self._pipeline[-1][0])  # it ran
-        if self._inflight is not None:
-            self._dispatch_ahead(self._inflight)
+            pipeline.advance(schedulers, pipeline.entries[-1][0])  # it ran
+        if pipeline.inflight is not None:
+            pipeline.dispatch(schedulers, pipeline.inflight, self._run)
             return "rerun"
         return "applied"
 
@@ -1245,17 +1088,6 @@ def _unadopt(sched: Scheduler, req: Request) -> None:
     """Gives back what :meth:`Scheduler.adopt` held: `req` as it came."""
     sched.finish(req)
     req.status, req.num_computed = RequestStatus.WAITING, 0
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The whole array on this host (gathered over processes).
-
-    The whole array on this host; over several processes, gathered from all
-    (sampled tokens and logits only: a few KB a step).
-    """
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
