@@ -232,7 +232,7 @@ def run_trace(
         i = 0
         while i < len(running) and left:
             p = running[i]
-            n = sched._chunk(p.ours, left, p.ours.num_computed)
+            n = sched.planner.chunk(p.ours, left, p.ours.num_computed)
             if not n:
                 i += 1
                 continue
@@ -264,7 +264,7 @@ def run_trace(
             blocks, hit_b, _ = theirs.get_computed_blocks(p.theirs)
             if hit_a != hit_b and not diff:
                 diff = f"hit {p.ours.req_id}: {hit_a} vs {hit_b}"
-            n = sched._chunk(p.ours, left, hit_a)
+            n = sched.planner.chunk(p.ours, left, hit_a)
             if not n:
                 break
             ok_a = ours.allocate(p.ours, n, num_cached=hit_a)
@@ -406,7 +406,7 @@ def run_solo(seed: int, kind: str, side: str) -> int:
         left, scheduled, i = budget, [], 0
         while i < len(running) and left:
             p = running[i]
-            n = sched._chunk(p.ours, left, p.ours.num_computed)
+            n = sched.planner.chunk(p.ours, left, p.ours.num_computed)
             if not n:
                 i += 1
                 continue
@@ -424,7 +424,7 @@ def run_solo(seed: int, kind: str, side: str) -> int:
         while waiting and left:
             p = waiting[0]
             hit, blocks = m.hit(p)
-            n = sched._chunk(p.ours, left, hit)
+            n = sched.planner.chunk(p.ours, left, hit)
             if not n or not m.allocate(p, n, hit, blocks):
                 break
             p.ours.num_computed = hit

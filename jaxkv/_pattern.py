@@ -31,8 +31,8 @@ PATTERN_LETTERS = {"G": "global", "L": "local", "C": "chunked", "R": "recurrent"
 def parse_pattern(pattern: str | Sequence[str]) -> tuple[str, ...]:
     """The letters of a layer pattern.
 
-    The letters of a layer pattern (``"LLLLLG"``, ``"R,R,L"``, ``["R", "L"]``);
-    spaces, commas and colons separate, case is ignored.
+    ``"LLLLLG"``, ``"R,R,L"``, ``["R", "L"]``. Spaces, commas and colons separate, case
+    is ignored.
 
     Raises:
       ValueError: If the pattern is empty or holds a letter outside

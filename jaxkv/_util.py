@@ -57,8 +57,7 @@ def is_int(value: object) -> TypeGuard[int | np.integer]:
 def check_positive_int(owner: str, name: str, value: object) -> int:
     """`value` as an int; raises unless it is a positive int.
 
-    `value` as an int; raises unless it is a positive int (Python or NumPy;
-    bools rejected).
+    Python or NumPy; bools rejected.
     """
     if not is_int(value):
         raise TypeError(
@@ -72,8 +71,7 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
 def check_non_negative_int(owner: str, name: str, value: object) -> int:
     """`value` as an int; raises unless it is a non-negative int.
 
-    `value` as an int; raises unless it is a non-negative int (Python or NumPy;
-    bools rejected).
+    Python or NumPy; bools rejected.
     """
     if not is_int(value):
         raise TypeError(

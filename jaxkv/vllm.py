@@ -1,7 +1,5 @@
 """vLLM's names for jaxkv's machinery, in vLLM's argument order.
 
-vLLM's names for jaxkv's machinery, in vLLM's argument order.
-
 A vLLM user porting a model runner looks for ``init_attn_backend``,
 ``bind_kv_caches``, ``build_attn_metadata`` and the rest of
 ``vllm/v1/worker/gpu/attn_utils.py``; they are here, with the records and

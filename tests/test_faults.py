@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxkv
 import jaxkv.demo
-import jaxkv.serve._loop as loop_module
+import jaxkv.serve._pipeline as pipeline_module
 from tests.helpers import reset_loop
 
 
@@ -110,14 +110,14 @@ def _inject(monkeypatch, engine, point, at):
 
         monkeypatch.setattr(engine, "programs", Programs())
     elif point == "after_device":
-        real = loop_module._to_host
+        real = pipeline_module._to_host
 
         def to_host(x):
             if hit():
                 raise Fault(point)
             return real(x)
 
-        monkeypatch.setattr(loop_module, "_to_host", to_host)
+        monkeypatch.setattr(pipeline_module, "_to_host", to_host)
     elif point == "inside_update":
         manager = engine.schedulers[0].manager
         real = manager.commit

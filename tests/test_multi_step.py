@@ -179,11 +179,11 @@ def test_a_fault_while_applying_a_multi_step_decode_resumes_to_the_same_tokens(
     applier = loop.scheduler.applier
     real, calls = applier.resolve, [0]
 
-    def apply(step, tokens):
+    def apply(step, rows):
         calls[0] += step.num_steps > 1
         if calls[0] == 2 and step.num_steps > 1:
             raise KeyboardInterrupt
-        return real(step, tokens)
+        return real(step, rows)
 
     applier.resolve = apply
     reqs = _requests(shared=16, seed=3, new=11)

@@ -494,7 +494,7 @@ def test_a_resumed_request_recomputes_its_outputs_in_aligned_chunks():
     )
     r = jaxkv.Request("r", prompt=list(range(5)), max_new_tokens=20)
     r.output = [9] * 8  # as after a preemption: 13 tokens, none computed
-    assert s._chunk(r, 6, 0) == 4
-    assert s._chunk(r, 6, 4) == 4
-    assert s._chunk(r, 6, 8) == 4  # past the prompt, still before token 12
-    assert s._chunk(r, 6, 12) == 1
+    assert s.planner.chunk(r, 6, 0) == 4
+    assert s.planner.chunk(r, 6, 4) == 4
+    assert s.planner.chunk(r, 6, 8) == 4  # past the prompt, still before token 12
+    assert s.planner.chunk(r, 6, 12) == 1

@@ -1292,7 +1292,7 @@ def _align_scheduler(mamba_block_size=MAMBA_BLOCK_SIZE, max_model_len=49152):
 
 def _split(s, req, num_new_tokens):
     """The scheduler's aligned split (vLLM's ``_mamba_block_aligned_split``)."""
-    return s._chunk(req, num_new_tokens, req.num_computed)
+    return s.planner.chunk(req, num_new_tokens, req.num_computed)
 
 
 def _prefill(prompt_len, budgets, mamba_block_size=MAMBA_BLOCK_SIZE):

@@ -1,7 +1,7 @@
 """The contract every attention implementation meets.
 
-The contract every attention implementation meets: one call's static options,
-the rows it attends, and where a kernel finds a layer's pages in its pool.
+One call's static options, the rows it attends, and where a kernel finds a layer's pages
+in its pool.
 
 Each implementation (``_xla``, ``_native``, ``_pallas_gpu``, ``_pallas_tpu``)
 is a function ``(q, pools, view, meta, layer, call) -> (T, H, Dv)`` with the
@@ -121,8 +121,7 @@ def rows_to_tokens(
 class KernelCall(NamedTuple):
     """What a page-walking kernel needs of one call, derived once.
 
-    What a page-walking kernel needs of one call, derived once: the query
-    shape (GQA group), head dims, the rows and their pages, and the pool as
+    The query shape (GQA group), head dims, the rows and their pages, and the pool as
     ``(L, *physical shape)`` (a bitcast) with its :class:`PageLayout`.
     """
 

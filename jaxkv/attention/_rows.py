@@ -1,9 +1,8 @@
 """The row arithmetic of paged attention.
 
-The row arithmetic of paged attention: which request and position each
-query token has, query tokens grouped into rows of one request, the chunks of
-pages a row must visit, the mask of the keys it sees, and one online-softmax
-step over a chunk. :func:`paged_attention` composes them.
+Which request and position each query token has, query tokens grouped into rows of one
+request, the chunks of pages a row must visit, the mask of the keys it sees, and one
+online-softmax step over a chunk. :func:`paged_attention` composes them.
 """
 
 from __future__ import annotations
@@ -42,10 +41,8 @@ def request_token_rows(
 ) -> Int[Array, "max_reqs width"]:
     """Each request's query tokens as a row of step-token indices.
 
-    Each request's query tokens as a row of step-token indices, in order,
-    ``-1`` past its query (and for padded requests): the per-request view a
-    recurrent layer scans, ``x[jnp.maximum(rows, 0)]`` masked by
-    ``rows >= 0``.
+    In order, ``-1`` past its query (and for padded requests): the per-request view a
+    recurrent layer scans, ``x[jnp.maximum(rows, 0)]`` masked by ``rows >= 0``.
 
     `width` must be at least the step's longest query (``num_tokens`` of the
     bucket is always enough); tokens past it are left out.

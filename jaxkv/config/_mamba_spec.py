@@ -1,7 +1,4 @@
-"""The spec of a Mamba-style layer: per-request state arrays, one block each.
-
-The spec of a Mamba-style layer: per-request state arrays, one block each.
-"""
+"""The spec of a Mamba-style layer: per-request state arrays, one block each."""
 
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ def copy_blocks(
 ) -> Pools:
     """Copies manager block ``src[i]`` to ``dst[i]`` in every layer of every group.
 
-    Copies manager block ``src[i]`` to ``dst[i]`` in every layer of every
-    group; returns the pools (donated: their buffers are reused in place).
+    Returns the pools (donated: their buffers are reused in place).
 
     Every layer that owns a view is copied through it, so what moves is
     exactly the bytes those views address for the blocks named, on every

@@ -78,8 +78,8 @@ class PageLayout(NamedTuple):
     def at(self, layer, block, head, half: int, dim_slice, token: Any = None) -> tuple:
         """An index of the reshaped pool.
 
-        An index of the reshaped pool: one page (or one `token`) of one
-        `head` (or all: ``slice(None)``), of K (`half` 0) or V (1).
+        One page (or one `token`) of one `head` (or all: ``slice(None)``), of K (`half`
+        0) or V (1).
         """
         by_role = {
             "block": block,

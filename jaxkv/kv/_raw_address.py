@@ -13,10 +13,9 @@ from jaxkv.plan import KVCacheView
 def raw_unfit(view: KVCacheView) -> str | None:
     """Why a raw-byte kernel cannot take `view` (``None``: it can).
 
-    Why a raw-byte kernel cannot take `view` (``None``: it can): it needs
-    block, token, head and dim axes with the dim contiguous, and a view that
-    owns every page it addresses (a kernel view of a packed pool addresses
-    other layers' pages too; a head-packing backend interleaves heads).
+    It needs block, token, head and dim axes with the dim contiguous, and a view that
+    owns every page it addresses (a kernel view of a packed pool addresses other layers'
+    pages too; a head-packing backend interleaves heads).
 
     Example:
       >>> import jaxkv

@@ -260,8 +260,8 @@ def plot_device_map(
 ) -> Any:
     """A sharded pool on its mesh: one panel per device.
 
-    A sharded pool on its mesh: one panel per device, the device's bytes
-    colored by owner, titled with the device, its data rank and its heads.
+    The device's bytes colored by owner, titled with the device, its data rank and its
+    heads.
 
     Example:
       >>> import jax, jaxkv

@@ -86,11 +86,9 @@ def transfer_map(
 ) -> TransferMap:
     """Which bytes of `layer`'s pool hold which token, before and after a move.
 
-    Which bytes of `layer`'s pool hold which token, before and after a move
-    (:func:`export_request` / :func:`import_request`) of a request's first
-    `num_tokens` tokens between the two plans' blocks (the layer's group's
-    block ids on each side). Tokens one side does not hold (behind a window)
-    are not drawn on either side.
+    :func:`export_request` / :func:`import_request` of a request's first `num_tokens`
+    tokens between the two plans' blocks (the layer's group's block ids on each side).
+    Tokens one side does not hold (behind a window) are not drawn on either side.
 
     Example:
       >>> import jaxkv

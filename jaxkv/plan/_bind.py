@@ -256,8 +256,7 @@ class AttentionLayer:
 class GroupSlots(Protocol):
     """A step's metadata for one KV-cache group, as :func:`write_kv` reads it.
 
-    A step's metadata for one KV-cache group, as :func:`write_kv` reads it
-    (``CommonAttentionMetadata`` is one).
+    ``CommonAttentionMetadata`` is one.
     """
 
     @property

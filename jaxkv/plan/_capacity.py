@@ -23,8 +23,7 @@ def max_memory_usage_bytes(
 ) -> int:
     """The most bytes one request can hold in a layer of `spec`.
 
-    The most bytes one request can hold in a layer of `spec` (vLLM's
-    ``KVCacheSpec.max_memory_usage_bytes``, one batch in flight).
+    VLLM's ``KVCacheSpec.max_memory_usage_bytes``, one batch in flight.
 
     Full attention holds ``cdiv(max_model_len, block_size)`` pages; a sliding
     window ``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len),

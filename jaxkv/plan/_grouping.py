@@ -195,8 +195,7 @@ def get_kv_cache_groups(
 ) -> list[KVCacheGroupSpec]:
     """The groups of ``layer -> spec`` in vLLM 0.32's order.
 
-    The groups of ``layer -> spec`` in vLLM 0.32's order (``get_kv_cache_groups``,
-    hybrid KV-cache manager on, no pages to unify).
+    ``get_kv_cache_groups``, hybrid KV-cache manager on, no pages to unify.
 
     Args:
       kv_cache_spec: Every cache layer's spec, in model order (no encoder-only

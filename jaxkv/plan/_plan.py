@@ -153,8 +153,7 @@ class KVCachePlan:
     def group_kinds(self) -> tuple[str, ...]:
         """What each KV-cache group keeps of a sequence.
 
-        What each KV-cache group keeps of a sequence (for the block manager
-        and the step checks).
+        For the block manager and the step checks.
 
         - ``"full"``: every block of the context (full attention, or a group
           that a layer without the group's window also reads);
@@ -189,8 +188,7 @@ class KVCachePlan:
     def attention_layer(self, name: str) -> AttentionLayer:
         """`name`'s bound view with its spec's attention parameters.
 
-        `name`'s bound view with its spec's attention parameters
-        (:class:`AttentionLayer`), for :func:`paged_attention`.
+        :class:`AttentionLayer`. For :func:`paged_attention`.
         """
         return attention_layer(
             self.views, self.runner_config, name, group=self.group_of(name)
@@ -225,8 +223,7 @@ class KVCachePlan:
     def group_of(self, name: str) -> int | None:
         """The KV-cache group whose metadata layer `name` reads.
 
-        The KV-cache group whose metadata layer `name` reads (its target's
-        for a KV-sharing layer); ``None`` for a layer of no group.
+        Its target's for a KV-sharing layer. ``None`` for a layer of no group.
 
         Example:
           >>> import jaxkv

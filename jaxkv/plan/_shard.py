@@ -224,8 +224,7 @@ class ShardedPlan:
     def check_pools(self, pools: Sequence[jax.Array]) -> None:
         """Host check that `pools` are this plan's.
 
-        Host check that `pools` are this plan's: one per pool, global shapes
-        ``(D, T, *local shape)`` and dtypes as planned.
+        One per pool, global shapes ``(D, T, *local shape)`` and dtypes as planned.
 
         Raises:
           ValueError: Naming the pool and the shapes, e.g. pools allocated for

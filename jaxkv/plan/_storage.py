@@ -68,8 +68,7 @@ def row_fits(
 ) -> bool:
     """Whether a view's blocks each lie inside one row of `row_bytes`.
 
-    Whether a view's blocks each lie inside one row of `row_bytes` (a row
-    pool, see :func:`_starts`): the block stride a multiple or a divisor of the
+    A row pool, see :func:`_starts`: the block stride a multiple or a divisor of the
     row, and one block's bytes never crossing a row's end.
     """
     step = strides[block_dim] * itemsize
@@ -122,8 +121,7 @@ def storage_dtype(dtype: np.dtype, bits: bool) -> np.dtype:
 def slot_shape(view: KVCacheView) -> tuple[int, ...]:
     """The array shape of one layer slot holding `view` in a typed pool.
 
-    The array shape of one layer slot holding `view` in a typed pool: its
-    physical shape without unit dims, or ``(N, B, 2H/p, p, D)`` for a packing
+    Its physical shape without unit dims, or ``(N, B, 2H/p, p, D)`` for a packing
     backend (the kernel's own shape, unit dims kept).
     """
     phys = physical_shape(view.shape, view.strides)

@@ -176,8 +176,7 @@ class KVCacheView:
     def owns(self, block_ids: Any) -> Any:
         """Whether each of `block_ids` is one of this view's own blocks.
 
-        Whether each of `block_ids` is one of this view's own blocks (in
-        range, and not another layer's page of a packed pool); NumPy or JAX.
+        In range, and not another layer's page of a packed pool. NumPy or JAX.
         """
         xp = np if isinstance(block_ids, np.ndarray | int | np.integer) else jax.numpy
         ok = (block_ids >= 0) & (block_ids < self.num_blocks)

@@ -32,8 +32,7 @@ _L, _B, _H, _N, _C = range(5)
 class TensorLayout(enum.Enum):
     """A physical order of the logical ``[L, B, H, N, C]`` axes.
 
-    A physical order of the logical ``[L, B, H, N, C]`` axes (vLLM 0.33's
-    ``KVCacheLayout``); the value is the stride order, outermost first.
+    VLLM 0.33's ``KVCacheLayout``. The value is the stride order, outermost first.
 
     Example:
       >>> import jaxkv

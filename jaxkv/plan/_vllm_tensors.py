@@ -135,8 +135,7 @@ def layout_of_view(view: KVCacheView) -> TensorLayout | None:
 def plan_tensors(plan: object) -> tuple[LayerTensor, ...]:
     """A jaxkv plan's typed pools as vLLM 0.33 tensors.
 
-    A jaxkv plan's typed pools as vLLM 0.33 tensors (one per pool and
-    KV-cache group), byte offsets within that pool.
+    One per pool and KV-cache group. Byte offsets within that pool.
 
     A stacked pool of ``L`` slots is one layer-compact tensor per group: the
     group's layers in slot order, ``layer_stride`` = one slot,

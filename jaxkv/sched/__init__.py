@@ -1,7 +1,5 @@
 """sched: requests, the block manager with prefix caching, the scheduler.
 
-sched: requests, the block manager with prefix caching, the scheduler.
-
 ``_request`` (a request's tokens and state) -> ``_blocks`` (the block
 allocator: free queue, reference counts, cached blocks) -> ``_prefix``
 (block hashes, the longest cached prefix; ``_host_tier``: evicted prefix

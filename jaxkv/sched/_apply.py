@@ -24,7 +24,7 @@ from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus
 from jaxkv.sched._scheduled import ScheduledStep
 
-Tokens = Sequence[int] | Sequence[Sequence[int]]
+Tokens = Sequence[int | Sequence[int]]
 
 
 @runtime_checkable

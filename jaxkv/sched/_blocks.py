@@ -89,8 +89,7 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         """`n` blocks from the front of the free queue, each held once.
 
-        `n` blocks from the front of the free queue, each held once; cached
-        ones handed out are evicted.
+        Cached ones handed out are evicted.
 
         Raises:
           TypeError: If `n` is not an int.

@@ -141,8 +141,7 @@ def _write_blocks(
 def _packed(block: Any) -> jax.Array:
     """One block's arrays (every layer's) as one byte array.
 
-    One block's arrays (every layer's) as one byte array: the host tier
-    moves one array per block, not one per layer and K/V (each array a
+    The host tier moves one array per block, not one per layer and K/V (each array a
     transfer costs host time).
     """
     return jnp.concatenate(
@@ -193,8 +192,7 @@ def _read_ranks(
 ) -> tuple[Any, ...]:
     """:func:`_read_bytes` on every device of the mesh.
 
-    :func:`_read_bytes` on every device of the mesh: `ids` ``(D, n)``, one
-    row per data rank (``-1``: nothing); leaves ``(D, T, ...)``.
+    `ids` ``(D, n)``, one row per data rank (``-1``: nothing); leaves ``(D, T, ...)``.
     """
 
     def per_device(pools: Any, ids: Any) -> Any:
@@ -214,8 +212,7 @@ def _write_ranks(
 ) -> Pools:
     """:func:`_write_bytes` on every device of the mesh.
 
-    :func:`_write_bytes` on every device of the mesh (see
-    :func:`_read_ranks`).
+    See :func:`_read_ranks`.
     """
 
     def per_device(pools: Any, ids: Any, blocks: Any) -> Any:
@@ -392,10 +389,9 @@ class HostKVCache:
     def claim(self, key: Hashable) -> object:
         """The host's block under `key`, held for a restore recorded later.
 
-        The host's block under `key`, held for a restore recorded later
-        (:meth:`record_restore` with ``claimed=``) even if the LRU drops `key`
-        in between: the block manager claims what it will restore before the
-        allocation that may offload (and so drop) other blocks.
+        :meth:`record_restore` with ``claimed=`` even if the LRU drops `key` in between:
+        the block manager claims what it will restore before the allocation that may
+        offload (and so drop) other blocks.
 
         Raises:
           KeyError: If the host does not hold `key`.
@@ -428,8 +424,7 @@ class HostKVCache:
     def discard_pending(self) -> None:
         """Forgets copies not yet run (the pools' contents are gone).
 
-        Forgets copies not yet run (the pools' contents are gone): entries
-        whose offload never ran leave the host tier.
+        Entries whose offload never ran leave the host tier.
         """
         for move in self._pending:
             if move.kind == "offload":
@@ -547,8 +542,7 @@ class HostKVCache:
     def _restore_rank(self, run: Sequence[_Move]) -> list[Any]:
         """Each entry's blocks as global ``(D, T, ...)`` arrays.
 
-        Each entry's blocks as global ``(D, T, ...)`` arrays: this rank's
-        shards back on their devices, zeros (never written: ids -1) on the
+        This rank's shards back on their devices, zeros (never written: ids -1) on the
         other ranks' devices.
         """
         sp, sharding = self.sharded, self._blocks_sharding

@@ -579,10 +579,9 @@ class KVCacheManager:
     def commit(self, req: Request) -> None:
         """After a step: frees what `req` no longer needs.
 
-        After a step: frees what `req` no longer needs (blocks no window of a
-        future query reaches, Mamba states before its last) and marks the Mamba
-        states it computed as ready for hits; ``req.num_computed`` must already
-        count the step's tokens.
+        Blocks no window of a future query reaches, Mamba states before its last and
+        marks the Mamba states it computed as ready for hits; ``req.num_computed`` must
+        already count the step's tokens.
 
         With ``free_skipped_at="commit"`` it also frees what no later query
         reads, as soon as the step ran; by default that waits for the
@@ -641,8 +640,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Gives back every block `req` holds.
 
-        Gives back every block `req` holds (finished, rejected or preempted);
-        cached ones stay reusable until evicted, the last blocks first.
+        Finished, rejected or preempted. Cached ones stay reusable until evicted, the
+        last blocks first.
         """
         tables = self._tables.pop(req.req_id, None)
         # Blocks registered for a step that was never committed may never have
@@ -704,9 +703,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (vLLM's ``reset_prefix_cache``).
 
-        Empties the prefix cache (vLLM's ``reset_prefix_cache``): for when
-        the pools' contents are gone. Only possible with no block held;
-        returns whether it was reset.
+        For when the pools' contents are gone. Only possible with no block held; returns
+        whether it was reset.
 
         Example:
           >>> import jaxkv

@@ -50,6 +50,21 @@ class SchedulerStats:
       num_cached_prompt_tokens: Prompt tokens taken from the prefix cache.
       num_rejected_reqs: Requests :meth:`Scheduler.add_request` rejected.
       num_steps: Steps scheduled.
+
+    Example (:meth:`Scheduler.make_stats`):
+      >>> import jaxkv
+      >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
+      >>> s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
+      >>> for i in range(2):
+      ...     _ = s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * 70,
+      ...                                     max_new_tokens=1))
+      ...     while s.has_unfinished:
+      ...         step = s.schedule(); _ = s.update(step, [0] * len(step.sampled))
+      >>> stats = s.make_stats()
+      >>> stats.prefix_cache_stats.queries, stats.prefix_cache_stats.hits
+      (140, 64)
+      >>> stats.metrics()["vllm:generation_tokens"]
+      2.0
     """
 
     num_running_reqs: int

@@ -125,13 +125,19 @@ class Request:
         )
 
 
+def as_python_ints(req: Request) -> None:
+    """Stores `req`'s token fields as Python ints (a NumPy prompt serves as a list)."""
+    req.prompt = [int(t) for t in req.prompt]
+    req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
+    req.max_new_tokens = int(req.max_new_tokens)
+
+
 def request_problem(req: Request, *, vocab_size: int | None) -> str | None:
     """What is wrong with a request's own fields, or ``None``.
 
-    What is wrong with a request's own fields, or ``None``: the prompt (a
-    flat sequence of ints in ``[0, vocab_size)``, or within int32 without a
-    vocabulary), ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, and
-    that it was never served.
+    The prompt (a flat sequence of ints in ``[0, vocab_size)``, or within int32 without
+    a vocabulary), ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, and that it
+    was never served.
     """
     try:
         ids = np.asarray(req.prompt)

@@ -1,8 +1,7 @@
 """What one schedule produces: a :class:`ScheduledStep`.
 
-What one schedule produces: a :class:`ScheduledStep`, the step's requests
-and token counts, and its host arrays (it is the :class:`StepArrays` that
-:meth:`StepMetadataBuilder.prepare` takes).
+The step's requests and token counts, and its host arrays (it is the :class:`StepArrays`
+that :meth:`StepMetadataBuilder.prepare` takes).
 """
 
 from __future__ import annotations
@@ -102,9 +101,8 @@ def sampled_token_indices(
 ) -> list[int]:
     """Step-token indices whose logits are sampled.
 
-    Step-token indices whose logits are sampled: the last token of each
-    request whose chunk reaches the end of its tokens, and every token of a
-    request verifying draft tokens (`spec_token_ids`).
+    The last token of each request whose chunk reaches the end of its tokens, and every
+    token of a request verifying draft tokens (`spec_token_ids`).
 
     Example:
       >>> import jaxkv

@@ -13,13 +13,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
-
 from jaxkv._util import (
     check_non_negative_int,
     check_positive_int,
     checks_own_arguments,
-    host_int_array,
 )
 from jaxkv.plan import KVCachePlan
 from jaxkv.sched._apply import StepApplier
@@ -27,8 +24,13 @@ from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._metrics import PrefixCacheStats, SchedulerStats
-from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus, request_problem
-from jaxkv.sched._scheduled import ScheduledStep, scheduled_step
+from jaxkv.sched._planner import StepPlanner
+from jaxkv.sched._request import (
+    Request,
+    RequestStatus,
+    as_python_ints,
+)
+from jaxkv.sched._scheduled import ScheduledStep
 
 MAX_REJECTED_KEPT = 1024  # Scheduler.rejected keeps the latest this many
 
@@ -36,25 +38,20 @@ MAX_REJECTED_KEPT = 1024  # Scheduler.rejected keeps the latest this many
 class Scheduler:
     """Continuous batching over a :class:`KVCacheManager`.
 
-    Each :meth:`schedule` gives running requests their next tokens (a decode
-    token, or the next prefill chunk) in arrival order under the token budget,
-    then admits waiting requests while blocks and budget last, each starting
-    after its longest prefix-cache hit. When a running request's blocks cannot
-    be allocated, the most recently admitted running request is preempted: its
-    blocks go back (cached ones stay reusable) and it waits at the front of
-    the queue to be recomputed from its prompt and the tokens it has
-    generated; no other request is disturbed. :meth:`update` takes the sampled
-    tokens, commits the step's blocks and frees finished requests.
+    Each :meth:`schedule` gives running requests their next tokens, then
+    admits waiting requests after their longest prefix-cache hit
+    (:class:`StepPlanner`); a request whose blocks run out is preempted: its
+    blocks go back and it waits at the front, to be recomputed from its
+    prompt and the tokens it generated. :meth:`update` (or :meth:`advance`,
+    then :meth:`resolve`) applies the sampled tokens (:class:`StepApplier`).
 
     :meth:`add_request` rejects, with a reason on the request, what can never
     be served: an empty prompt, ``max_new_tokens < 1``, prompt plus new tokens
     over ``max_model_len``, token ids outside ``[0, vocab_size)``, or more
     blocks than the pool holds. Rejection touches no other request.
 
-    With prefix caching on a model with Mamba groups, prefill chunks end
-    where every group's blocks end (the lcm of the block sizes), the last one
-    at the last boundary before the final token, so the Mamba state there is
-    kept for later hits (vLLM's align mode; see :meth:`_chunk`).
+    With prefix caching and Mamba groups, prefill chunks end on the lcm of
+    the block sizes (vLLM's align mode; :meth:`StepPlanner.chunk`).
 
     Args:
       plan: The model's plan.
@@ -165,8 +162,6 @@ class Scheduler:
         self.rejected: deque[Request] = deque(maxlen=MAX_REJECTED_KEPT)
         # Which step may be applied next, and how far the steps in flight are.
         self.ledger = StepLedger()
-        # Applies steps: advance, resolve, and update (the two at once).
-        self.applier = StepApplier(self)
         self._ids: set[str] = set()
         # Admission order, the last tie-break of the priority order.
         self._arrivals: dict[str, int] = {}
@@ -175,7 +170,7 @@ class Scheduler:
         # group's blocks end (the lcm of the block sizes), so a hit there finds
         # full attention blocks and the Mamba state after them.
         has_mamba = any(self.manager.is_mamba)
-        self._align = (
+        self.align = (
             math.lcm(*self.manager.block_sizes)
             if enable_prefix_caching and has_mamba
             else 0
@@ -192,10 +187,13 @@ class Scheduler:
         }
         # Prefix-cache lookups at admission (PrefixCacheStats' fields), and
         # the output tokens of requests already finished.
-        self._lookups = dict.fromkeys(
+        self.lookups = dict.fromkeys(
             (f.name for f in dataclasses.fields(PrefixCacheStats)), 0
         )
         self._generated_by_finished = 0
+        # Chooses steps; applies them (advance, resolve, update: the two).
+        self.planner = StepPlanner(self)
+        self.applier = StepApplier(self)
 
     @property
     def has_unfinished(self) -> bool:
@@ -229,22 +227,7 @@ class Scheduler:
         ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, the model
         length and the blocks it needs.
         """
-        problem = request_problem(req, vocab_size=self.vocab_size)
-        if problem is not None:
-            return problem
-        total = len(req.prompt) + int(req.max_new_tokens)
-        if total > self.max_model_len:
-            return (
-                f"prompt ({len(req.prompt)} tokens) + max_new_tokens "
-                f"({req.max_new_tokens}) > max_model_len ({self.max_model_len})"
-            )
-        need = self.manager.max_blocks_needed(total, self.max_num_batched_tokens)
-        if need > self.manager.num_usable_blocks:
-            return (
-                f"needs up to {need} KV-cache blocks at once, the pool holds "
-                f"{self.manager.num_usable_blocks}"
-            )
-        return None
+        return self.planner.rejection_reason(req)
 
     @checks_own_arguments
     def add_request(self, req: Request) -> bool:
@@ -272,35 +255,32 @@ class Scheduler:
             self.rejected.append(req)
             self.stats["rejected"] += 1
             return False
-        # Stored as Python ints: a tuple or NumPy prompt serves like a list.
-        req.prompt = [int(t) for t in req.prompt]
-        req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
-        req.max_new_tokens = int(req.max_new_tokens)
+        as_python_ints(req)
         req.status = RequestStatus.WAITING
         req.wait_reason = None
         self._ids.add(req.req_id)
         self._arrived(req)
-        self._enqueue(req, front=False)
+        self.enqueue(req, front=False)
         return True
 
     def _arrived(self, req: Request) -> None:
         self._arrivals[req.req_id] = self._num_arrivals
         self._num_arrivals += 1
 
-    def _order(self, req: Request) -> tuple[int, float, int]:
+    def order(self, req: Request) -> tuple[int, float, int]:
         """The priority order (vLLM's): priority, arrival time, then admission."""
         return (int(req.priority), float(req.arrival_time), self._arrivals[req.req_id])
 
-    def _enqueue(self, req: Request, *, front: bool) -> None:
+    def enqueue(self, req: Request, *, front: bool) -> None:
         """Puts `req` into the waiting queue.
 
         At the back (new) or front (preempted) for FCFS, in priority order for
         ``policy="priority"``.
         """
         if self.policy == "priority":
-            key = self._order(req)
+            key = self.order(req)
             at = next(
-                (i for i, w in enumerate(self.waiting) if self._order(w) > key),
+                (i for i, w in enumerate(self.waiting) if self.order(w) > key),
                 len(self.waiting),
             )
             self.waiting.insert(at, req)
@@ -312,8 +292,7 @@ class Scheduler:
     def adopt(self, req: Request, *, num_computed: int) -> list[list[int]] | None:
         """Admits `req` with its first `num_computed` tokens computed elsewhere.
 
-        Admits `req` with its first `num_computed` tokens computed elsewhere
-        (a KV cache moved with :func:`import_request`: prefill/decode
+        For a KV cache moved with :func:`import_request` (prefill/decode
         disaggregation): holds blocks for them and marks them computed, so the
         next :meth:`schedule` continues from token `num_computed`.
 
@@ -363,9 +342,7 @@ class Scheduler:
                 f"[1, {len(req.prompt) - 1}] (its last prompt token is computed "
                 "here)."
             )
-        req.prompt = [int(t) for t in req.prompt]
-        req.stop_token_ids = tuple(int(t) for t in req.stop_token_ids)
-        req.max_new_tokens = int(req.max_new_tokens)
+        as_python_ints(req)
         if not self.manager.allocate(req, n):
             return None
         req.num_computed = n
@@ -376,41 +353,26 @@ class Scheduler:
         self.running.append(req)
         return self.manager.blocks_of(req)
 
-    def _chunk(self, req: Request, budget: int, start: int) -> int:
-        """Tokens `req` computes from `start` under `budget`.
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot for monitoring (vLLM's ``Scheduler.make_stats``).
 
-        With Mamba prefix caching, a prefill chunk ends on a block boundary (the
-        lcm of the groups' block sizes) and never runs past the last boundary a
-        later request can hit (``(len(tokens) - 1) // lcm * lcm``, the last
-        token being always recomputed): vLLM's ``_mamba_block_aligned_split``
-        in align mode, a prompt's only chunk included. The result may be 0 (a
-        chunk that would end before the next boundary): the request waits.
+        ``.metrics()`` names its figures as vLLM's Prometheus metrics (an
+        example: :class:`SchedulerStats`).
         """
-        tokens = req.num_tokens
-        n = min(tokens - start, budget)
-        bs = self._align
-        prefill_end = max(len(req.prompt), tokens - 1)
-        if not bs or start >= prefill_end:
-            return n
-        end = start + n
-        if end < prefill_end:
-            aligned = end // bs * bs
-            if aligned > start or bs <= self.max_num_batched_tokens:
-                end = aligned
-        stops = (
-            (start // bs + 1) * bs if start % bs else 0,
-            (tokens - 1) // bs * bs,
+        usable = self.manager.num_usable_blocks
+        live = [*self.running, *self.waiting]
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=1.0 - self.manager.num_free_blocks / usable,
+            prefix_cache_stats=PrefixCacheStats(**self.lookups),
+            num_preemptions=self.stats["preemptions"],
+            num_generation_tokens=self._generated_by_finished
+            + sum(len(r.output) - r.num_pending for r in live),
+            num_cached_prompt_tokens=self.stats["cached_tokens"],
+            num_rejected_reqs=self.stats["rejected"],
+            num_steps=self.stats["steps"],
         )
-        end = min((s for s in stops if start < s < end), default=end)
-        return max(end - start, 0)
-
-    def _preempt(self, req: Request) -> None:
-        self.manager.free(req)
-        req.num_computed = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.stats["preemptions"] += 1
-        self._enqueue(req, front=True)
 
     def schedule(self) -> ScheduledStep:
         """Picks this step's requests and tokens and holds their blocks.
@@ -423,211 +385,9 @@ class Scheduler:
           RuntimeError: If :meth:`update` of the latest step raised midway
             (finish it with ``update(step, tokens)`` first).
         """
-        self.ledger.check_not_midway("schedule")
-        self._check_drafts()
-        budget = self.max_num_batched_tokens
-        batch: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
-        spec: dict[str, list[int]] = {}
-        i = 0
-        align = self._align
-        while i < len(self.running) and budget and len(batch) < self.max_num_seqs:
-            req = self.running[i]
-            decoding = req.num_computed == req.num_tokens - 1
-            drafts = self._drafts(req, budget) if decoding else []
-            n = (
-                1 + len(drafts)
-                if decoding
-                else self._chunk(req, budget, req.num_computed)
-                if align
-                else min(req.num_tokens - req.num_computed, budget)
-            )
-            if not n:  # an aligned chunk does not fit this step's budget
-                i += 1
-                continue
-            lookahead = self._lookahead(req.num_computed + n)
-            while not self.manager.allocate(req, n, num_lookahead_tokens=lookahead):
-                victim = (
-                    max(self.running, key=self._order)
-                    if self.policy == "priority"
-                    else self.running[-1]
-                )
-                at = self.running.index(victim)
-                del self.running[at]
-                if at < i:  # given tokens this step already: take them back
-                    i -= 1
-                    k = next(k for k, (r, _) in enumerate(batch) if r is victim)
-                    budget += batch.pop(k)[1]
-                    spec.pop(victim.req_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                batch.append((req, n))
-                budget -= n
-                i += 1
-                if drafts:
-                    spec[req.req_id] = drafts
-        while (
-            self.waiting and budget and len(batch) < self.max_num_seqs and not preempted
-        ):
-            req = self.waiting[0]
-            hit = self.manager.find_cache_hit(req)
-            n = self._chunk(req, budget, hit)
-            if not n:
-                req.wait_reason = (
-                    f"its next block-aligned chunk does not fit the {budget} tokens "
-                    "left in this step"
-                )
-                break
-            if not self.manager.allocate(
-                req,
-                n,
-                num_cached=hit,
-                full_sequence_must_fit=self.scheduler_reserve_full_isl,
-                num_lookahead_tokens=self._lookahead(hit + n),
-            ):
-                req.wait_reason = self._wait_reason(req, n, hit)
-                break
-            self.waiting.popleft()
-            if self.manager.enable_prefix_caching:
-                self._count_lookup(req, hit)
-            req.wait_reason = None
-            req.status = RequestStatus.RUNNING
-            self.stats["cached_tokens"] += hit
-            self.running.append(req)
-            batch.append((req, n))
-            budget -= n
-        if not batch and self.waiting and not self.running:
-            # Admission guarantees a request fits alone: only held (leaked)
-            # blocks can block it. Fail loudly rather than spin.
-            raise RuntimeError(
-                f"Scheduler: request {self.waiting[0].req_id!r} cannot be scheduled "
-                f"with nothing running ({self.manager.num_free_blocks} of "
-                f"{self.manager.num_usable_blocks} blocks free): blocks were not "
-                "given back."
-            )
-        # Decodes first (the order backends with a decode threshold expect).
-        prefill = [
-            max(0, min(len(r.prompt), r.num_computed + n) - r.num_computed)
-            for r, n in batch
-        ]
-        if any(prefill):
-            batch.sort(key=lambda rn: rn[0].num_computed < len(rn[0].prompt))
-        self.stats["steps"] += bool(batch)
-        self.stats["prefill_tokens"] += sum(prefill)
-        for req, _ in batch:  # drafts are used once, all that fit
-            if req.spec_token_ids and req.num_computed == req.num_tokens - 1:
-                req.spec_token_ids = []
-        return self.ledger.made(
-            scheduled_step(batch, preempted, self.manager.step_blocks(batch), spec)
-        )
+        return self.planner.schedule()
 
-    def _lookahead(self, end: int) -> int:
-        """Lookahead slots past a step ending at token `end` (within max_model_len).
-
-        vLLM's ``allocate_slots`` holds ``min(end + num_lookahead_tokens,
-        max_model_len)`` slots for every request it schedules: decoding,
-        admitted, or running a prefill chunk.
-        """
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
-
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """The draft tokens of decoding `req` that fit this step.
-
-        Cut to the token budget, ``max_new_tokens`` (the last accepted token
-        is sampled) and ``max_model_len``.
-        """
-        k = min(
-            len(req.spec_token_ids),
-            budget - 1,
-            req.max_new_tokens - len(req.output) - 1,
-            self.max_model_len - req.num_tokens,
-        )
-        return [int(t) for t in req.spec_token_ids[: max(k, 0)]]
-
-    def _check_drafts(self) -> None:
-        """Refuses bad draft tokens before anything is scheduled."""
-        top = INT32_LIMIT if self.vocab_size is None else self.vocab_size
-        for req in self.running:
-            drafts = req.spec_token_ids
-            if not drafts:
-                continue
-            if any(self.manager.is_mamba):
-                raise ValueError(
-                    f"schedule: request {req.req_id!r} has draft tokens, but the "
-                    "model has Mamba groups, whose state cannot be rolled back "
-                    "past rejected drafts; speculative decoding needs attention "
-                    "layers only."
-                )
-            if isinstance(drafts, str | bytes) or not isinstance(drafts, Sequence):
-                raise TypeError(
-                    f"schedule: request {req.req_id!r}: spec_token_ids must be a "
-                    f"list of token ids, got {type(drafts).__name__}."
-                )
-            ids = host_int_array(
-                drafts, f"schedule: request {req.req_id!r} spec_token_ids"
-            )
-            if ids.ndim != 1 or ((ids < 0) | (ids >= top)).any():
-                raise ValueError(
-                    f"schedule: request {req.req_id!r} spec_token_ids must be token "
-                    f"ids in [0, {top}), got {list(drafts)[:8]}."
-                )
-
-    def _count_lookup(self, req: Request, hit: int) -> None:
-        """Counts an admission's prefix-cache lookup (vLLM's ``record``)."""
-        prefixes = ("", "preempted_") if req.num_preemptions else ("",)
-        for prefix in prefixes:
-            self._lookups[prefix + "requests"] += 1
-            self._lookups[prefix + "queries"] += req.num_tokens
-            self._lookups[prefix + "hits"] += hit
-
-    def make_stats(self) -> SchedulerStats:
-        """A snapshot for monitoring (vLLM's ``Scheduler.make_stats``).
-
-        ``.metrics()`` names its figures as vLLM's Prometheus metrics.
-
-        Example:
-          >>> import jaxkv
-          >>> plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
-          >>> s = jaxkv.Scheduler(plan, enable_prefix_caching=True)
-          >>> for i in range(2):
-          ...     _ = s.add_request(jaxkv.Request(f"r{i}", prompt=[1] * 70,
-          ...                                     max_new_tokens=1))
-          ...     while s.has_unfinished:
-          ...         step = s.schedule(); _ = s.update(step, [0] * len(step.sampled))
-          >>> stats = s.make_stats()
-          >>> stats.prefix_cache_stats.queries, stats.prefix_cache_stats.hits
-          (140, 64)
-          >>> stats.metrics()["vllm:generation_tokens"]
-          2.0
-        """
-        usable = self.manager.num_usable_blocks
-        live = [*self.running, *self.waiting]
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=1.0 - self.manager.num_free_blocks / usable,
-            prefix_cache_stats=PrefixCacheStats(**self._lookups),
-            num_preemptions=self.stats["preemptions"],
-            num_generation_tokens=self._generated_by_finished
-            + sum(len(r.output) - r.num_pending for r in live),
-            num_cached_prompt_tokens=self.stats["cached_tokens"],
-            num_rejected_reqs=self.stats["rejected"],
-            num_steps=self.stats["steps"],
-        )
-
-    def _wait_reason(self, req: Request, n: int, hit: int) -> str:
-        free = self.manager.num_free_blocks
-        if self.scheduler_reserve_full_isl and req.num_tokens > hit + n:
-            return (
-                f"its {req.num_tokens} tokens (from token {hit}) do not fit the "
-                f"{free} free blocks (full-prompt admission: "
-                "scheduler_reserve_full_isl=True)"
-            )
-        return f"its first chunk of {n} tokens does not fit the {free} free blocks"
-
+    @checks_own_arguments
     def schedule_decode(self, num_steps: int) -> ScheduledStep | None:
         """A step of `num_steps` decode iterations on the device, or ``None``.
 
@@ -673,49 +433,7 @@ class Scheduler:
           ValueError: If `num_steps` is not an int >= 1.
           RuntimeError: If :meth:`update` of the latest step raised midway.
         """
-        if (
-            not isinstance(num_steps, int)
-            or isinstance(num_steps, bool)
-            or num_steps < 1
-        ):
-            raise ValueError(
-                f"schedule_decode: num_steps must be an int >= 1, got {num_steps!r}."
-            )
-        self.ledger.check_not_midway("schedule_decode")
-        running = self.running
-        # After advance() the tokens of blocks in flight are placeholders
-        # (pending), their last one read on the device; after advance() of an
-        # ordinary step, not steady.
-        if (
-            self._align
-            or self.waiting
-            or any(s.num_steps == 1 for s in self.ledger.unresolved)
-            or not running
-            or len(running) > min(self.max_num_seqs, self.max_num_batched_tokens)
-            or any(r.num_computed != r.num_tokens - 1 for r in running)
-            or any(r.spec_token_ids for r in running)
-        ):
-            return None
-        counts = [min(num_steps, r.max_new_tokens - len(r.output)) for r in running]
-        for req, k in zip(running, counts, strict=True):
-            if not self.manager.allocate(req, k):
-                return None
-        batch = [(r, 1) for r in running]
-        step = scheduled_step(batch, [], self.manager.step_blocks(batch))
-        ahead = self.manager.step_blocks(list(zip(running, counts, strict=True)))
-        k_arr = np.asarray(counts, np.int32)
-        starts = np.concatenate([[0], np.cumsum(k_arr)[:-1]]).astype(np.int64)
-        it = np.arange(num_steps)[:, None]
-        live = it < k_arr[None, :]
-        at = np.where(live, starts[None, :] + it, 0)
-        step.step_slots = [
-            np.where(live, slots[at], -1).astype(np.int32)
-            for slots in ahead.slot_mappings
-        ]
-        step.steps_per_request = k_arr
-        step.num_steps = num_steps
-        self.stats["steps"] += 1
-        return self.ledger.made(step)
+        return self.planner.schedule_decode(num_steps)
 
     @checks_own_arguments
     def update(
@@ -756,9 +474,8 @@ class Scheduler:
     def advance(self, step: ScheduledStep) -> None:
         """Applies `step` before its sampled tokens are known.
 
-        Applies `step` before its sampled tokens are known (async
-        scheduling, as vLLM's ``async_scheduling``): the next step can be
-        scheduled while this one runs on the device.
+        Async scheduling, as vLLM's ``async_scheduling``: the next step can
+        be scheduled while this one runs on the device.
 
         Each sampling request gets a placeholder output token
         (``-(k + 1)`` for the ``k``-th of ``step.sampled``; a decode of it
@@ -808,8 +525,7 @@ class Scheduler:
     ) -> list[Request]:
         """Fills the tokens of the oldest step :meth:`advance` applied.
 
-        Fills the tokens of the oldest step :meth:`advance` applied; returns
-        the requests that are now complete (finished, no token pending).
+        Returns the requests now complete (finished, no token pending).
 
         The tokens are shaped as for :meth:`update`: one per sampling request,
         or for a :meth:`schedule_decode` step one row per request. A request
@@ -847,10 +563,9 @@ class Scheduler:
     def recompute_all(self) -> list[Request]:
         """Forgets what the KV cache held: every running request is requeued.
 
-        Forgets what the KV cache held: every running request goes back to
-        the front of the waiting queue, to be recomputed from its prompt and
-        the tokens it generated; the prefix cache is emptied and the latest
-        scheduled step can no longer be applied.
+        Each goes back to the front of the waiting queue, to be recomputed
+        from its prompt and the tokens it generated; the prefix cache is
+        emptied and the latest scheduled step can no longer be applied.
 
         For a device step that failed after its donated pools were consumed
         (the cache's contents are gone): allocate new pools, call this, and
@@ -885,7 +600,7 @@ class Scheduler:
             self.manager.free(req)
             req.num_computed = 0
             req.status = RequestStatus.WAITING
-            self._enqueue(req, front=True)
+            self.enqueue(req, front=True)
             requeued.append(req)
         self.manager.reset_prefix_cache()
         self.stats["recomputed"] += len(requeued)
@@ -894,8 +609,7 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Frees `req`'s blocks and forgets it (finished or aborted).
 
-        Frees `req`'s blocks and forgets it (finished or aborted); output
-        tokens still pending on the device are dropped.
+        Output tokens still pending on the device are dropped.
         """
         self.retire(req, keep_pending=False)
 
@@ -904,9 +618,8 @@ class Scheduler:
     ) -> None:
         """Finishes `req`, keeping its pending tokens or blocks if asked.
 
-        :meth:`finish` drops both; applying a step keeps the pending tokens
-        of a request that reached ``max_new_tokens`` before they were read,
-        and a multi-step decode its blocks until they are cached.
+        :meth:`finish` drops both; a step applied before its tokens are read
+        keeps them, and a multi-step decode its blocks until they are cached.
         """
         if req.num_pending and not keep_pending:
             del req.output[len(req.output) - req.num_pending :]

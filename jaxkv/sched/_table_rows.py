@@ -71,8 +71,7 @@ class TableRows:
     def set(self, req_id: str, g: int, cols: Iterable[int], table: list[int]) -> None:
         """Copies ``table[j]`` for `cols` into `req_id`'s row of group `g`.
 
-        Copies ``table[j]`` for `cols` into `req_id`'s row of group `g`
-        (columns past the width are left out: a batch refuses such a request).
+        Columns past the width are left out: a batch refuses such a request.
         """
         row, width = self._row_of(req_id), self.widths[g]
         for j in cols:

@@ -25,11 +25,10 @@ def check_forward_result(
 ) -> tuple[Any, Any]:
     """Trace-time check of what `forward` returned.
 
-    Trace-time check of what `forward` returned: ``(pools, logits)`` with
-    the pools' shapes and dtypes (and not the very arrays it was given: its
-    writes would be lost), one logits row per sampled token, and exactly
-    `vocab_size` columns (a wider row could sample an id the scheduler
-    refuses; a narrower one never samples the last ids).
+    ``(pools, logits)`` with the pools' shapes and dtypes (and not the very arrays it
+    was given: its writes would be lost), one logits row per sampled token, and exactly
+    `vocab_size` columns (a wider row could sample an id the scheduler refuses; a
+    narrower one never samples the last ids).
     """
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(

@@ -151,10 +151,9 @@ class DeviceStep:
     ) -> tuple[Pools, jax.Array, jax.Array, jax.Array]:
         """Several decode iterations in one program (multi-step decoding).
 
-        Several decode iterations in one program (multi-step decoding):
-        `inputs` packs one row per iteration (:func:`decode_step_inputs`);
-        each iteration is :meth:`rank_step`, its input tokens the previous
-        iteration's sampled ones, the pools carried through a ``lax.scan``.
+        `inputs` packs one row per iteration (:func:`decode_step_inputs`); each
+        iteration is :meth:`rank_step`, its input tokens the previous iteration's
+        sampled ones, the pools carried through a ``lax.scan``.
 
         Returns:
           ``(pools, tokens (num_steps, width), logits (num_steps, samples,

@@ -1,7 +1,7 @@
 """A serving loop for your own model.
 
-A serving loop for your own model: arrivals, scheduling, the step in one
-jitted program per bucket, sampling, stop tokens, streaming and resumption.
+Arrivals, scheduling, the step in one jitted program per bucket, sampling, stop tokens,
+streaming and resumption.
 """
 
 from __future__ import annotations
@@ -342,8 +342,7 @@ class ServingLoop:
     ) -> list[Scheduler]:
         """One scheduler per data-parallel rank under :attr:`scheduling`.
 
-        One scheduler per data-parallel rank under :attr:`scheduling`, each
-        with its own host tier (on a mesh, the rank's copies of the pools).
+        Each with its own host tier (on a mesh, the rank's copies of the pools).
         """
         opts = self.scheduling if options is None else options
 
@@ -397,8 +396,7 @@ class ServingLoop:
     def overlap(self) -> bool:
         """Whether the next step is scheduled while one runs.
 
-        Whether the next step is scheduled while one runs (see the class);
-        change it with :meth:`set_overlap`.
+        See the class. Change it with :meth:`set_overlap`.
         """
         return self.execution.overlap
 
@@ -602,9 +600,8 @@ class ServingLoop:
     def _decode_inputs(self) -> dict[Any, StepInputs]:
         """Abstract inputs of every multi-step decode program, by key.
 
-        Abstract inputs of every multi-step decode program, by key: the
-        programs a decode of 1 to ``max_num_seqs`` requests prepares to (found
-        by preparing such a step on the host).
+        The programs a decode of 1 to ``max_num_seqs`` requests prepares to (found by
+        preparing such a step on the host).
         """
         if self.decode_steps == 1:
             return {}
@@ -767,7 +764,7 @@ class ServingLoop:
                     "ServingLoop: requests are waiting but none could be scheduled."
                 )
             return done
-        self.pipeline.dispatch(self.schedulers, steps, self._run)
+        self.pipeline.dispatch(self.schedulers, steps, self._run_steps)
         return done + self._drain()
 
     def _drain(self) -> list[Request]:
@@ -812,12 +809,10 @@ class ServingLoop:
     def export_request(self, req: Request) -> RequestKV:
         """The KV cache of running request `req`.
 
-        The KV cache of running request `req`: its computed tokens, after
-        every step in flight is applied (:meth:`resume`); see
-        :func:`export_request`. On a mesh, read from the request's
-        data-parallel rank with every tensor rank's heads joined
-        (:func:`export_rank_request`): the global model's cache, which a loop
-        of any tensor-parallel degree adopts.
+        Its computed tokens, after every step in flight is applied (:meth:`resume`); see
+        :func:`export_request`. On a mesh, read from the request's data-parallel rank
+        with every tensor rank's heads joined (:func:`export_rank_request`): the global
+        model's cache, which a loop of any tensor-parallel degree adopts.
 
         Raises:
           ValueError: If `req` is not running.
@@ -842,11 +837,10 @@ class ServingLoop:
     def adopt(self, req: Request, kv: RequestKV) -> bool:
         """Continues `req` from a KV cache computed elsewhere.
 
-        Continues `req` from a KV cache computed elsewhere (another loop's
-        :meth:`export_request`, on any plan of the same layers: prefill/decode
-        disaggregation): :meth:`Scheduler.adopt` holds its blocks,
-        :func:`import_request` writes the cache into them. Returns ``False``
-        (nothing changed) when too few blocks are free now.
+        Another loop's :meth:`export_request`, on any plan of the same layers:
+        prefill/decode disaggregation: :meth:`Scheduler.adopt` holds its blocks,
+        :func:`import_request` writes the cache into them. Returns ``False`` (nothing
+        changed) when too few blocks are free now.
 
         On a mesh the request goes to the data-parallel rank with the fewest
         live requests (as :meth:`submit`), and :func:`import_rank_request`
@@ -976,10 +970,10 @@ class ServingLoop:
             step = sched.schedule_decode(self.decode_steps)
         if step is None:
             return False, done
-        pipeline.dispatch(self.schedulers, [step], self._run)
+        pipeline.dispatch(self.schedulers, [step], self._run_steps)
         return True, done + self._drain()
 
-    def _run(
+    def _run_steps(
         self, steps: list[ScheduledStep], prev_tokens: jax.Array
     ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """Runs `steps`: ``(tokens, logits, tokens the next step reads)``."""
@@ -994,9 +988,8 @@ class ServingLoop:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatches a multi-step decode.
 
-        Dispatches a multi-step decode: ``(tokens (num_steps, width),
-        logits, its last iteration's tokens)``; `prev_tokens` fills its first
-        iteration's placeholders.
+        ``(tokens (num_steps, width), logits, its last iteration's tokens)``;
+        `prev_tokens` fills its first iteration's placeholders.
         """
         first = self.builder.prepare(step)
         inputs = decode_step_inputs(
@@ -1065,8 +1058,7 @@ class ServingLoop:
     def _recover(self) -> str | None:
         """Finishes a step whose dispatch or advance raised.
 
-        Finishes a step whose dispatch or advance raised; steps in flight
-        that ran stay in flight (a normal state).
+        Steps in flight that ran stay in flight (a normal state).
         """
         pipeline, schedulers = self.pipeline, self.schedulers
         unadvanced = pipeline.unadvanced(schedulers)
@@ -1079,7 +1071,7 @@ class ServingLoop:
         if unadvanced:
             pipeline.advance(schedulers, pipeline.entries[-1][0])  # it ran
         if pipeline.inflight is not None:
-            pipeline.dispatch(schedulers, pipeline.inflight, self._run)
+            pipeline.dispatch(schedulers, pipeline.inflight, self._run_steps)
             return "rerun"
         return "applied"
 

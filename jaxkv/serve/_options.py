@@ -1,7 +1,6 @@
 """The options of a :class:`ServingLoop`, as two records.
 
-The options of a :class:`ServingLoop`, as two records: how requests are
-scheduled, and how each step runs.
+How requests are scheduled, and how each step runs.
 """
 
 from __future__ import annotations

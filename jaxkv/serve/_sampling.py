@@ -152,10 +152,9 @@ def sample_tokens_per_row(
 ) -> Int[Array, " n"]:
     """:func:`sample_tokens` with each row's own parameters.
 
-    :func:`sample_tokens` with each row's own parameters, as traced arrays
-    (one compiled program serves any mix): row ``i`` draws as
-    ``sample_tokens`` with ``SamplingParams(temperature[i], top_k[i],
-    top_p[i], seed[i])`` would, the same token (checked in the tests).
+    As traced arrays (one compiled program serves any mix): row ``i`` draws as
+    ``sample_tokens`` with ``SamplingParams(temperature[i], top_k[i], top_p[i],
+    seed[i])`` would, the same token (checked in the tests).
 
     Example:
       >>> import jax.numpy as jnp

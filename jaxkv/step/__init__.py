@@ -1,7 +1,5 @@
 """step: from a scheduled batch to every layer's metadata inside your jit.
 
-step: from a scheduled batch to every layer's metadata inside your jit.
-
 A step passes through three records: :class:`StepArrays` (host arrays, what
 a scheduler produces) -> :class:`StepInputs` (the packed buffer and staged
 indices, what your jitted step takes) -> :class:`StepFields` (the buffer

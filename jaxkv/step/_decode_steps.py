@@ -19,8 +19,6 @@ def decode_step_inputs(
 ) -> StepInputs:
     """The inputs of `num_steps` decode iterations from those of the first.
 
-    The inputs of `num_steps` decode iterations from those of the first.
-
     Iteration ``i`` is the decode step ``i`` tokens later: positions, context
     lengths and the longest context ``+ i``, each group's slots from
     `step_slots` (``-1``: the request has had its tokens, its write dropped),

@@ -118,8 +118,7 @@ def _stage_packed(
 def _rank_stager(rows: NamedSharding) -> Any:
     """:func:`_stage_packed` on every data-parallel rank's row.
 
-    :func:`_stage_packed` on every data-parallel rank's row, under
-    ``shard_map`` (each rank stages its own indices; nothing crosses ranks).
+    Under ``shard_map`` (each rank stages its own indices; nothing crosses ranks).
     """
 
     def per_rank(buffer: jax.Array, packed: jax.Array) -> Any:
@@ -199,9 +198,8 @@ class FastPrefillHelper:
     ) -> FastPrefillBatchMetadata:
         """Runs the staging kernel.
 
-        Runs the staging kernel. Every entry of the buffer is rewritten
-        each call, so a buffer consumed by a call that failed is replaced by
-        a fresh one with no change to any later step.
+        Every entry of the buffer is rewritten each call, so a buffer consumed by a call
+        that failed is replaced by a fresh one with no change to any later step.
         """
         if self.buffer.is_deleted():
             self.buffer = self._new_buffer()
@@ -338,8 +336,7 @@ class FastPrefillHelper:
     ) -> FastPrefillBatchMetadata | None:
         """Every data-parallel rank's :meth:`prepare` in one staging call.
 
-        Every data-parallel rank's :meth:`prepare` in one staging call:
-        armed for all ranks (one program) or none; leaves ``(ranks, ...)``.
+        Armed for all ranks (one program) or none; leaves ``(ranks, ...)``.
 
         Args:
           logits_indices: Per rank, its host token indices (``None`` or empty:

@@ -305,8 +305,7 @@ class StepFields:
     ) -> StepFields:
         """The record of arrays named as :meth:`StepCapacity.fields` names them.
 
-        The record of arrays named as :meth:`StepCapacity.fields` names them
-        (``"block_table.0"``, ...), each of its field's shape.
+        ``"block_table.0"``, .... Each of its field's shape.
         """
         raw = dict(arrays)
         groups = range(len(capacity.block_table_widths))

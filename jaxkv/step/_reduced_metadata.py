@@ -1,7 +1,6 @@
 """The reduced record of the KV-sharing fast-prefill layers.
 
-The reduced record of the KV-sharing fast-prefill layers: the same batch
-seen from the sampled tokens only (spec §2.17).
+The same batch seen from the sampled tokens only (spec §2.17).
 """
 
 from __future__ import annotations

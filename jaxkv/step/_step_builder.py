@@ -312,8 +312,7 @@ class StepMetadataBuilder:
     def _check_limits(self, query_start_loc: object) -> None:
         """Refuses a step above the limits the programs are sized for.
 
-        Refuses a step above the limits the programs are sized for (it would
-        compile a new program mid-serving).
+        It would compile a new program mid-serving.
         """
         qsl = np.asarray(query_start_loc)
         if qsl.ndim != 1 or not qsl.size or not np.issubdtype(qsl.dtype, np.integer):
@@ -530,8 +529,7 @@ class StepMetadataBuilder:
     ) -> int:
         """Room for the step's `n` sampled tokens in its model inputs.
 
-        Room for the step's `n` sampled tokens in its model inputs: none
-        without model inputs, the caller's `num_samples` (the staged indices'
+        None without model inputs, the caller's `num_samples` (the staged indices'
         padding with fast prefill armed), or the smallest bucket holding `n`.
         """
         if not self.model_inputs:

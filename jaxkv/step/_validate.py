@@ -1,7 +1,6 @@
 """Host checks of a step's arrays before they are packed.
 
-Host checks of a step's arrays before they are packed: nothing wraps, nothing
-reads keys it should not, every error names the argument.
+Nothing wraps, nothing reads keys it should not, every error names the argument.
 """
 
 from __future__ import annotations
@@ -276,8 +275,7 @@ def validate_logits_indices(
 ) -> None:
     """Host-side check of a step's logits indices against its batch.
 
-    Host-side check of a step's logits indices against its batch (the same
-    check :func:`validate_step` makes).
+    The same check :func:`validate_step` makes.
 
     Raises:
       ValueError: If `query_start_loc` is not a non-decreasing sequence from 0,

@@ -58,12 +58,10 @@ def _pull(
 ) -> Any:
     """``connection.pull`` that returns or raises by `deadline`.
 
-    ``connection.pull`` that returns or raises by `deadline`, whatever the
-    peer does: the call itself runs on a worker thread (a transport may block
-    in it: the thread is abandoned at the deadline), and the arrays it hands
-    back, still arriving with JAX's transfer library, are polled
-    (``is_ready``) until they all are or the deadline passes. Never a wait
-    inside native code the deadline cannot end.
+    Whatever the peer does: the call itself runs on a worker thread (a transport may
+    block in it: the thread is abandoned at the deadline), and the arrays it hands back,
+    still arriving with JAX's transfer library, are polled (``is_ready``) until they all
+    are or the deadline passes. Never a wait inside native code the deadline cannot end.
     """
     if deadline is None:
         return connection.pull(uuid, specs)
@@ -102,10 +100,9 @@ def _pull(
 def send_request(server: Any, kv: RequestKV, *, uuid: int) -> None:
     """Offers `kv` to one :func:`receive_request` of the same `uuid`.
 
-    Offers `kv` to one :func:`receive_request` of the same `uuid` (and
-    ``uuid + 1``) through `server` (``jax.experimental.transfer.
-    start_transfer_server``); returns once the pulls are scheduled (the server
-    serves them while it lives).
+    And ``uuid + 1`` through `server` (``jax.experimental.transfer.
+    start_transfer_server``); returns once the pulls are scheduled (the server serves
+    them while it lives).
 
     Raises:
       ValueError: If `uuid` is not a non-negative int.
@@ -184,9 +181,8 @@ def receive_request(
 ) -> RequestKV:
     """Pulls a request's cache that a :func:`send_request` of `uuid` offers.
 
-    Pulls a request's cache that a :func:`send_request` of `uuid` offers,
-    shaped for `plan` (onto its first device), ready for
-    :func:`import_request` or :meth:`ServingLoop.adopt`.
+    Shaped for `plan` (onto its first device), ready for :func:`import_request` or
+    :meth:`ServingLoop.adopt`.
 
     Args:
       connection: ``server.connect(sender_address)``.

@@ -1,7 +1,5 @@
 """A request's KV cache, moved between plans through views.
 
-A request's KV cache, moved between plans through views.
-
 :func:`export_request` reads a request's blocks through every layer's view
 into a layout-neutral :class:`RequestKV`: per attention layer its keys and
 values token by token (``(num_tokens, kv_heads, head_size)``, what
@@ -161,8 +159,7 @@ def _check_distinct(
 class BlockOwner(Protocol):
     """What :func:`import_request` asks of a block manager.
 
-    What :func:`import_request` asks of a block manager
-    (:class:`jaxkv.KVCacheManager` is one).
+    :class:`jaxkv.KVCacheManager` is one.
     """
 
     def holds_blocks(self, req: Any) -> bool:  # noqa: D102
@@ -213,8 +210,7 @@ def _check_owned(
 def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Array:
     """The block holding the Mamba state after `n` tokens.
 
-    The block holding the Mamba state after `n` tokens (its table's column
-    ``(n - 1) // bs``), as a ``(1,)`` id array.
+    Its table's column ``(n - 1) // bs``. As a ``(1,)`` id array.
     """
     block = int(ids[(n - 1) // bs])
     if block == 0:
@@ -228,8 +224,7 @@ def _state_block(ids: np.ndarray, n: int, bs: int, name: str, fn: str) -> jax.Ar
 def _kernel_table(group: AttentionGroup, ids: np.ndarray) -> Any:
     """The request's kernel block ids.
 
-    The request's kernel block ids (a packed pool's strided kernel view: a
-    manager block's pieces ``b * stride + j``).
+    A packed pool's strided kernel view: a manager block's pieces ``b * stride + j``.
     """
     return group.map_to_kernel_block_table(ids[None, :])
 
@@ -329,8 +324,7 @@ def _checked_layer(
 ) -> Any:
     """Refuses a layer of `kv` that does not fit `plan`'s.
 
-    Refuses a layer of `kv` that does not fit `plan`'s (named); returns the
-    view to write through.
+    Named. Returns the view to write through.
     """
     view = plan.views[name]
     if isinstance(view, MambaView):
