@@ -145,8 +145,8 @@ def run(args: Any) -> dict[str, Any]:
     # replayed back to back (the same programs on the same inputs, each
     # waited for): the device's own time for that work. Wall minus it is the
     # time the device waited on the host.
-    loop.programs = Recorder(loop.programs)  # type: ignore[assignment]
-    multi.decode_programs = Recorder(multi.decode_programs)  # type: ignore[assignment]
+    loop.runner.programs = Recorder(loop.runner.programs)  # type: ignore[assignment]
+    multi.runner.decode_programs = Recorder(multi.runner.decode_programs)  # type: ignore[assignment]
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, VOCAB, (args.batch, args.prompt))
 
@@ -166,7 +166,7 @@ def run(args: Any) -> dict[str, Any]:
         for r in reqs:
             loop.submit(r)
         walls = []
-        recorder = cast(Recorder, loop.programs)
+        recorder = cast(Recorder, loop.runner.programs)
         recorder.reset()
         with jaxkv.count_compilations() as compiles:
             while loop.has_unfinished:
@@ -204,7 +204,7 @@ def run(args: Any) -> dict[str, Any]:
         reqs = requests()
         for r in reqs:
             multi.submit(r)
-        recorder = cast(Recorder, multi.decode_programs)
+        recorder = cast(Recorder, multi.runner.decode_programs)
         recorder.reset()
         with jaxkv.count_compilations() as compiles:
             multi.step()  # the prefill

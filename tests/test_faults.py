@@ -108,7 +108,7 @@ def _inject(monkeypatch, engine, point, at):
                     raise Fault(point)
                 return real(*args)
 
-        monkeypatch.setattr(engine, "programs", Programs())
+        monkeypatch.setattr(engine.runner, "programs", Programs())
     elif point == "after_device":
         real = pipeline_module._to_host
 
@@ -183,7 +183,7 @@ def test_a_run_interrupted_twice_still_serves_everything(engine, fault_free):
                 raise Fault("flaky")
             return real(*args)
 
-    engine.programs = Flaky()
+    engine.runner.programs = Flaky()
     try:
         for _ in range(3):
             try:
@@ -192,7 +192,7 @@ def test_a_run_interrupted_twice_still_serves_everything(engine, fault_free):
             except Fault:
                 continue
     finally:
-        engine.programs = real
+        engine.runner.programs = real
     assert [r.output for r in requests] == [r.output for r in fault_free]
 
 

@@ -211,8 +211,8 @@ def test_a_fault_dispatching_a_pipelined_block_resumes_to_the_same_tokens(model,
         vocab_size=VOCAB,
         execution=jaxkv.ExecutionOptions(decode_steps=3),
     )
-    patched = "advance" if where == "advance" else "_dispatch_decode"
-    owner = loop.scheduler.applier if where == "advance" else loop
+    patched = "advance" if where == "advance" else "dispatch_decode"
+    owner = loop.scheduler.applier if where == "advance" else loop.runner
     real, calls = getattr(owner, patched), [0]
 
     def faulty(*args, **kwargs):

@@ -306,17 +306,17 @@ def test_overlap_resumes_a_step_that_failed_to_run(served, where):
     """  # noqa: D205
     loop = served["loop"]
     reset_loop(loop)
-    real, calls = loop._dispatch, [0]
+    real, calls = loop.runner.dispatch, [0]
 
-    def dispatch(scheduled, prev):
+    def dispatch(scheduled, prev, **kwargs):
         calls[0] += 1
         if calls[0] == 4:
             if where == "pools":
                 jax.tree.map(lambda a: a.delete(), loop.pools)
             raise RuntimeError("injected")
-        return real(scheduled, prev)
+        return real(scheduled, prev, **kwargs)
 
-    loop._dispatch = dispatch
+    loop.runner.dispatch = dispatch
     requests = _requests()
     try:
         with pytest.raises(RuntimeError, match="injected"):
@@ -324,7 +324,7 @@ def test_overlap_resumes_a_step_that_failed_to_run(served, where):
         assert loop.resume() == ("rerun" if where == "trace" else "recomputed")
         loop.run()
     finally:
-        del loop._dispatch
+        loop.runner.dispatch = real
     assert [r.output for r in requests] == [r.output for r in served["requests"]]
     assert loop.scheduler.manager.num_free_blocks == (
         loop.scheduler.manager.num_usable_blocks
@@ -648,7 +648,7 @@ def test_param_specs_must_match_the_params_and_need_a_mesh():
     with pytest.raises(TypeError, match="plan must be a KVCachePlan"):
         jaxkv.ServingLoop(plan.runner_config, forward, params)  # pyright: ignore[reportArgumentType]
     loop = jaxkv.ServingLoop(sp, forward, params)
-    loop.num_ranks = 2  # as on a mesh of two data ranks
+    loop.runner.num_ranks = 2  # as on a mesh of two data ranks
     with pytest.raises(ValueError, match="use loop.schedulers"):
         _ = loop.scheduler
 
@@ -748,7 +748,7 @@ def test_each_request_samples_with_its_own_parameters(served):
     for i, (r, k) in enumerate(zip(reqs, kinds, strict=True)):
         assert r.output == ref[k][i], (r.req_id, k)
     assert ref[hot] != ref[None]  # the kinds do differ
-    assert mixed._request_sampling == {}  # forgotten when finished
+    assert mixed.runner.request_sampling == {}  # forgotten when finished
     with pytest.raises(ValueError, match="per_request_sampling=True"):
         served["loop"].submit(
             jaxkv.Request("x", prompt=[1], max_new_tokens=1), sampling=hot

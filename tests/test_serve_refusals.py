@@ -108,7 +108,7 @@ def test_decode_steps_is_bounded_and_read_only():
         execution=jaxkv.ExecutionOptions(decode_steps=64),
     )
     with pytest.raises(AttributeError):
-        loop.decode_steps = 0  # pyright: ignore[reportAttributeAccessIssue]
+        loop.decode_steps = 0
     assert loop.decode_steps == 64
 
 

@@ -1,6 +1,6 @@
 """Pictures of pools, views and steps (matplotlib).
 
-Pictures of pools, views and steps (matplotlib; ``pip install jaxkv[pictures]``).
+Install with ``pip install jaxkv[pictures]``.
 
 Not imported by ``import jaxkv``. Each ``plot_*`` function returns a matplotlib
 ``Figure``; the data it draws comes from a NumPy function you can check

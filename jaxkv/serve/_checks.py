@@ -199,3 +199,15 @@ def check_options(value: object, kind: type[_T], name: str) -> _T:
             f"{name}=jaxkv.{kind.__name__}(...)."
         )
     return value
+
+
+def check_sampling_keys(requests: list[Any], sampling: Any) -> dict[str, Any]:
+    """``run``'s per-request `sampling`, keyed by ids of `requests` only."""
+    own = dict(sampling or {})
+    unknown = sorted(set(own) - {r.req_id for r in requests})
+    if unknown:
+        raise ValueError(
+            f"run: sampling names request ids {unknown[:5]} that are not among "
+            "the requests given; each key must be the req_id of one of them."
+        )
+    return own

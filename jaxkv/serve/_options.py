@@ -15,7 +15,9 @@ from jaxkv._util import (
     check_positive_int,
     checks_own_arguments,
 )
-from jaxkv.sched import KVEventBatch
+from jaxkv.plan import KVCachePlan, ShardedPlan
+from jaxkv.sched import HostKVCache, KVEventBatch, Scheduler
+from jaxkv.serve._checks import check_host_blocks
 from jaxkv.step import BucketDispatcher
 
 
@@ -82,6 +84,48 @@ class SchedulingOptions:
             raise ValueError(
                 f"{owner}.policy must be 'fcfs' or 'priority', got {self.policy!r}."
             )
+
+    def make(
+        self,
+        plan: KVCachePlan,
+        *,
+        sharded: ShardedPlan | None,
+        num_blocks: int | None,
+        vocab_size: int | None,
+    ) -> list[Scheduler]:
+        """The schedulers these options make: one per data-parallel rank.
+
+        Each has its own host tier (on a mesh, the rank's copies of the pools).
+
+        Raises:
+          ValueError: If ``host_blocks`` is not an int >= 0 with prefix caching.
+        """
+        check_host_blocks(sharded or plan, self.host_blocks, self.enable_prefix_caching)
+
+        def host(rank: int) -> HostKVCache | None:
+            if not self.host_blocks:
+                return None
+            return HostKVCache(
+                plan, num_blocks=self.host_blocks, sharded=sharded, rank=rank
+            )
+
+        return [
+            Scheduler(
+                plan,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_blocks=num_blocks,
+                host_blocks=0,  # the tier is `host`
+                host=host(rank),
+                vocab_size=vocab_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                policy=self.policy,
+                scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
+                enable_kv_cache_events=self.enable_kv_cache_events
+                or self.kv_event_sink is not None,
+            )
+            for rank in range(1 if sharded is None else sharded.data_parallel)
+        ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

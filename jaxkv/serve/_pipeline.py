@@ -123,6 +123,39 @@ class StepPipeline:
             finished += self.resolve_oldest(schedulers)
         return finished
 
+    def decode_ahead(
+        self,
+        schedulers: Sequence[Scheduler],
+        num_steps: int,
+        run: RunSteps,
+        *,
+        depth: int,
+    ) -> tuple[bool, list[Request]]:
+        """Multi-step decoding: dispatches a block of iterations when it can.
+
+        When the batch is in steady decoding (one device), a block of
+        `num_steps` iterations (:meth:`Scheduler.schedule_decode`) goes
+        through the pipeline like a step: with overlap it is dispatched
+        before the block in flight is read. Returns whether it ran and the
+        requests finished.
+        """
+        sched = schedulers[0]
+        blocks = bool(self.entries) and self.entries[-1][0][0].num_steps > 1
+        if sched.waiting or not sched.running:
+            # An ordinary step starts from known tokens: read the blocks first.
+            return False, (self.drain(schedulers) if blocks else [])
+        done = [] if blocks else self.drain(schedulers)
+        step = sched.schedule_decode(num_steps)
+        if step is None and self.entries:
+            # Not steady, or its blocks do not fit yet: with every token known
+            # (stop tokens free blocks), once more; else an ordinary step.
+            done += self.drain(schedulers)
+            step = sched.schedule_decode(num_steps)
+        if step is None:
+            return False, done
+        self.dispatch(schedulers, [step], run)
+        return True, done + self.drain(schedulers, depth)
+
     def resolve_oldest(self, schedulers: Sequence[Scheduler]) -> list[Request]:
         """Reads the oldest dispatch's tokens and resolves it on every rank."""
         steps, tokens, logits = self.entries[0]
