@@ -1,7 +1,5 @@
 """jaxkv: paged KV-cache views, attention groups and step metadata for JAX.
 
-jaxkv: paged KV-cache views, attention groups and step metadata for JAX serving.
-
 This namespace is the plan-first API: describe the model
 (:class:`RunnerConfig`, :func:`pattern_config`), plan its cache
 (:func:`make_plan`), read and write it inside your jit (:func:`write_kv`,

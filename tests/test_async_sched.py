@@ -121,6 +121,9 @@ def test_async_outputs_equal_sync_and_hash_only_known_tokens(kw):
     for s in (s1, s2):
         assert s.manager.num_free_blocks == s.manager.num_usable_blocks
     assert seen_keys <= valid  # never a hash of a placeholder
+    # Tokens filled in after a request finished (at max_new_tokens) count.
+    gen = [s.make_stats().num_generation_tokens for s in (s1, s2)]
+    assert gen[0] == gen[1] == sum(len(r.output) for r in sync)
     if kw.get("prefix"):
         assert seen_keys
         assert s2.stats["cached_tokens"] > 0
@@ -206,3 +209,61 @@ def test_steps_are_advanced_and_resolved_in_order():
     assert s.resolve(first, [1]) == []
     assert s.resolve(second, [2]) == []
     assert s.running[0].output == [1, 2]
+
+
+def _state(s):
+    """What applying a step changes: requests, blocks held, counters.
+
+    Block ids are left out: advance() frees a request at ``max_new_tokens``
+    at once and update() with the step's other finished requests, so the
+    free queue's order may differ.
+    """
+    m = s.manager
+    reqs = sorted([*s.running, *s.waiting], key=lambda r: r.req_id)
+    return (
+        [(r.req_id, r.num_computed, list(r.output), r.status) for r in reqs],
+        [[len(t) for t in m.blocks_of(r)] for r in reqs],
+        m.num_free_blocks,
+        m.allocator.num_cached,
+        dict(s.stats),
+        s.make_stats(),
+    )
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_update_is_advance_then_resolve_byte_for_byte(decode_steps):
+    """``update(step, tokens)`` and ``advance(step)`` then ``resolve(step,
+    tokens)`` leave the same requests, blocks held, cache and counters after
+    every step (stop tokens, max_new_tokens, preemption and multi-step
+    decodes included).
+    """  # noqa: D205
+    runs = []
+    for way in ("update", "advance"):
+        s, reqs = _scheduler(num_blocks=14), _requests(n=8, seed=4)
+        for r in reqs:
+            s.add_request(r)
+        states = []
+        while s.has_unfinished:
+            step = s.schedule_decode(decode_steps) if decode_steps > 1 else None
+            if step is not None:
+                tokens = [
+                    [_token(r, c + 1 + i) for i in range(int(k))]
+                    for (r, _), (c, _), k in zip(
+                        step.batch,
+                        step.scheduled_counts,
+                        step.steps_per_request,
+                        strict=True,
+                    )
+                ]
+            else:
+                step = s.schedule()
+                tokens = _sampled(step)
+            if way == "update":
+                done = s.update(step, tokens)
+            else:
+                s.advance(step)
+                done = s.resolve(step, tokens)
+            states.append(([r.req_id for r in done], _state(s)))
+        runs.append(states)
+    assert runs[0] == runs[1]
+    assert any(r for r, _ in runs[0])

@@ -89,8 +89,8 @@ def _check_kv_shapes(
 def _layer_slots(view: object, slot_mapping: object) -> tuple[Any, Any]:
     """A layer's view and slot mapping from an :class:`AttentionLayer`.
 
-    A layer's view and slot mapping from an :class:`AttentionLayer` and
-    step metadata (refusing another group's), or the bare ones as given.
+    Another group's metadata is refused; a bare view and slot array come
+    back as given.
     """
     if isinstance(view, AttentionLayer):
         group = getattr(slot_mapping, "group", None)

@@ -119,9 +119,8 @@ def gather(
 ) -> jax.Array:
     """Reads the items ``indices`` of dims `indexed` as ``(n, *rest)``.
 
-    Reads the items ``indices`` of dims `indexed` as ``(n, *rest)`` in
-    logical order, in the pool's storage dtype (convert with :func:`from_bits`;
-    a no-op for native pools). Invalid items read as NaN (all-ones bits for
+    In logical order, in the pool's storage dtype (convert with
+    :func:`from_bits`; a no-op for native pools). Invalid items read as NaN (all-ones bits for
     bits pools and integers).
     """
     shape, strides = view.shape, view.strides

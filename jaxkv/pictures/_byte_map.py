@@ -115,8 +115,8 @@ def byte_map(plan: KVCachePlan, *, pool: int = 0, group: int | None = None) -> B
 def plot_byte_map(plan: KVCachePlan, *, pool: int = 0, max_columns: int = 1024) -> Any:
     """A pool's bytes as images, one panel per KV-cache group.
 
-    A pool's bytes as images, one panel per KV-cache group with bytes in it:
-    one row per block, colored by owner (gray: padding).
+    Groups with bytes in the pool only: one row per block, colored by owner
+    (gray: padding).
 
     Bytes are binned to at most `max_columns` columns per row (each column
     shows the owner of its first byte; the axis is in bytes); the

@@ -136,8 +136,7 @@ class KVCachePlan:
     def block_table_widths(self) -> tuple[int, ...]:
         """Block-table columns per KV-cache group for ``max_model_len``.
 
-        Block-table columns per KV-cache group for ``max_model_len`` tokens:
-        ``ceil(max_model_len / block_size)``.
+        ``ceil(max_model_len / block_size)`` each.
 
         A Mamba group has a column per block too: the state after a request's
         last computed token lives in that token's column (see

@@ -322,8 +322,8 @@ def _word_pool(
 ) -> dict[str, Any]:
     """A carrier-word pool's spec fields: flat, or one row per block.
 
-    A carrier-word pool's spec fields: flat, or one row per block when it
-    has `max_flat_words` words or more and its views allow it.
+    Rows per block when it has `max_flat_words` words or more and its views
+    allow it.
     """
     rows = 0
     if size // word >= max_flat_words:

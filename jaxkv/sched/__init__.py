@@ -13,6 +13,7 @@ manager emits) and ``_metrics`` (the scheduler's stats under vLLM's metric
 names, a Prometheus collector).
 """
 
+from jaxkv.sched._apply import StepApplier
 from jaxkv.sched._blocks import BlockAllocator
 from jaxkv.sched._event_wire import ZmqEventPublisher, encode_kv_event_batch
 from jaxkv.sched._events import (
@@ -29,6 +30,7 @@ from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
 from jaxkv.sched._metrics import PrefixCacheStats, PrometheusCollector, SchedulerStats
+from jaxkv.sched._planner import StepPlanner
 from jaxkv.sched._prefix import (
     hash_token_blocks,
     longest_cache_hit,
@@ -56,8 +58,10 @@ __all__ = [
     "ScheduledStep",
     "Scheduler",
     "SchedulerStats",
+    "StepApplier",
     "StepBlocks",
     "StepLedger",
+    "StepPlanner",
     "ZmqEventPublisher",
     "encode_kv_event_batch",
     "external_block_hash",

@@ -60,8 +60,11 @@ class StepApplier:
       ...                                     num_blocks=8))
       >>> _ = s.add_request(jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=2))
       >>> step = s.schedule(); s.applier.advance(step, finish_early=True)
-      >>> s.running[0].output, s.applier.resolve(step, [7]), s.running[0].output
-      ([-1], [], [7])
+      >>> s.running[0].output  # a placeholder: the step's first sampled token
+      [-1]
+      >>> rows = s.applier.checked("resolve", step, [7])  # [[7]]
+      >>> s.applier.resolve(step, rows), s.running[0].output
+      ([], [7])
     """
 
     def __init__(self, owner: StepOwner) -> None:

@@ -1,12 +1,16 @@
 """serve: a loop over the scheduler, the step builder and your step.
 
-serve: a loop over the scheduler, the step builder and a step function of
-yours, with sampling, stop tokens, streaming, warm-up and fault resumption.
+Sampling, stop tokens, streaming, warm-up and fault resumption around a step
+function of yours: :class:`ServingLoop` over its schedulers, a
+:class:`StepPipeline` of the steps in flight and a :class:`StepRunner` on
+the device.
 """
 
 from jaxkv.serve._device_step import Forward
 from jaxkv.serve._loop import ServingLoop
 from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
+from jaxkv.serve._pipeline import StepPipeline
+from jaxkv.serve._runner import StepRunner
 from jaxkv.serve._sampling import (
     SamplingParams,
     request_seed,
@@ -21,6 +25,8 @@ __all__ = [
     "SamplingParams",
     "SchedulingOptions",
     "ServingLoop",
+    "StepPipeline",
+    "StepRunner",
     "request_seed",
     "sample_tokens",
     "sample_tokens_per_row",

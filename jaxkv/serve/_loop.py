@@ -610,8 +610,7 @@ class ServingLoop:
     def resume(self) -> str | None:
         """Brings the loop back to a consistent state after an exception.
 
-        Brings the loop back to a consistent state after an exception inside
-        a step; returns what it did (``None``: nothing was in flight).
+        Returns what it did (``None``: nothing was in flight).
 
         - ``"applied"``: the step's program had returned (the pools hold its
           K/V and states): its tokens are applied, never recomputed (a

@@ -62,7 +62,7 @@ class StepRunner:
       >>> loop = jaxkv.ServingLoop(plan, lambda p, pools, m, t, s: (pools,
       ...     p[t[s]]), jnp.eye(8), vocab_size=8)
       >>> loop.runner.pools is loop.pools, loop.runner.builder.max_num_samples
-      (True, 2)
+      (True, 4)
     """
 
     def __init__(
