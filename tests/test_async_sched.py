@@ -251,7 +251,7 @@ def test_update_is_advance_then_resolve_byte_for_byte(decode_steps):
                     for (r, _), (c, _), k in zip(
                         step.batch,
                         step.scheduled_counts,
-                        step.steps_per_request,
+                        np.asarray(step.steps_per_request),
                         strict=True,
                     )
                 ]

@@ -120,8 +120,8 @@ def gather(
     """Reads the items ``indices`` of dims `indexed` as ``(n, *rest)``.
 
     In logical order, in the pool's storage dtype (convert with
-    :func:`from_bits`; a no-op for native pools). Invalid items read as NaN (all-ones bits for
-    bits pools and integers).
+    :func:`from_bits`; a no-op for native pools). Invalid items read as NaN
+    (all-ones bits for bits pools and integers).
     """
     shape, strides = view.shape, view.strides
     slots = _as_slots(pool, shape, strides)
