@@ -212,6 +212,43 @@ def test_an_update_that_fails_midway_is_finished_by_applying_it_again():
     _serve(s, reqs)
 
 
+def test_an_update_that_fails_while_finishing_requests_is_finished_by_a_retry():
+    # The fault comes after the step was advanced (its tokens counted), while
+    # its tokens are filled in and finished requests freed: the retry neither
+    # advances it twice nor skips the request whose finishing failed.
+    s = jaxkv.Scheduler(_plan())
+    reqs = [
+        jaxkv.Request(n, prompt=[1, 2, 3], max_new_tokens=4, stop_token_ids=(9,))
+        for n in "abc"
+    ]
+    for r in reqs:
+        s.add_request(r)
+    step = s.schedule()
+    real, calls = s.manager.free, []
+
+    def free(req):
+        calls.append(req.req_id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real(req)
+
+    s.manager.free = free
+    with pytest.raises(KeyboardInterrupt):
+        s.update(step, [9, 5, 9])  # a and c stop
+    with pytest.raises(RuntimeError, match="raised midway"):
+        s.schedule()
+    assert s.update(step, [9, 5, 9]) == [reqs[0], reqs[2]]
+    s.manager.free = real
+    assert s.unresolved == ()
+    assert [(r.num_computed, r.output, r.status.value) for r in reqs] == [
+        (3, [9], "finished"),
+        (3, [5], "running"),
+        (3, [9], "finished"),
+    ]
+    _serve(s, reqs)
+    assert reqs[1].output == [5, 1, 1, 1]
+
+
 def test_recompute_all_requeues_running_requests_and_empties_the_cache():
     s = jaxkv.Scheduler(_plan(), enable_prefix_caching=True)
     a = jaxkv.Request("a", prompt=list(range(20)), max_new_tokens=3)

@@ -271,6 +271,34 @@ def test_tokens_stream_as_they_are_sampled(served):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_without_overlap_a_step_is_resolved_before_step_returns(served, overlap):
+    # One pipeline for both modes: drained after each dispatch without
+    # overlap (step() returns what that step finished), one step in flight
+    # with it (what a step finished comes back from the next call).
+    loop = served["loop"]
+    loop.set_overlap(overlap)
+    reset_loop(loop)
+    try:
+        for req in _requests():
+            loop.submit(req)
+        finished = []
+        while loop.has_unfinished:
+            done = loop.step()
+            finished += done
+            assert len(loop.pipeline) == (1 if overlap and loop.has_unfinished else 0)
+            if not overlap:
+                assert loop.scheduler.unresolved == ()
+                assert all(r.status.value == "finished" for r in done)
+                assert all(
+                    min(r.output, default=0) >= 0 for r in loop.scheduler.running
+                )
+    finally:
+        loop.set_overlap(True)
+    want = {r.req_id: r.output for r in served["requests"]}
+    assert {r.req_id: r.output for r in finished} == want
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_fault_after_the_device_step_resumes_to_the_same_tokens(served, overlap):
     loop = served["loop"]
     loop.set_overlap(overlap)
