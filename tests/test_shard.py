@@ -125,7 +125,7 @@ FAULTS = Path(__file__).with_name("mesh_fault_check.py")
 @pytest.mark.slow
 def test_a_fault_on_one_rank_of_two_resumes_to_the_fault_free_tokens():
     """Rank 1's scheduler raises while rank 0 has applied the step (advance,
-    resolve, update; overlap on and off): each rank's step applied once.
+    resolve; overlap on and off): each rank's step applied once.
     """  # noqa: D205
     _run_check(FAULTS)
 
