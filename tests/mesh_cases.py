@@ -10,9 +10,13 @@ import jaxkv
 import jaxkv.demo
 
 
-def demo_config() -> jaxkv.RunnerConfig:
-    """8 query heads, 4 KV heads (replicated over 8 tensor ranks at 1x8)."""
+def demo_config(kv_quant_mode: str = "none") -> jaxkv.RunnerConfig:
+    """8 query heads, 4 KV heads (replicated over 8 tensor ranks at 1x8).
+
+    `kv_quant_mode`: the attention layers' 8-bit pages (``"none"``: float32).
+    """
     return jaxkv.tiny_hybrid_config(
+        kv_quant_mode=kv_quant_mode,
         num_heads=8,
         num_kv_heads=4,
         head_size=16,

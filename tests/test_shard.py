@@ -106,6 +106,14 @@ def test_engine_on_meshes_serves_what_one_device_serves():
     _run_check(ENGINE, "1x8")
 
 
+@pytest.mark.slow
+def test_an_8_bit_cache_on_a_mesh_serves_what_one_device_serves():
+    """Int8 pages with per-token-head scales on a 2x4 mesh (one KV head per
+    tensor rank: the scales shard with their heads) against one device.
+    """  # noqa: D205
+    _run_check(ENGINE, "--quant", "int8_per_token_head", "2x4")
+
+
 SERVE = Path(__file__).with_name("serve_mesh_check.py")
 
 

@@ -52,17 +52,15 @@ Flush = Callable[[Pools], Pools]
 class StepRunner:
     """Runs scheduled steps on the device (see the module docstring).
 
-    Example (a loop's runner; ``loop.pools`` are its pools):
+    Example (a loop's runner: ``loop.pools`` are its pools):
       >>> import jax.numpy as jnp
       >>> import jaxkv
-      >>> cfg = jaxkv.pattern_config("G", num_layers=1, num_heads=1,
-      ...     num_kv_heads=1, head_size=8, max_model_len=64, max_num_seqs=2,
-      ...     max_num_batched_tokens=16, token_buckets=(4, 16))
-      >>> plan = jaxkv.make_plan(cfg, num_blocks=8)
-      >>> loop = jaxkv.ServingLoop(plan, lambda p, pools, m, t, s: (pools,
-      ...     p[t[s]]), jnp.eye(8), vocab_size=8)
-      >>> loop.runner.pools is loop.pools, loop.runner.builder.max_num_samples
-      (True, 4)
+      >>> plan = jaxkv.make_plan(jaxkv.llama_like_config(num_layers=1),
+      ...                        num_blocks=8)
+      >>> bigram = lambda p, pools, meta, tokens, sample: (pools, p[tokens[sample]])
+      >>> loop = jaxkv.ServingLoop(plan, bigram, jnp.eye(8), vocab_size=8)
+      >>> loop.runner.pools is loop.pools, loop.runner.plan is loop.plan
+      (True, True)
     """
 
     def __init__(
