@@ -57,6 +57,7 @@ class Case:
     quant: str = "none"  # kv_quant_mode: 8-bit pages in a word pool (issue 58)
     k_scale: float | None = None  # fp8_per_tensor's static scales
     v_scale: float | None = None
+    typed: bool = False  # 8-bit pages in a stacked typed pool (fp8 per tensor)
 
 
 CASES = (
@@ -207,6 +208,7 @@ def build(case: Case, seed: int = 0) -> Built:
         else (jaxkv.vllm.MultipleOf(1),),
     )
     quantized = case.quant != "none"
+    words = quantized and not case.typed
     spec = jaxkv.FullAttentionSpec(
         block_size=case.block,
         num_kv_heads=case.kv_heads,
@@ -222,13 +224,13 @@ def build(case: Case, seed: int = 0) -> Built:
     plan = jaxkv.make_plan(
         cfg,
         num_blocks=24,
-        storage="words" if quantized else "stacked",
+        storage="words" if words else "stacked",
         pool_dtype="auto" if quantized else case.pool_dtype,
     )
     view = plan.views["a"]
     scales = {"k_scale": case.k_scale, "v_scale": case.v_scale} if quantized else {}
     # Word pools hold one layer per view: no layer slot.
-    slot_of = (lambda _: None) if quantized else jnp.int32
+    slot_of = (lambda _: None) if words else jnp.int32
     assert isinstance(view, jaxkv.KVCacheView)
     kb = view.block_size
     pools = plan.allocate()
@@ -264,7 +266,7 @@ def build(case: Case, seed: int = 0) -> Built:
         keys.append(slots if quantized else np.asarray(k, np.float64))
         values.append(np.asarray(v, np.float64))
     if quantized:  # the oracle reads what was stored, dequantized
-        every = stored(pools, view, case)
+        every = stored(pools, view, case, layer=slot_of(case.layer))
         keys, values = [every[0][s] for s in keys], [every[1][s] for s in keys]
     q_lens = [q for q, _ in case.reqs]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -324,8 +326,11 @@ _QUANT_DTYPE = {
 }
 
 
-def stored(pools, view, case: Case) -> tuple[np.ndarray, np.ndarray]:
-    """Every slot's K/V in a quantized view, dequantized (float64, by slot)."""
+def stored(pools, view, case: Case, layer=None) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot's K/V in a quantized view, dequantized (float64, by slot).
+
+    `layer`: the layer slot of a stacked pool (``None``: the view's own).
+    """
     from jaxkv.kv._quant import scale_view
 
     table = jnp.arange(view.num_blocks, dtype=jnp.int32)[None, :]
@@ -334,7 +339,7 @@ def stored(pools, view, case: Case) -> tuple[np.ndarray, np.ndarray]:
         x = np.asarray(x.astype(jnp.float32), np.float64)
         return x.reshape(view.num_blocks * view.block_size, *x.shape[3:])
 
-    k, v = (flat(x) for x in jaxkv.gather_kv_pages(pools, view, table))
+    k, v = (flat(x) for x in jaxkv.gather_kv_pages(pools, view, table, layer=layer))
     if case.quant == "fp8_per_tensor":
         return k * (case.k_scale or 1.0), v * (case.v_scale or 1.0)
     ks, vs = (flat(x) for x in jaxkv.gather_kv_pages(pools, scale_view(view), table))
@@ -357,6 +362,18 @@ QUANT_CASES = (
         k_scale=0.5,
         v_scale=2.0,
         cap=3.0,
+    ),
+    Case(
+        "mixed_fp8_per_tensor_typed_gqa_window",
+        layout="kv",
+        quant="fp8_per_tensor",
+        typed=True,
+        k_scale=0.25,
+        v_scale=4.0,
+        q_heads=8,
+        reqs=((5, 12), (1, 20), (3, 3)),
+        tile=4,
+        window=5,
     ),
 )
 """8-bit pages (issue 58): XLA's path against the oracle of what was stored."""

@@ -136,6 +136,12 @@ class Step:
     # "fused": (N, H, K|V) pages (jaxkv's default, vLLM's NHD); "kv": K and
     # V halves of (N, H, D); "hnd": K and V halves of (H, N, D) (vLLM's HND)
     layout: str = "fused"
+    # "fp8_per_tensor": float8_e4m3fn pages with static scales (issue 58)
+    quant: str = "none"
+
+    @property
+    def page_dtype(self) -> str:
+        return "float8_e4m3fn" if self.quant == "fp8_per_tensor" else self.dtype
 
     @property
     def reqs(self) -> int:
@@ -155,7 +161,8 @@ class Step:
 
     def kv_bytes(self) -> int:
         """K/V bytes the step must read once (every request's context)."""
-        per_token = 2 * self.kv_heads * self.head * jnp.dtype(self.dtype).itemsize
+        itemsize = jnp.dtype(self.page_dtype).itemsize
+        per_token = 2 * self.kv_heads * self.head * itemsize
         return self.reqs * self.context * per_token
 
 
@@ -173,7 +180,8 @@ def plan_of(step: Step, *, num_layers: int = 1) -> tuple[Any, list[str]]:
         block_size=step.block,
         num_kv_heads=step.kv_heads,
         head_size=step.head,
-        dtype=step.dtype,
+        dtype=step.page_dtype,
+        kv_quant_mode=step.quant,
     )
     names = [f"layers.{i}" for i in range(num_layers)]
     cfg = jaxkv.RunnerConfig(
@@ -196,6 +204,8 @@ def attention_step(
         max_reqs=step.reqs, max_tokens=step.tokens, max_blocks=step.cols
     )
     dt = jnp.dtype(step.dtype)
+    quant = step.quant != "none"
+    k_scale, v_scale = (0.5, 2.0) if quant else (None, None)
 
     def fn(pools, q, k, slots, meta):
         if write != "skip":
@@ -208,6 +218,8 @@ def attention_step(
             scale=step.head**-0.5,
             query_tile=step.tile,
             implementation=implementation,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return pools, out
 

@@ -116,6 +116,20 @@ def test_xla_path_reads_8_bit_pages_as_the_oracle_of_what_was_stored(case):
     np.testing.assert_allclose(out, reference, atol=tol)
 
 
+def test_the_gpu_kernel_dequantizes_fp8_per_tensor_pages_in_the_kernel():
+    # The Triton kernel (interpreted here) reads the fp8 bytes and computes in
+    # bfloat16: K's static scale folded into the scores, V's into the output.
+    (case,) = [c for c in QUANT_CASES if c.typed]
+    built = build(case)
+    out = run(built, "pallas_gpu")
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, run(built, "xla"), atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(out, dense(case, built), atol=3e-2, rtol=3e-2)
+    # Per-token-head pages (a scale per token in the page) stay refused.
+    with pytest.raises(ValueError, match="int8_per_token_head pages are quantized"):
+        run(build(QUANT_CASES[0]), "pallas_gpu")
+
+
 @pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu", "native"])
 def test_other_kernels_refuse_8_bit_pages_naming_why(implementation):
     built = build(QUANT_CASES[0])

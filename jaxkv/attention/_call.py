@@ -41,7 +41,9 @@ def kv_heads_of(view: KVCacheView) -> int:
     return view.shape[view.dim("head")] if "head" in view.axes else 1
 
 
-def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
+def pallas_unfit(
+    view: KVCacheView, call: Call, *, fp8_per_tensor: bool = False
+) -> str | None:
     """Why jaxkv's Pallas attention kernels cannot take this call (or ``None``).
 
     Why jaxkv's Pallas attention kernels cannot take this call (``None``:
@@ -59,7 +61,7 @@ def pallas_unfit(view: KVCacheView, call: Call) -> str | None:
       >>> pallas_unfit(view, Call(mask, 1.0, None, None, 1, "auto"))
       'use_mm_prefix=True (PrefixLM ranges are not one key range)'
     """
-    reason = pallas_view_unfit(view)
+    reason = pallas_view_unfit(view, fp8_per_tensor=fp8_per_tensor)
     if reason is not None:
         return reason
     if call.mask.use_mm_prefix:

@@ -120,7 +120,8 @@ def paged_attention(
 
         An implementation asked for by name that cannot run this call raises
         a ValueError naming why. Quantized pages (the spec's
-        ``kv_quant_mode``) are dequantized by XLA's path only, for now.
+        ``kv_quant_mode``) are dequantized by XLA's path, and fp8 pages with
+        per-tensor scales by the GPU kernel too (sm_89 and newer).
       k_scale: The static K scale of ``"fp8_per_tensor"`` pages (a Python
         float, vLLM's ``layer._k_scale``; default 1.0): K is read as the
         stored value times it. Only for those pages.

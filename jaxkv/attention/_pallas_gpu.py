@@ -157,10 +157,29 @@ def gpu_unfit(view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str | 
     """Why the GPU kernel cannot take this call (``None``: it can).
 
     Only the view's and mask's reasons (:func:`pallas_unfit`): block sizes,
-    head dims, GQA ratios and query tiles of any size are padded.
+    head dims, GQA ratios and query tiles of any size are padded; fp8 pages
+    with static per-tensor scales are read and dequantized in the kernel.
     """
     del q_shape
-    return pallas_unfit(view, call)
+    reason = pallas_unfit(view, call, fp8_per_tensor=True)
+    if reason is None and view.kv_quant_mode == "fp8_per_tensor":
+        arch = _cuda_arch()
+        if arch is not None and arch < (8, 9):
+            return (
+                f"fp8 pages on sm_{arch[0]}{arch[1]} (Triton converts float8_e4m3 "
+                "on sm_89 and newer)"
+            )
+    return reason
+
+
+def _cuda_arch() -> tuple[int, int] | None:
+    """The default CUDA device's compute capability, or ``None`` off CUDA."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return None
+    major, minor = str(capability).split(".")[:2]
+    return int(major), int(minor)
 
 
 def gpu_attention(
@@ -197,7 +216,10 @@ def gpu_attention(
         block_size=view.block_size,
         dk=kc.dk,
         dv=dv,
-        scale=call.scale,
+        # fp8 per-tensor pages: K's scale folds into the scores', V's into
+        # the output (each is linear in its pages).
+        scale=call.scale * (1.0 if call.k_scale is None else call.k_scale),
+        v_scale=1.0 if call.v_scale is None else call.v_scale,
         cap=call.logits_soft_cap,
         num_blocks=view.num_blocks,
     )
@@ -278,6 +300,7 @@ def _kernel(
     dk: int,
     dv: int,
     scale: float,
+    v_scale: float,
     cap: float | None,
     num_blocks: int,
 ) -> None:
@@ -316,7 +339,9 @@ def _kernel(
         other=0,
     )
     f32 = lay.dtype == jnp.float32
-    q = q.astype(jnp.float32 if f32 else lay.dtype)
+    # 8-bit pages are computed in bfloat16 (tensor cores; float32 sums).
+    cdt = jnp.float32 if f32 else jnp.bfloat16 if lay.dtype.itemsize == 1 else lay.dtype
+    q = q.astype(cdt)
 
     num_layers = lay.slots_shape[0]
     layer = layer_ref[0]
@@ -327,12 +352,18 @@ def _kernel(
 
     def load(page, token, half, dims, width, mask):
         idx = lay.at(layer, page[:, None], h, half, dims[None, :], token=token[:, None])
+        # An 8-bit float pool's masked lanes are filled as floats (Triton
+        # casts no int to fp8).
+        fp8_pool = jnp.issubdtype(pool_ref.dtype, jnp.floating) and (
+            pool_ref.dtype.itemsize == 1
+        )
+        other = 0.0 if fp8_pool else 0
         x = pltriton.load(
-            pool_ref.at[idx], mask=mask & (dims < width)[None, :], other=0
+            pool_ref.at[idx], mask=mask & (dims < width)[None, :], other=other
         )
         if x.dtype != lay.dtype:  # a bits pool: the same bytes, as floats
             x = jax.lax.bitcast_convert_type(x, lay.dtype)
-        return x.astype(jnp.float32) if f32 else x
+        return x.astype(cdt)
 
     def dot(x, y, trans_b=False):
         return pltriton.dot(x, y, trans_b=trans_b, allow_tf32=False)
@@ -371,6 +402,8 @@ def _kernel(
     top, denom, acc, bad_seen = jax.lax.fori_loop(0, steps, body, init)
     # A query that sees a key of a page or layer outside the pool reads NaN.
     acc = jnp.where(bad_seen[:, None] > 0, jnp.nan, acc)
+    if v_scale != 1.0:
+        acc = acc * v_scale
     if t.splits == 1:
         acc = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
     acc_ref[...] = acc

@@ -23,14 +23,21 @@ _KERNEL_DTYPES = (
 )
 
 
-def pallas_view_unfit(view: KVCacheView) -> str | None:
+_FP8_DTYPES = (
+    np.dtype(jax.numpy.float8_e4m3fn),
+    np.dtype(jax.numpy.float8_e5m2),
+)
+
+
+def pallas_view_unfit(view: KVCacheView, *, fp8_per_tensor: bool = False) -> str | None:
     """Why jaxkv's Pallas kernels cannot address `view` (``None``: they can).
 
     They index a typed pool (``storage="typed"`` or ``"stacked"``, elements
     or their bits) by block, token, head and a range of the head dim (the
     innermost axis), in float32, bfloat16 or float16; MLA latents,
     head-packed layouts and kernel views of packed word pools stay on XLA's
-    path.
+    path. With `fp8_per_tensor` (a kernel that dequantizes them), fp8 pages
+    of static per-tensor scales are taken too.
 
     Example:
       >>> import jaxkv
@@ -42,7 +49,8 @@ def pallas_view_unfit(view: KVCacheView) -> str | None:
       >>> jaxkv.kv.pallas_view_unfit(typed.views["layers.0.self_attn"]) is None
       True
     """
-    if quant_unfit(view):
+    fp8 = fp8_per_tensor and view.kv_quant_mode == "fp8_per_tensor"
+    if quant_unfit(view) and not fp8:
         return quant_unfit(view)
     if not view.typed:
         return (
@@ -55,7 +63,7 @@ def pallas_view_unfit(view: KVCacheView) -> str | None:
         return f"view axes {view.axes} (the kernels need block, token, head, dim)"
     if view.strides[view.dim("dim")] != 1:
         return "a head dim that is not contiguous"
-    if view.dtype not in _KERNEL_DTYPES:
+    if view.dtype not in _KERNEL_DTYPES and not (fp8 and view.dtype in _FP8_DTYPES):
         return f"dtype {view.dtype} (the kernels read float32, bfloat16, float16)"
     return None
 
