@@ -83,7 +83,7 @@ def tiling_of(step: Step, rows: int) -> GpuTiling:
         dk=step.head,
         dv=step.head,
         max_keys=step.cols * step.block,
-        itemsize=jnp.dtype(step.dtype).itemsize,
+        itemsize=jnp.dtype(step.page_dtype).itemsize,
     )
 
 
@@ -114,7 +114,7 @@ def residency(build: GpuBuild, gpu: Gpu) -> int:
 
 def estimate(step: Step, t: GpuTiling, build: GpuBuild, gpu: Gpu) -> dict[str, Any]:
     """The modelled time of the kernel for `step` on `gpu` (see the module)."""
-    item = jnp.dtype(step.dtype).itemsize
+    item = jnp.dtype(step.page_dtype).itemsize  # fp8 pages: one byte a value
     # Masked loads read a padded head dim's real elements only.
     step_bytes = t.keys * (2 * step.head * item + 4)
     per_sm = residency(build, gpu)
@@ -185,6 +185,8 @@ def gpu_rows(
     t = tiling_of(step, rows)
     out = []
     for name, gpu in GPUS.items():
+        if gpu.arch not in builds:  # fp8 pages: sm_89 and newer
+            continue
         b = builds[gpu.arch]
         out.append(
             {

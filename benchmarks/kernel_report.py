@@ -144,6 +144,9 @@ GPU_CONFIGS = [
     Step("mixed 128 decode + 8x512 prefill head 256", decode=128, prefill=8, head=256),
     Step("decode 256x4096 GQA 40:8", q_heads=40),
     Step("decode 256x4096 head 96", head=96),
+    # fp8 pages with per-tensor scales (issue 58): sm_90 only (Triton
+    # converts e4m3 on sm_89 and newer).
+    Step("decode 256x4096 block 16 fp8", quant="fp8_per_tensor"),
 ]
 
 
@@ -426,7 +429,8 @@ def gpu_report(configs: list[Step]) -> tuple[list[dict[str, Any]], bool | None]:
     for step in configs:
         fn, args = attention_step(step, implementation="pallas_gpu")
         [module] = triton_modules(fn, args)
-        builds = {arch: compile_triton(module, arch) for arch in (80, 90)}
+        archs = (90,) if step.quant != "none" else (80, 90)
+        builds = {arch: compile_triton(module, arch) for arch in archs}
         rows += gpu_rows(step, module.grid[0], builds)
     keys = (
         "gpu",
@@ -456,6 +460,15 @@ def gpu_report(configs: list[Step]) -> tuple[list[dict[str, Any]], bool | None]:
             print(
                 f"{r['gpu']}: {r['config']}: time per byte read = "
                 f"{per_byte:.2f}x decode's"
+            )
+    for r in rows:
+        if r["config"].endswith(" fp8"):
+            d = decode[r["gpu"]]
+            r["time vs bf16 decode"] = r["model us"] / d["model us"]
+            print(
+                f"{r['gpu']}: {r['config']}: est. {r['est. % of copy']:.1f}% of "
+                f"copy, time {r['time vs bf16 decode']:.2f}x the bf16 decode's "
+                "(half the bytes)"
             )
     write_step = Step("KV write, 16384 tokens", decode=16384)
     fn, args = attention_step(write_step, implementation="pallas_gpu", write="pallas")
