@@ -267,3 +267,28 @@ def test_update_is_advance_then_resolve_byte_for_byte(decode_steps):
         runs.append(states)
     assert runs[0] == runs[1]
     assert any(r for r, _ in runs[0])
+
+
+def test_recompute_all_counts_a_revived_request_s_tokens_once():
+    # A request finished at max_new_tokens before its last token was read is
+    # served again by recompute_all(); its known tokens stay counted once.
+    s = _scheduler(prefix=False)
+    a = jaxkv.Request("a", prompt=[1, 2, 3], max_new_tokens=2)
+    b = jaxkv.Request("b", prompt=[4, 5, 6], max_new_tokens=9)
+    for r in (a, b):
+        s.add_request(r)
+    first = s.schedule()
+    s.advance(first)
+    s.resolve(first, [7, 8])
+    second = s.schedule()
+    s.advance(second)  # a reaches max_new_tokens: finished, a token pending
+    assert a.status is jaxkv.RequestStatus.FINISHED
+    assert a.num_pending == 1
+    before = s.make_stats().num_generation_tokens
+    assert before == 2  # the tokens known: a's 7 and b's 8
+    s.recompute_all()
+    assert s.make_stats().num_generation_tokens == before
+    while s.has_unfinished:
+        step = s.schedule()
+        s.update(step, [1] * len(step.sampled))
+    assert s.make_stats().num_generation_tokens == len(a.output) + len(b.output)

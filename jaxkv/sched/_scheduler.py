@@ -221,11 +221,10 @@ class Scheduler:
     def rejection_reason(self, req: Request) -> str | None:
         """Why `req` can never be served, or ``None``.
 
-        Checks every field that enters the scheduler, so a bad request is
-        rejected here and never fails a later step: the prompt (a sequence of
-        ints in ``[0, vocab_size)``, or within int32 without a vocabulary),
-        ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``, the model
-        length and the blocks it needs.
+        Checks every field that enters the scheduler (a bad request never
+        fails a later step): the prompt (ints in ``[0, vocab_size)``, or int32
+        without one), ``max_new_tokens``, ``stop_token_ids``, ``cache_salt``,
+        the model length and the blocks it needs.
         """
         return self.planner.rejection_reason(req)
 
@@ -582,11 +581,11 @@ class Scheduler:
           (['a'], 0)
         """
         self.ledger.check_not_midway("recompute_all")
-        # Tokens still on the device are lost with it: placeholders go, and
-        # requests advance() finished before their last token was read are
-        # served again.
+        # Tokens on the device are lost: placeholders go; requests advance()
+        # finished before their last token was read are live (and counted) again.
         for req in self.ledger.forget():
             if req.num_pending:
+                self._generated_by_finished -= len(req.output) - req.num_pending
                 self.running.append(req)
                 self._ids.add(req.req_id)
                 self._arrived(req)
