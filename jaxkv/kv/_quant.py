@@ -161,13 +161,9 @@ def raw_views(view: KVCacheView) -> tuple[KVCacheView, ...]:
     Example:
       >>> import jaxkv
       >>> from jaxkv.kv._quant import raw_views
-      >>> spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=2,
-      ...     head_size=64, dtype="int8", kv_quant_mode="int8_per_token_head")
-      >>> backend = jaxkv.AttentionBackend(name="b",
-      ...     layout=jaxkv.KVCacheLayout.BLOCKS_FIRST_FUSED)
-      >>> cfg = jaxkv.RunnerConfig(layers=(jaxkv.LayerConfig(name="attn",
-      ...     spec=spec, backend=backend),))
-      >>> data, scales = raw_views(jaxkv.make_plan(cfg, num_blocks=4).views["attn"])
+      >>> cfg = jaxkv.tiny_hybrid_config(kv_quant_mode="int8_per_token_head")
+      >>> plan = jaxkv.make_plan(cfg, num_blocks=4)
+      >>> data, scales = raw_views(plan.views["layers.0.self_attn"])
       >>> data.kv_quant_mode, data.dtype.name, scales.dtype.name
       ('none', 'int8', 'float32')
     """
