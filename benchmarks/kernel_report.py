@@ -120,6 +120,10 @@ VPU_OPS_PER_HEAD_GATHER = 1
 # 16-bit pages are unpacked: the even head by a truncating convert (1 op),
 # the odd one by a shift and a convert (2 ops), per vreg of words.
 VPU_OPS_PER_WORD_UNPACK = 3
+# 8-bit pages (fp8) loaded by stride hold four heads a word: each head's
+# byte is shifted, masked and converted to bfloat16 (3 ops, assumed one
+# for the conversion), per vreg of words.
+VPU_OPS_PER_WORD_UNPACK_8BIT = 12
 LOAD_SLOTS = 1
 
 CONFIGS = [
@@ -131,6 +135,11 @@ CONFIGS = [
     Step("decode 256x4096 block 16 HND", layout="hnd"),
     Step("decode 256x4096 block 64 HND", block=64, layout="hnd"),
     Step("mixed 128 decode + 8x512 prefill HND", decode=128, prefill=8, layout="hnd"),
+    # fp8 pages with per-tensor scales (issue 58): read as bytes (four
+    # heads a 32-bit word, loaded by stride), converted to bfloat16 in VMEM
+    # for the MXU; written by XLA's scatter (the Mosaic write takes no 8-bit
+    # pages yet).
+    Step("decode 256x4096 block 16 fp8", quant="fp8_per_tensor"),
 ]
 
 
@@ -167,11 +176,13 @@ def attention_model(
     """The modelled time of the TPU attention kernel for `step` on `chip`.
 
     `grid`: the rows the compiled kernel has (its static bound); rows past
-    the step's own are empty grid steps, ``step_us`` each.
+    the step's own are empty grid steps, ``step_us`` each. Pages count in
+    their own dtype (fp8: a byte a value, gathered per head, not loaded by
+    stride).
     """
-    item = jnp.dtype(step.dtype).itemsize
+    item = jnp.dtype(step.page_dtype).itemsize
     strided = step.layout != "hnd" and strided_heads(
-        (step.kv_heads, step.head), jnp.dtype(step.dtype)
+        (step.kv_heads, step.head), jnp.dtype(step.page_dtype)
     )
     # A fused page loaded by stride is DMA'd as its K and V halves.
     halves = 1 if step.layout == "fused" and not strided else 2
@@ -200,8 +211,12 @@ def attention_model(
             loads = 0.0
             if strided:  # each word loaded once by stride, 16-bit ones unpacked
                 loads = word_vregs
-                if item == 2:
-                    vpu += word_vregs * VPU_OPS_PER_WORD_UNPACK
+                if item < 4:
+                    vpu += word_vregs * (
+                        VPU_OPS_PER_WORD_UNPACK
+                        if item == 2
+                        else VPU_OPS_PER_WORD_UNPACK_8BIT
+                    )
             elif step.layout != "hnd":  # every vreg of K and V, once per head
                 wave_vregs = 2 * step.kv_heads * kv_vregs
                 vpu += step.kv_heads * wave_vregs * VPU_OPS_PER_HEAD_GATHER
@@ -244,7 +259,8 @@ def vmem_bytes(step: Step, wave: int) -> int:
     m = step.tile * groups
     lanes = lambda n: -(-n // 128) * 128  # noqa: E731
     rows = lambda n: -(-n // 8) * 8  # noqa: E731
-    page = step.block * step.kv_heads * 2 * step.head * item
+    page_item = jnp.dtype(step.page_dtype).itemsize
+    page = step.block * step.kv_heads * 2 * step.head * page_item
     buffers = 2 * wave * page
     q = 2 * step.kv_heads * rows(m) * lanes(step.head) * item  # double-buffered
     out = 2 * step.kv_heads * rows(m) * lanes(step.head) * 4
@@ -281,7 +297,7 @@ def compiled(step: Step, chip_name: str) -> tuple[str, float, int | None]:
     KV heads, tile * G, Dv)``: the rows the program was built for.
     """
     # The write the TPU picks (None): the Mosaic kernel, or XLA's scatter for
-    # head-first pages (tokens in the tiled dims).
+    # head-first pages (tokens in the tiled dims) and 8-bit pages.
     fn, args = attention_step(step, implementation="pallas_tpu", write=None)
     start = time.perf_counter()
     try:
@@ -290,7 +306,8 @@ def compiled(step: Step, chip_name: str) -> tuple[str, float, int | None]:
         first = str(err).splitlines()[0][:80]
         return f"no: {first}", time.perf_counter() - start, None
     secs = time.perf_counter() - start
-    write = [] if step.layout == "hnd" else ["jaxkv_kv_write_tpu"]
+    xla_write = step.layout == "hnd" or step.quant != "none"
+    write = [] if xla_write else ["jaxkv_kv_write_tpu"]
     ok = kernel_calls(text) == [*write, "jaxkv_paged_attention_tpu"]
     ok = ok and not interpreted_ops(text)
     grid = re.search(r"%jaxkv_paged_attention_tpu[.\d]* = f32\[(\d+),", text)
@@ -311,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for chip_name, chip in CHIPS.items():
         for step in configs:
-            item = jnp.dtype(step.dtype).itemsize
+            item = jnp.dtype(step.page_dtype).itemsize
             page_bytes = 2 * step.block * step.kv_heads * step.head * item
             wave = pages_per_wave(page_bytes, step.cols)
             if args.no_compile or missing:
@@ -356,7 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table("TPU kernels compiled for the chip, with the modelled bandwidth", short)
 
     def layout(name: str) -> str:
-        return name.rsplit(" ", 1)[1] if name.endswith(("HND", "halves")) else ""
+        """The page layout (or dtype) a row is compared within."""
+        return name.rsplit(" ", 1)[1] if name.endswith(("HND", "halves", "fp8")) else ""
 
     decode = {
         (r["chip"], layout(r["config"])): r
@@ -378,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + f"; VPU ops per score vreg {VPU_OPS_PER_SCORE}, per K/V vreg "
         f"{VPU_OPS_PER_KV}, per vreg gathered per head (token-major pages "
         f"not loaded by stride) {VPU_OPS_PER_HEAD_GATHER}, per vreg of 16-bit "
-        f"words unpacked (loaded by stride) {VPU_OPS_PER_WORD_UNPACK}, strided "
+        f"words unpacked (loaded by stride) {VPU_OPS_PER_WORD_UNPACK} (8-bit: "
+        f"{VPU_OPS_PER_WORD_UNPACK_8BIT}), strided "
         f"loads {LOAD_SLOTS} a cycle; waves sized by {TPU_TUNING}"
     )
     # The targets of issue 54, on the model's estimate, per page layout.
@@ -407,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "vpu_ops_per_kv": VPU_OPS_PER_KV,
         "vpu_ops_per_head_gather": VPU_OPS_PER_HEAD_GATHER,
         "vpu_ops_per_word_unpack": VPU_OPS_PER_WORD_UNPACK,
+        "vpu_ops_per_word_unpack_8bit": VPU_OPS_PER_WORD_UNPACK_8BIT,
         "load_slots": LOAD_SLOTS,
         "tpu": rows,
         "target_met": met,

@@ -58,6 +58,7 @@ class Case:
     k_scale: float | None = None  # fp8_per_tensor's static scales
     v_scale: float | None = None
     typed: bool = False  # 8-bit pages in a stacked typed pool (fp8 per tensor)
+    cache_dtype: str | None = None  # the 8-bit dtype, if not the mode's usual one
 
 
 CASES = (
@@ -213,7 +214,7 @@ def build(case: Case, seed: int = 0) -> Built:
         block_size=case.block,
         num_kv_heads=case.kv_heads,
         head_size=case.head,
-        dtype=_QUANT_DTYPE.get(case.quant, case.dtype),
+        dtype=case.cache_dtype or _QUANT_DTYPE.get(case.quant, case.dtype),
         kv_quant_mode=case.quant,
     )
     cfg = jaxkv.RunnerConfig(
@@ -375,8 +376,32 @@ QUANT_CASES = (
         tile=4,
         window=5,
     ),
+    Case(
+        # Heads of 128 lanes, four a 32-bit word: the TPU kernel loads them
+        # by stride and splits the bytes.
+        "decode_fp8_per_tensor_typed_head128",
+        quant="fp8_per_tensor",
+        typed=True,
+        k_scale=0.5,
+        v_scale=2.0,
+        kv_heads=4,
+        q_heads=8,
+        head=128,
+    ),
+    Case(
+        # e5m2, 3 query heads a KV head and a head dim of 12: no vector path.
+        "decode_fp8_e5m2_per_token_head_odd_dims",
+        quant="fp8_per_token_head",
+        cache_dtype="float8_e5m2",
+        q_heads=6,
+        head=12,
+        block=4,
+        cols=7,
+        reqs=((1, 9), (1, 26), (1, 3)),
+    ),
 )
-"""8-bit pages (issue 58): XLA's path against the oracle of what was stored."""
+"""8-bit pages (issue 58): every kernel that reads them against the oracle of
+what was stored."""
 
 
 def run(built: Built, implementation: str | None) -> np.ndarray:

@@ -176,3 +176,20 @@ def test_no_step_trace_reads_the_default_backend(monkeypatch, storage):
                 ],
             )(pools, inputs, implementation)
             assert exported.mlir_module()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("chip", ["v6e", pytest.param("v5e", marks=pytest.mark.slow)])
+def test_fp8_pages_compile_to_the_attention_kernel_for_the_chip(chip):
+    # fp8 pages with per-tensor scales (issue 58): the attention kernel DMAs
+    # the bytes and converts them in VMEM; XLA's scatter writes them (the
+    # Mosaic write takes no 8-bit pages yet), in place: no copy of the pool.
+    step = Step("decode_fp8", quant="fp8_per_tensor", decode=8, context=1024)
+    fn, args = attention_step(step, implementation="pallas_tpu", write=None)
+    text = compile_for_tpu(fn, args, chip, donate=(0,)).as_text()
+    assert text is not None
+    assert kernel_calls(text) == ["jaxkv_paged_attention_tpu"]
+    assert interpreted_ops(text) == []
+    sized = pool_sized_ops(text, args[0][0].shape)
+    assert sized
+    assert not [op for op in sized if op.startswith("copy")]

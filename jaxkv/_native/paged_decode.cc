@@ -10,6 +10,13 @@
 // items that were claimed, so a task that starts late finds no work and
 // touches no buffer.
 //
+// Pages are float32, bfloat16, or 8-bit (int8, float8_e4m3fn, float8_e5m2)
+// read as they are stored: an 8-bit key's score is (q . k) times its scale,
+// an 8-bit value's weight times its own, with the scales per token and head
+// read from their own place in the pool (vLLM's int8/fp8_per_token_head) or
+// one per tensor (fp8_per_tensor: K's folded into `scale` by the caller,
+// V's on the output).
+//
 // Semantics equal jaxkv's XLA path (jaxkv/_attention.py): scores are
 // q.k * scale, then cap * tanh(s / cap) when a soft cap is set; a row with no
 // visible key is zero; a visible key on a page id outside [0, num_blocks), or
@@ -27,6 +34,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,8 +54,57 @@ struct Params {
   int64_t block_stride, token_stride, head_stride, v_offset;
   int64_t num_blocks, block_size, kv_heads;
   float scale, soft_cap;
-  bool bf16, bad_slot;
+  float v_scale = 1.0f;    // per tensor: times every output
+  int kind = 0;            // the page dtype: Kind
+  bool bad_slot;
+  // Per token and head: K's scale of (block b, token j, head h) at
+  // token_scales[b * s_block_stride + j * s_token_stride + h * s_head_stride],
+  // V's s_v_offset floats after it (nullptr: no such scales).
+  const float* token_scales = nullptr;
+  int64_t s_block_stride = 0, s_token_stride = 0, s_head_stride = 0,
+          s_v_offset = 0;
 };
+
+enum Kind { kF32 = 0, kBF16 = 1, kI8 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+// 8-bit elements, told apart by type: pointer arithmetic steps one byte.
+struct I8 {
+  int8_t bits;
+};
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+
+// The 256 values of an 8-bit float format with `e` exponent and `m`
+// mantissa bits (bias 2^(e-1) - 1, subnormals at exponent 0). `fn`: no
+// infinities, only the all-ones pattern is NaN (float8_e4m3fn); otherwise
+// IEEE's top exponent (float8_e5m2: Inf and NaN).
+struct Fp8Table {
+  float v[256];
+  Fp8Table(int e, int m, bool fn, float unit = 1.0f) {
+    const int bias = (1 << (e - 1)) - 1, top = (1 << e) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, ex = (b >> m) & top, man = b & ((1 << m) - 1);
+      float x;
+      if (fn && ex == top && man == (1 << m) - 1) {
+        x = std::numeric_limits<float>::quiet_NaN();
+      } else if (!fn && ex == top) {
+        x = man ? std::numeric_limits<float>::quiet_NaN()
+                : std::numeric_limits<float>::infinity();
+      } else if (ex == 0) {
+        x = std::ldexp(static_cast<float>(man), 1 - bias - m);
+      } else {
+        x = std::ldexp(static_cast<float>((1 << m) + man), ex - bias - m);
+      }
+      v[b] = (sign ? -x : x) * unit;
+    }
+  }
+};
+const Fp8Table kE4M3Values(4, 3, true, 1.0f / 256);  // in units of 2^-8
+const Fp8Table kE5M2Values(5, 2, false);
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {
@@ -54,6 +114,10 @@ inline float load(const uint16_t* p, int64_t i) {
   return f;
 }
 
+inline float load(const I8* p, int64_t i) { return p[i].bits; }
+inline float load(const E4M3* p, int64_t i) { return kE4M3Values.v[p[i].bits]; }
+inline float load(const E5M2* p, int64_t i) { return kE5M2Values.v[p[i].bits]; }
+
 // Eight lanes; GCC lowers these to whatever vectors the target has.
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -62,11 +126,49 @@ inline v8 load8(const float* p) {
   std::memcpy(&x, p, sizeof x);
   return x;
 }
-inline v8 load8(const uint16_t* p) {
+template <typename E>
+inline v8 load8(const E* p) {
   v8 x;
   for (int i = 0; i < 8; ++i) x[i] = load(p, i);
   return x;
 }
+// Eight 8-bit elements as floats. GCC scalarizes a generic byte-to-float
+// vector conversion (eight cvtsi2ss), so with AVX2 and F16C: int8 through
+// sign extension; e5m2 is the top byte of a float16 (Inf and NaN
+// included), converted by vcvtph2ps; e4m3fn's magnitude bits, shifted into
+// a float16's, are the value times 2^-8 (subnormals too, which vcvtph2ps
+// converts exactly whatever the MXCSR's denormal flags): e4m3 pages are
+// read in units of 2^-8 everywhere (its table too) and the 2^8 is folded
+// into the score scale and the output (exact: a power of two), and its one
+// NaN pattern is set apart. Elsewhere one table lookup a lane.
+#if defined(__AVX2__) && defined(__F16C__)
+inline v8 as_v8(__m256 x) {
+  v8 y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+inline __m128i load_bytes(const void* p) {
+  return _mm_loadl_epi64(static_cast<const __m128i*>(p));
+}
+inline v8 load8(const I8* p) {
+  return as_v8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes(p))));
+}
+inline v8 load8(const E5M2* p) {
+  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(load_bytes(p)), 8);
+  return as_v8(_mm256_cvtph_ps(h));
+}
+inline v8 load8(const E4M3* p) {
+  // (b + (b & 0x80)) << 7: the magnitude's bits at a float16's 13..7, the
+  // sign carried to bit 15; the NaN pattern (0x7F or 0xFF) as float16 NaN.
+  const __m128i w = _mm_cvtepu8_epi16(load_bytes(p));
+  const __m128i sign = _mm_and_si128(w, _mm_set1_epi16(0x80));
+  __m128i h = _mm_slli_epi16(_mm_add_epi16(w, sign), 7);
+  const __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(w, _mm_set1_epi16(0x80)),
+                                      _mm_set1_epi16(0xFF));
+  h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
+  return as_v8(_mm256_cvtph_ps(h));
+}
+#endif
 inline float sum8(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
@@ -343,6 +445,23 @@ inline void AccumulateValues(const E* v, int64_t token_stride, const float* w,
   }
 }
 
+// rows[g * stride + j] *= scales[j * scale_stride] for G rows and n < stride
+// keys: the scales (strided by the heads beside them) gathered into `col`
+// once, then eight keys at a time.
+inline void ScaleRows(float* rows, int64_t stride, int64_t G, int64_t n,
+                      const float* scales, int64_t scale_stride, float* col) {
+  for (int64_t j = 0; j < n; ++j) col[j] = scales[j * scale_stride];
+  const int64_t n8 = n - n % 8;
+  for (int64_t g = 0; g < G; ++g) {
+    float* r = rows + g * stride;
+    for (int64_t j = 0; j < n8; j += 8) {
+      const v8 x = load8(r + j) * load8(col + j);
+      std::memcpy(r + j, &x, sizeof x);
+    }
+    for (int64_t j = n8; j < n; ++j) r[j] *= col[j];
+  }
+}
+
 // Row t, KV heads [h0, h1): each page is read once for all those heads (on
 // a block-outermost layout their keys share cache lines), folded into the
 // running max, denominator and numerator of each query head.
@@ -363,11 +482,12 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
     std::fill(out, out + QH * Dv, nan);
     return;
   }
-  scratch.resize(static_cast<size_t>(QH * (Dv + bs + 2)));
+  scratch.resize(static_cast<size_t>(QH * (Dv + bs + 2) + bs));
   float* acc = scratch.data();       // (QH, Dv)
   float* s = acc + QH * Dv;          // (QH, bs) scores of one page
   float* top = s + QH * bs;          // (QH,)
   float* denom = top + QH;           // (QH,)
+  float* col = denom + QH;           // (bs,) one head's scales of a page
   const float* q = P.q + (t * P.num_heads + h0 * G) * D;  // (QH, D)
   std::fill(acc, acc + QH * Dv, 0.0f);
   std::fill(top, top + QH, -std::numeric_limits<float>::infinity());
@@ -421,6 +541,18 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
       }
     }
     keys.Rest();
+    // Per token and head 8-bit pages: each key's score times its K scale.
+    const float* page_scales =
+        P.token_scales
+            ? P.token_scales + id * P.s_block_stride +
+                  (j0 - c * bs) * P.s_token_stride
+            : nullptr;
+    if (page_scales) {
+      for (int64_t h = h0; h < h1; ++h) {
+        ScaleRows(s + (h - h0) * G * bs, bs, G, n,
+                  page_scales + h * P.s_head_stride, P.s_token_stride, col);
+      }
+    }
     for (int64_t g = 0; g < QH; ++g) {
       float* sg = s + g * bs;
       float m = top[g];
@@ -460,6 +592,12 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
     for (int64_t h = h0; h < h1; ++h) {
       const E* value = page + P.v_offset + h * P.head_stride;
       const int64_t g0 = (h - h0) * G;
+      if (page_scales) {
+        // The weights (their sum is in denom) times each value's V scale.
+        ScaleRows(s + g0 * bs, bs, G, n,
+                  page_scales + P.s_v_offset + h * P.s_head_stride,
+                  P.s_token_stride, col);
+      }
       AccumulateValues(value, P.token_stride, s + g0 * bs, bs, n, G, Dv,
                        acc + g0 * Dv, values);
     }
@@ -468,6 +606,9 @@ void Attend(const Params& P, int64_t t, int64_t h0, int64_t h1,
   for (int64_t g = 0; g < QH; ++g) {
     const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 1.0f;
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+    if (P.v_scale != 1.0f) {
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] *= P.v_scale;
+    }
   }
 }
 
@@ -486,10 +627,12 @@ struct Work {
       const int64_t t = i / split, part = i % split;
       const int64_t h0 = part * params.kv_heads / split;
       const int64_t h1 = (part + 1) * params.kv_heads / split;
-      if (params.bf16) {
-        Attend<uint16_t>(params, t, h0, h1, scratch);
-      } else {
-        Attend<float>(params, t, h0, h1, scratch);
+      switch (params.kind) {
+        case kBF16: Attend<uint16_t>(params, t, h0, h1, scratch); break;
+        case kI8: Attend<I8>(params, t, h0, h1, scratch); break;
+        case kE4M3: Attend<E4M3>(params, t, h0, h1, scratch); break;
+        case kE5M2: Attend<E5M2>(params, t, h0, h1, scratch); break;
+        default: Attend<float>(params, t, h0, h1, scratch); break;
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -506,7 +649,11 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
                        int64_t extent_bytes,
                        int64_t num_blocks, int64_t block_size,
                        int64_t kv_heads, int64_t head_dim_v, float scale,
-                       float soft_cap, ffi::ThreadPool threads) {
+                       float soft_cap, int64_t element_kind, float v_scale,
+                       int64_t scale_byte_offset, int64_t scale_extent_bytes,
+                       int64_t scale_block_stride, int64_t scale_token_stride,
+                       int64_t scale_head_stride, int64_t scale_v_offset,
+                       ffi::ThreadPool threads) {
   auto qd = q.dimensions();
   auto td = table.dimensions();
   if (qd.size() != 3 || td.size() != 2 || td[0] != qd[0] ||
@@ -515,9 +662,13 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
     return ffi::Error::InvalidArgument(
         "jaxkv_paged_decode: inconsistent operand shapes");
   }
-  if (element_bytes != 4 && element_bytes != 2) {
+  static const int64_t kBytes[] = {4, 2, 1, 1, 1};
+  if (element_kind < 0 || element_kind > kE5M2 ||
+      element_bytes != kBytes[element_kind]) {
     return ffi::Error::InvalidArgument(
-        "jaxkv_paged_decode: element_bytes must be 4 (float32) or 2 (bfloat16)");
+        "jaxkv_paged_decode: element_kind must be 0 (float32), 1 (bfloat16), "
+        "2 (int8), 3 (float8_e4m3fn) or 4 (float8_e5m2), with element_bytes "
+        "4, 2, 1, 1, 1");
   }
   auto work = std::make_shared<Work>();
   Params& P = work->params;
@@ -539,7 +690,12 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
   P.kv_heads = kv_heads;
   P.scale = scale;
   P.soft_cap = soft_cap;
-  P.bf16 = element_bytes == 2;
+  P.kind = static_cast<int>(element_kind);
+  P.v_scale = v_scale;
+  if (P.kind == kE4M3) {  // its pages are read in units of 2^-8
+    P.scale *= 256.0f;
+    P.v_scale *= 256.0f;
+  }
   // The pool's bytes are read in place, whatever its array type (typed
   // elements, their bits, or carrier words): element 0 of the view is at
   // byte_offset plus the layer slot's bytes (slot_bytes 0: a word pool).
@@ -558,6 +714,21 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
                (s < 0 || s >= (pool_bytes - byte_offset) / slot_bytes);
   P.base = static_cast<const char*>(pool.untyped_data()) + byte_offset +
            (P.bad_slot ? 0 : s * slot_bytes);
+  // Scales per token and head (a word pool's own bytes: no layer slot).
+  if (scale_byte_offset >= 0) {
+    if (scale_byte_offset % 4 || scale_extent_bytes < 0 ||
+        scale_byte_offset + scale_extent_bytes > pool_bytes) {
+      return ffi::Error::InvalidArgument(
+          "jaxkv_paged_decode: the scales lie past the pool or are not 4-byte "
+          "aligned");
+    }
+    P.token_scales = reinterpret_cast<const float*>(
+        static_cast<const char*>(pool.untyped_data()) + scale_byte_offset);
+    P.s_block_stride = scale_block_stride;
+    P.s_token_stride = scale_token_stride;
+    P.s_head_stride = scale_head_stride;
+    P.s_v_offset = scale_v_offset;
+  }
   // Whole rows (every KV head of a page read at once) unless there are too
   // few rows to keep the threads busy.
   const int64_t num_threads = std::max<int64_t>(1, threads.num_threads());
@@ -598,4 +769,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedDecode, PagedDecode,
                                   .Attr<int64_t>("head_dim_v")
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("element_kind")
+                                  .Attr<float>("v_scale")
+                                  .Attr<int64_t>("scale_byte_offset")
+                                  .Attr<int64_t>("scale_extent_bytes")
+                                  .Attr<int64_t>("scale_block_stride")
+                                  .Attr<int64_t>("scale_token_stride")
+                                  .Attr<int64_t>("scale_head_stride")
+                                  .Attr<int64_t>("scale_v_offset")
                                   .Ctx<ffi::ThreadPool>());

@@ -1,8 +1,8 @@
 """Decode rows of :func:`paged_attention` on the native XLA:CPU kernel.
 
 Rows of one query token whose keys are a contiguous range (causal, sliding
-window, local chunk, cross-attention; not PrefixLM) over float32 or bfloat16
-K/V are handed to ``jaxkv/_native/paged_decode.cc`` as one FFI custom call:
+window, local chunk, cross-attention; not PrefixLM) over float32, bfloat16 or
+8-bit K/V are handed to ``jaxkv/_native/paged_decode.cc`` as one FFI custom call:
 the key range of each row is computed here from the step's metadata, exactly
 as :func:`jaxkv.attention._rows.visible` masks it, and the kernel reads the
 pages in place through the view's byte offset and element strides, whatever
@@ -24,10 +24,19 @@ from jaxkv._native import target
 from jaxkv.attention._call import Call
 from jaxkv.attention._rows import key_ranges, query_rows_of, value_dim
 from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit
+from jaxkv.kv._quant import raw_views
 from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
-_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# The page dtypes the kernel reads, by its element_kind attribute.
+_KINDS = {
+    np.dtype(np.float32): 0,
+    np.dtype(jnp.bfloat16): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(jnp.float8_e4m3fn): 3,
+    np.dtype(jnp.float8_e5m2): 4,
+}
+_FLOATS = tuple(list(_KINDS)[:2])
 
 
 def native_unfit(view: KVCacheView, call: Call) -> str | None:
@@ -48,11 +57,20 @@ def native_unfit(view: KVCacheView, call: Call) -> str | None:
         return f"rows of {call.query_tile} query tokens (the kernel takes rows of 1)"
     if call.mask.use_mm_prefix:
         return "use_mm_prefix=True (PrefixLM ranges)"
+    if view.kv_quant_mode != "none":
+        try:
+            plain = raw_views(view)[0]
+        except (ValueError, NotImplementedError) as e:
+            return f"{view.kv_quant_mode} pages the kernel cannot address: {e}"
+        return raw_unfit(plain)
     reason = raw_unfit(view)
     if reason is not None:
         return reason
-    if view.dtype not in _DTYPES:
-        return f"dtype {view.dtype} (the kernel reads float32 and bfloat16)"
+    if view.dtype not in _FLOATS:
+        return (
+            f"dtype {view.dtype} (the kernel reads float32 and bfloat16, and "
+            "8-bit pages of a kv_quant_mode)"
+        )
     return None
 
 
@@ -74,6 +92,26 @@ def native_attention(
     lo, hi = key_ranges(rows, meta, call.mask)
     bounds = jnp.stack([lo[:, 0], hi[:, 0]], axis=1)
     head_dim_v = value_dim(view, head_dim)
+    plain, *token_scales = raw_views(view)
+    scale = call.scale * (1.0 if call.k_scale is None else call.k_scale)
+    scales = {
+        "scale_byte_offset": np.int64(-1),
+        "scale_extent_bytes": np.int64(0),
+        "scale_block_stride": np.int64(0),
+        "scale_token_stride": np.int64(0),
+        "scale_head_stride": np.int64(0),
+        "scale_v_offset": np.int64(0),
+    }
+    if token_scales:  # per token and head: the page's own scale region
+        where = raw_address(token_scales[0])
+        scales.update(
+            scale_byte_offset=where["byte_offset"],
+            scale_extent_bytes=where["extent_bytes"],
+            scale_block_stride=where["block_stride"],
+            scale_token_stride=where["token_stride"],
+            scale_head_stride=where["head_stride"],
+            scale_v_offset=where["v_offset"],
+        )
     call_ffi = jax.ffi.ffi_call(
         target(),
         jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim_v), jnp.float32),
@@ -85,10 +123,13 @@ def native_attention(
         rows.table.astype(jnp.int32),
         bounds,
         layer_index(layer, view) if view.typed else jnp.int32(0),
-        **raw_address(view),
+        **raw_address(plain),
         kv_heads=np.int64(kv_heads),
         head_dim_v=np.int64(head_dim_v),
-        scale=np.float32(call.scale),
+        scale=np.float32(scale),
         soft_cap=np.float32(call.logits_soft_cap or 0.0),
+        element_kind=np.int64(_KINDS[plain.dtype]),
+        v_scale=np.float32(1.0 if call.v_scale is None else call.v_scale),
+        **scales,
     )
     return out.astype(q.dtype)

@@ -30,7 +30,11 @@ computed per KV head as one matmul of the row's ``tile * G``
 query heads of that KV head (GQA packed into the matmul's rows) against
 every key of the wave (``pages_per_wave * block_size`` of them), bf16 pages
 as bf16 on the MXU with float32 accumulation, with an online softmax kept
-in VMEM scratch.
+in VMEM scratch. fp8 pages with static per-tensor scales (issue 58) are
+DMA'd as their bytes (half a bf16 wave's) and converted to bf16 in VMEM
+(exact: every e4m3 / e5m2 value is a bf16 one); heads of 128 lanes are
+loaded by stride four to a 32-bit word and split by shifts. K's scale folds
+into the score scale, V's into the output.
 
 The wave size is data (:data:`TPU_TUNING`): bytes of K/V per wave by chip,
 within the VMEM every chip jaxkv compiles for gives a kernel by default.
@@ -94,9 +98,11 @@ def tpu_unfit(view: KVCacheView, call: Call, q_shape: tuple[int, ...]) -> str | 
     """Why the TPU kernel cannot take this call (``None``: it can).
 
     On top of :func:`pallas_unfit`: float16 pages (:func:`mosaic_dtype_unfit`).
+    fp8 pages with static per-tensor scales are read and dequantized in the
+    kernel.
     """
     del q_shape
-    return pallas_unfit(view, call) or mosaic_dtype_unfit(view)
+    return pallas_unfit(view, call, fp8_per_tensor=True) or mosaic_dtype_unfit(view)
 
 
 def pages_per_wave(page_bytes: int, cols: int, tuning: TpuTuning | None = None) -> int:
@@ -172,7 +178,10 @@ def tpu_attention(
         split=split,
         cols=cols,
         wave=wave,
-        scale=call.scale,
+        # fp8 per-tensor pages: K's scale folds into the scores', V's into
+        # the output (both linear in the online softmax).
+        scale=call.scale * (1.0 if call.k_scale is None else call.k_scale),
+        v_scale=1.0 if call.v_scale is None else call.v_scale,
         cap=call.logits_soft_cap,
         num_blocks=view.num_blocks,
     )
@@ -241,8 +250,9 @@ def strided_heads(buf_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
     row: one head's (or, for 16-bit pages, two heads') rows of every token
     in one strided load, and no per-head gather over the whole wave. It
     needs rows of 128 lanes (``D == 128``: Mosaic's strided load takes a
-    buffer exactly 128 lanes wide), 16- or 32-bit elements and an even head
-    count for 16-bit ones.
+    buffer exactly 128 lanes wide), 8-, 16- or 32-bit elements, and a head
+    count that is a multiple of the heads a word holds (4 of 8-bit, 2 of
+    16-bit).
 
     Example:
       >>> import jax.numpy as jnp
@@ -251,11 +261,13 @@ def strided_heads(buf_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
       2
       >>> strided_heads((2, 16, 16, 8, 128), jnp.dtype(jnp.float32))
       1
+      >>> strided_heads((2, 16, 16, 8, 128), jnp.dtype(jnp.float8_e4m3fn))
+      4
       >>> strided_heads((2, 16, 16, 8, 256), jnp.dtype(jnp.bfloat16))  # lanes
       0
     """
     heads, dim, item = buf_shape[-2], buf_shape[-1], jnp.dtype(dtype).itemsize
-    if dim != 128 or item not in (2, 4):
+    if dim != 128 or item not in (1, 2, 4):
         return 0
     pack = 4 // item
     return pack if heads % pack == 0 else 0
@@ -268,7 +280,9 @@ def _strided_rows(buf, half_slot, word_row: int, pack: int, dtype) -> list[jax.A
     load of every ``H / pack``-th row (Mosaic's strided loads take 32-bit
     data from a buffer 128 lanes wide: tpu-inference's RPA v3 reads its
     K/V-interleaved pages the same way); 16-bit heads are then the low (even
-    head) and high (odd head) halves of each word.
+    head) and high (odd head) halves of each word, 8-bit heads its bytes
+    (head ``4 * row + k`` in byte ``k``, as the TPU packs 8-bit rows in
+    fours).
     """
     _, wave, tokens, heads, dim = buf.shape
     words = buf.bitcast(jnp.uint32) if pack > 1 else buf
@@ -277,6 +291,11 @@ def _strided_rows(buf, half_slot, word_row: int, pack: int, dtype) -> list[jax.A
     x = flat[pl.ds(word_row, wave * tokens, stride=per), :]
     if pack == 1:
         return [x if x.dtype == dtype else pltpu.bitcast(x, dtype)]
+    if pack == 4:  # 8-bit heads: byte k of each word is head 4 * row + k
+        return [
+            pltpu.bitcast(((x >> (8 * k)) & 0xFF).astype(jnp.uint8), dtype)
+            for k in range(4)
+        ]
     low = x.astype(jnp.uint16)
     high = (x >> 16).astype(jnp.uint16)
     return [pltpu.bitcast(low, dtype), pltpu.bitcast(high, dtype)]
@@ -299,6 +318,7 @@ def _kernel(
     cols: int,
     wave: int,
     scale: float,
+    v_scale: float,
     cap: float | None,
     num_blocks: int,
 ) -> None:
@@ -427,9 +447,10 @@ def _kernel(
                 x = jax.lax.bitcast_convert_type(x, lay.dtype)
             return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
 
-        # bf16 pages meet the MXU as bf16 (float32 accumulation); other
-        # dtypes in float32.
-        mxu = jnp.bfloat16 if lay.dtype == jnp.bfloat16 else jnp.float32
+        # bf16 pages meet the MXU as bf16 (float32 accumulation), and fp8
+        # pages too (every e4m3 / e5m2 value is a bf16 one); float32 pages
+        # in float32.
+        mxu = jnp.bfloat16 if lay.dtype.itemsize < 4 else jnp.float32
         # Explicit, whatever jax_default_matmul_precision says: bf16 operands
         # take one MXU pass (a float32 contract precision would refuse them).
         precision = (
@@ -481,4 +502,5 @@ def _kernel(
 
     half_ref[0] = jax.lax.rem((h0 + n_waves).astype(jnp.int32), jnp.int32(2))
     denom = denom_ref[...]
-    o_ref[...] = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
+    out = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)
+    o_ref[...] = out * v_scale if v_scale != 1.0 else out

@@ -13,10 +13,14 @@ vLLM's ``KVQuantMode`` (``AttentionSpec.kv_quant_mode``):
   end of each page, ``(2, block_size, heads)`` float32 (K's, then V's): a
   view of their own (:func:`scale_view`), so every block carries its scales.
 
-Only XLA's path writes and reads quantized pages for now: it quantizes in
-:func:`jaxkv.write_kv` and dequantizes the gathered pages in
-:func:`jaxkv.paged_attention`; the Pallas and native kernels refuse them
-(naming why) and ``implementation=None`` picks XLA's path.
+Who reads and writes them: XLA's path quantizes in :func:`jaxkv.write_kv`
+(the only write that does) and reads every mode in
+:func:`jaxkv.paged_attention` (gathers, then dequantizes); the native
+XLA:CPU kernel reads every mode with a head axis as stored (a byte a value,
+the scales applied to scores and weights); the Pallas GPU and TPU kernels
+read fp8 per-tensor pages (converted to bfloat16 in the kernel) and refuse
+per-token-head pages, naming why, so ``implementation=None`` picks XLA's
+path for those.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ PER_TOKEN_HEAD = ("int8_per_token_head", "fp8_per_token_head")
 
 
 def quant_unfit(view: KVCacheView) -> str | None:
-    """Why a kernel other than XLA's path cannot take `view` (``None``: it can)."""
+    """Why a kernel that reads no 8-bit pages cannot take `view` (``None``: it can)."""
     if view.kv_quant_mode == "none":
         return None
     return (
-        f"{view.kv_quant_mode} pages are quantized and dequantized by XLA's path "
-        "only for now"
+        f"{view.kv_quant_mode} pages are read by XLA's path and the native kernel "
+        "(fp8 per tensor by the Pallas kernels too), not by this kernel yet"
     )
 
 
