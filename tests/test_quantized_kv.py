@@ -405,3 +405,41 @@ def test_the_native_kernel_decodes_every_fp8_byte_as_jax_does(dtype):
     out = run(dataclasses.replace(built, pools=pools), "native")
     expect = np.asarray(patterns.astype(jnp.float32)).reshape(16, 16)
     np.testing.assert_array_equal(out.reshape(16, 16), expect)
+
+
+@pytest.mark.skipif(not available(), reason=f"no native kernel: {unavailable_reason()}")
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: c.name)
+def test_the_native_write_stores_the_bytes_xla_stores(case):
+    # Quantized by XLA on the step's tokens, then the 8-bit values and the
+    # scales moved in place by the native kernel: the pool's bytes equal
+    # XLA's write's, NaN and Inf tokens, dropped slots and a repeated slot
+    # (the later token wins) included.
+    built = build(case)
+    rng = np.random.default_rng(1)
+    shape = (6, case.kv_heads, case.head)
+    k = rng.standard_normal(shape).astype(np.float32) * 3
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[1, 0, 2], v[2, -1, 0], k[3, 0, 0] = np.nan, np.inf, -np.inf
+    n_slots = built.view.num_blocks * built.view.block_size
+    slots = jnp.array([5, 9, n_slots + 3, -1, 9, 17], jnp.int32)
+    scales = {"k_scale": case.k_scale, "v_scale": case.v_scale}
+    scales = {n: s for n, s in scales.items() if s is not None}
+
+    before = np.asarray(built.pools[built.view.pool]).view(np.uint8).copy()
+
+    def write(implementation):
+        pools = jaxkv.write_kv(
+            jax.tree.map(jnp.copy, built.pools),  # an eager native write donates
+            built.view,
+            jnp.asarray(k),
+            jnp.asarray(v),
+            slots,
+            layer=built.layer,
+            implementation=implementation,
+            **scales,
+        )
+        return np.asarray(pools[built.view.pool]).view(np.uint8)
+
+    mine, xla = write("native"), write("xla")
+    assert (mine != before).any()
+    np.testing.assert_array_equal(mine, xla)

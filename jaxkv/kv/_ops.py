@@ -32,7 +32,7 @@ from jaxkv.kv._kernel_table import GPU_PLATFORMS, Kernel, KernelTable
 from jaxkv.kv._native_write import native_write, native_write_unfit
 from jaxkv.kv._page_layout import pallas_view_unfit
 from jaxkv.kv._pallas_write import gpu_write, tpu_write, tpu_write_unfit
-from jaxkv.kv._quant import quant_unfit, quantize, scale_view
+from jaxkv.kv._quant import quant_unfit, quantize, raw_views
 from jaxkv.kv._strided import (
     access_plan,
     from_bits,
@@ -179,7 +179,10 @@ def write_kv(
         XLA:CPU write (opt-in; compiled on first use). Every one writes the
         same bytes; one asked for by name that cannot take the view raises,
         naming why. Quantized pages (the spec's ``kv_quant_mode``) are
-        quantized by XLA's path (:mod:`jaxkv.kv._quant`).
+        quantized by XLA (elementwise, the step's tokens only:
+        :mod:`jaxkv.kv._quant`); the 8-bit values and their scales are then
+        written as stored by XLA's scatter or, asked for by ``"native"``,
+        the native kernel.
       k_scale: The static K scale of ``"fp8_per_tensor"`` pages (vLLM's
         ``layer._k_scale``; default 1.0): ``k / k_scale`` is stored. Only
         for those pages (per-token-head pages compute their own).
@@ -239,23 +242,40 @@ def write_kv(
     if slots.shape[0] == 0:
         return pools
     if view.kv_quant_mode != "none":
-        if implementation not in (None, "xla"):
+        if implementation not in (None, "xla", "native"):
             raise ValueError(
                 f"write_kv: implementation={implementation!r} cannot write this "
                 f"view: {quant_unfit(view)} (None picks it)."
             )
+        # Quantized by XLA (elementwise, the step's tokens only); the 8-bit
+        # values and their scales are then moved as stored, by the kernel
+        # the plain views pick (the native kernel on a CPU, in place).
         _check_quant_input(view, key, value, k_scale, v_scale)
         key, key_scales = quantize(key, view, k_scale)
         if value is not None:
             value, value_scales = quantize(value, view, v_scale)
         else:
             value_scales = None
-        pools = _xla_write(pools, view, key, value, slots, layer)
-        if key_scales is None:
+        plain, *scales = raw_views(view)
+        pools = _write(pools, plain, key, value, slots, layer, implementation)
+        if key_scales is None or not scales:
             return pools
         both = (key_scales, key_scales if value_scales is None else value_scales)
         k_s, v_s = (x[..., None] for x in both)
-        return _xla_write(pools, scale_view(view), k_s, v_s, slots, None)
+        return _write(pools, scales[0], k_s, v_s, slots, None, implementation)
+    return _write(pools, view, key, value, slots, layer, implementation)
+
+
+def _write(
+    pools: Pools,
+    view: KVCacheView,
+    key: jax.Array,
+    value: jax.Array | None,
+    slots: jax.Array,
+    layer: object,
+    implementation: str | None,
+) -> Pools:
+    """The write of checked K/V in `view`'s dtype, on the kernel picked."""
     picks = WRITE_KERNELS.pick(implementation, view, value)
     names = set(picks.values())
     fallback = WRITE_KERNELS.fallback.name
