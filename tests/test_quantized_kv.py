@@ -13,7 +13,7 @@ import pytest
 
 import jaxkv
 from jaxkv._native import available, unavailable_reason
-from tests.attention_cases import QUANT_CASES, Case, build, dense, run
+from tests.attention_cases import QUANT_CASES, Case, build, dense, run, stored
 
 
 def _full(**kw):
@@ -443,3 +443,19 @@ def test_the_native_write_stores_the_bytes_xla_stores(case):
     mine, xla = write("native"), write("xla")
     assert (mine != before).any()
     np.testing.assert_array_equal(mine, xla)
+    # And what the pages hold, dequantized with their scales, is what was
+    # written (e5m2's 2 mantissa bits: within 1/8 of each value).
+    pools = jaxkv.write_kv(
+        jax.tree.map(jnp.copy, built.pools),
+        built.view,
+        jnp.asarray(k),
+        jnp.asarray(v),
+        slots,
+        layer=built.layer,
+        implementation="native",
+        **scales,
+    )
+    got_k, got_v = stored(pools, built.view, case, layer=built.layer)
+    for t, slot in ((0, 5), (4, 9), (5, 17)):
+        np.testing.assert_allclose(got_k[slot], k[t], rtol=0.13, atol=0.05)
+        np.testing.assert_allclose(got_v[slot], v[t], rtol=0.13, atol=0.05)
