@@ -13,8 +13,9 @@ vLLM's ``KVQuantMode`` (``AttentionSpec.kv_quant_mode``):
   end of each page, ``(2, block_size, heads)`` float32 (K's, then V's): a
   view of their own (:func:`scale_view`), so every block carries its scales.
 
-Who reads and writes them: XLA's path quantizes in :func:`jaxkv.write_kv`
-(the only write that does) and reads every mode in
+Who reads and writes them: :func:`jaxkv.write_kv` quantizes with XLA on
+the step's tokens and writes the 8-bit values and scales by XLA's scatter
+or, asked for, the native kernel; XLA's path reads every mode in
 :func:`jaxkv.paged_attention` (gathers, then dequantizes); the native
 XLA:CPU kernel reads every mode with a head axis as stored (a byte a value,
 the scales applied to scores and weights); the Pallas GPU and TPU kernels
