@@ -23,8 +23,7 @@ import numpy as np
 from jaxkv._native import target
 from jaxkv.attention._call import Call
 from jaxkv.attention._rows import key_ranges, query_rows_of, value_dim
-from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit
-from jaxkv.kv._quant import raw_views
+from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit, raw_views
 from jaxkv.plan import KVCacheView
 from jaxkv.step import CommonAttentionMetadata
 
