@@ -152,6 +152,30 @@ def check_sampled(arg, want):
     assert {r.req_id: r.output for r in reqs} == want, arg
 
 
+def check_drafts(arg, want, sampling=None):
+    """Speculative decoding on a mesh (n-gram drafts verified in each rank's
+    step) serves the tokens one device serves without drafts.
+    """  # noqa: D205
+    d, t = (int(x) for x in arg.split("x"))
+    mesh = jax.make_mesh((d, t), ("data", "tensor"))
+    sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
+    loop = jaxkv.ServingLoop(
+        sp,
+        make_forward(sp.local, "tensor"),
+        params(),
+        vocab_size=VOCAB,
+        sampling=sampling,
+        execution=jaxkv.ExecutionOptions(
+            param_specs=SPECS, drafter=jaxkv.serve.NgramDrafter()
+        ),
+    )
+    got = {r.req_id: r.output for r in loop.run(requests())}
+    assert got == want, (arg, got, want)
+    drafts = [s.make_stats().spec_decoding_stats for s in loop.schedulers]
+    assert sum(x.num_drafts for x in drafts) > 0, (arg, drafts)
+    print(arg, "drafts:", [(x.num_draft_tokens, x.num_accepted_tokens) for x in drafts])
+
+
 def check(arg, want, want_logits):
     """`arg`: ``DxT`` (Explicit axes, make_mesh's default) or ``DxT-auto``."""
     dims, _, kind = arg.partition("-")
@@ -374,4 +398,6 @@ if __name__ == "__main__":
     hot, _ = reference(HOT)
     assert hot != want  # the draws are not greedy
     check_sampled("2x4", hot)
+    check_drafts("2x4", want)
+    check_drafts("4x2", hot, HOT)
     print("OK")

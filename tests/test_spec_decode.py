@@ -254,9 +254,11 @@ def test_bad_drafts_and_bad_acceptances_are_refused_and_change_nothing():
         with pytest.raises(ValueError, match=match):
             s.update(step, bad)
         assert (list(r.output), r.num_computed, s.manager.blocks_of(r)) == before
-    with pytest.raises(ValueError, match="verifies draft tokens; apply it with update"):
-        s.advance(step)
-    s.update(step, [[1, 2, 3]])
+    s.advance(step)  # a step with drafts advances nothing: resolve decides
+    assert (list(r.output), r.num_computed, s.manager.blocks_of(r)) == before
+    with pytest.raises(RuntimeError, match="verifying draft tokens"):
+        s.schedule()
+    s.resolve(step, [[1, 2, 3]])
     assert r.output == [9, 1, 2, 3]
     hybrid = jaxkv.Scheduler(jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16))
     q = jaxkv.Request("m", prompt=[1, 2, 3], max_new_tokens=4)

@@ -24,7 +24,7 @@ from jaxkv.demo._model import TinyHybridModel, forward_paged
 from jaxkv.demo._tensor_parallel import tensor_parallel_state
 from jaxkv.plan import KVCacheView, local_runner_config, make_plan, shard_plan
 from jaxkv.sched import BlockAllocator
-from jaxkv.serve import ExecutionOptions, SchedulingOptions, ServingLoop
+from jaxkv.serve import Drafter, ExecutionOptions, SchedulingOptions, ServingLoop
 from jaxkv.step import BucketDispatcher
 
 
@@ -84,6 +84,8 @@ class Engine(ServingLoop):
       implementation: The kernels of the model's writes and attention
         (:func:`jaxkv.paged_attention`; ``"native"``: jaxkv's C++ kernels on
         CPU where they apply).
+      drafter: Speculative decoding (``ExecutionOptions(drafter=...)``, e.g.
+        :class:`jaxkv.serve.NgramDrafter`): a config of attention layers only.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class Engine(ServingLoop):
         enable_prefix_caching: bool = False,
         overlap: bool = False,
         implementation: str | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """Plans and allocates the pools, splits the model, builds the loop."""
         self.config = config
@@ -166,6 +169,7 @@ class Engine(ServingLoop):
                 record_logits=record_logits,
                 overlap=overlap,
                 dispatcher=dispatcher,
+                drafter=drafter,
             ),
         )
         self._run: dict[str, Any] | None = None

@@ -29,7 +29,13 @@ from jaxkv.sched._events import (
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
-from jaxkv.sched._metrics import PrefixCacheStats, PrometheusCollector, SchedulerStats
+from jaxkv.sched._metrics import (
+    PrefixCacheStats,
+    PrometheusCollector,
+    SchedulerStats,
+    SpecDecodingCounter,
+    SpecDecodingStats,
+)
 from jaxkv.sched._planner import StepPlanner
 from jaxkv.sched._prefix import (
     hash_token_blocks,
@@ -58,6 +64,8 @@ __all__ = [
     "ScheduledStep",
     "Scheduler",
     "SchedulerStats",
+    "SpecDecodingCounter",
+    "SpecDecodingStats",
     "StepApplier",
     "StepBlocks",
     "StepLedger",

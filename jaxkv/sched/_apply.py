@@ -21,6 +21,7 @@ import numpy as np
 from jaxkv._util import checks_own_arguments, host_int_array
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
+from jaxkv.sched._metrics import SpecDecodingCounter
 from jaxkv.sched._request import INT32_LIMIT, Request, RequestStatus
 from jaxkv.sched._scheduled import ScheduledStep
 
@@ -35,6 +36,7 @@ class StepOwner(Protocol):
     ledger: StepLedger
     vocab_size: int | None
     num_lookahead_tokens: int
+    spec_decoding: SpecDecodingCounter
 
     def is_live(self, req: Request) -> bool:
         """Whether `req` is running (not finished, aborted or recomputed)."""
@@ -235,6 +237,8 @@ class StepApplier:
         """Applies a step verifying drafts: how far each request got is its row's."""
         owner = self.owner
         accepted = iter(rows)
+        logits_row = 0  # the first logits row of the request (1 + k each)
+        seen = {id(r) for _, r, _ in step.filled}  # a retry counts nothing twice
         for (req, n), (computed, outputs) in zip(
             step.batch, step.scheduled_counts, strict=True
         ):
@@ -244,6 +248,7 @@ class StepApplier:
                 if computed + n - k == len(req.prompt) + outputs
                 else None
             )
+            first, logits_row = logits_row, logits_row + (0 if row is None else k + 1)
             if not owner.is_live(req):
                 continue
             if row is None:
@@ -252,9 +257,13 @@ class StepApplier:
                 # K/V is right up to the last accepted draft; the token sampled
                 # after it is computed next step.
                 req.num_computed = computed + n - k + len(row) - 1
-                req.output[outputs:] = _until_stop(req, row)[
-                    : req.max_new_tokens - outputs
-                ]
+                taken = _until_stop(req, row)[: req.max_new_tokens - outputs]
+                req.output[outputs:] = taken
+                if id(req) not in seen:
+                    step.filled += [(first + i, req, t) for i, t in enumerate(taken)]
+                    owner.spec_decoding.observe(
+                        num_draft_tokens=k, num_accepted=len(row) - 1
+                    )
                 if len(row) <= k:  # drafts rejected: their slots go back
                     owner.manager.free_beyond(
                         req, req.num_computed + 1 + owner.num_lookahead_tokens

@@ -69,6 +69,19 @@ class StepLedger:
                 "update(step, tokens) again with the same step first."
             )
 
+    def check_drafts_resolved(self, op: str) -> None:
+        """Raises while a step verifying drafts is advanced and not resolved.
+
+        Its accepted tokens decide where its requests continue, so nothing
+        can be scheduled after it until they are known.
+        """
+        if any(step.spec_token_ids for step in self._unresolved):
+            raise RuntimeError(
+                f"{op}: a step verifying draft tokens is advanced but not "
+                "resolved; resolve it first (the tokens it accepts decide where "
+                "its requests continue)."
+            )
+
     def start(self, step: ScheduledStep) -> None:
         """`step` is being applied by ``update`` (retried if this stops midway)."""
         self.applying = step

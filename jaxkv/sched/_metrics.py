@@ -36,6 +36,87 @@ class PrefixCacheStats:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecDecodingStats:
+    """Draft tokens verified and accepted so far (vLLM's ``SpecDecodingStats``).
+
+    One draft per request and step that verified draft tokens: ``k`` draft
+    tokens, of which the first ``a`` were accepted (the token sampled after
+    them is not counted). Per position ``i``: how many drafts had an
+    ``i``-th token, and how many accepted it.
+
+    Example:
+      >>> import jaxkv
+      >>> stats = jaxkv.sched.SpecDecodingStats(num_drafts=2, num_draft_tokens=6,
+      ...     num_accepted_tokens=3, num_accepted_tokens_per_pos=(2, 1, 0),
+      ...     num_draft_tokens_per_pos=(2, 2, 2))
+      >>> stats.acceptance_rate, stats.mean_acceptance_length
+      (0.5, 2.5)
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_draft_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 before any draft)."""
+        if not self.num_draft_tokens:
+            return 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a request: ``1 + accepted / drafts``."""
+        if not self.num_drafts:
+            return 1.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+class SpecDecodingCounter:
+    """Counts drafts as a scheduler resolves them (see :class:`SpecDecodingStats`).
+
+    Example:
+      >>> from jaxkv.sched import SpecDecodingCounter
+      >>> c = SpecDecodingCounter(); c.observe(num_draft_tokens=3, num_accepted=1)
+      >>> c.stats().num_accepted_tokens_per_pos
+      (1, 0, 0)
+    """
+
+    def __init__(self) -> None:
+        """No draft yet."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
+        self.accepted_per_pos: list[int] = []
+        self.drafted_per_pos: list[int] = []
+
+    def observe(self, *, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's draft of `num_draft_tokens`, `num_accepted` of them kept."""
+        if not num_draft_tokens:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted += num_accepted
+        grow = num_draft_tokens - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(num_draft_tokens):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < num_accepted
+
+    def stats(self) -> SpecDecodingStats:
+        """The counts so far, as a record."""
+        return SpecDecodingStats(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted,
+            num_accepted_tokens_per_pos=tuple(self.accepted_per_pos),
+            num_draft_tokens_per_pos=tuple(self.drafted_per_pos),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerStats:
     """A snapshot of a scheduler (vLLM's ``SchedulerStats``, and counters).
 
@@ -50,6 +131,8 @@ class SchedulerStats:
       num_cached_prompt_tokens: Prompt tokens taken from the prefix cache.
       num_rejected_reqs: Requests :meth:`Scheduler.add_request` rejected.
       num_steps: Steps scheduled.
+      spec_decoding_stats: Draft tokens verified and accepted (speculative
+        decoding; :class:`SpecDecodingStats`).
 
     Example (:meth:`Scheduler.make_stats`):
       >>> import jaxkv
@@ -76,6 +159,7 @@ class SchedulerStats:
     num_cached_prompt_tokens: int
     num_rejected_reqs: int
     num_steps: int
+    spec_decoding_stats: SpecDecodingStats = SpecDecodingStats()
 
     def metrics(self) -> dict[str, float]:
         """The figures under vLLM's Prometheus names.
@@ -85,7 +169,9 @@ class SchedulerStats:
         ``vllm:kv_cache_usage_perc`` (a fraction, as vLLM's); counters
         ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``,
         ``vllm:num_preemptions``, ``vllm:generation_tokens``,
-        ``vllm:prompt_tokens_cached``.
+        ``vllm:prompt_tokens_cached``; with drafts verified,
+        ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens``
+        and ``vllm:spec_decode_num_accepted_tokens``.
         """
         return {name: value for name, value, _, _ in _families(self)}
 
@@ -102,6 +188,11 @@ _COUNTERS = {
     "vllm:num_preemptions": "Cumulative number of preemptions.",
     "vllm:generation_tokens": "Number of generation tokens processed.",
     "vllm:prompt_tokens_cached": "Number of cached prompt tokens (local prefix cache).",
+}
+_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 
 
@@ -121,6 +212,11 @@ def _families(stats: SchedulerStats) -> Iterator[tuple[str, float, str, bool]]:
         yield name, float(values[name]), doc, False
     for name, doc in _COUNTERS.items():
         yield name, float(values[name]), doc, True
+    spec = stats.spec_decoding_stats
+    if spec.num_drafts:
+        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for (name, doc), value in zip(_SPEC_COUNTERS.items(), counts, strict=True):
+            yield name, float(value), doc, True
 
 
 @runtime_checkable

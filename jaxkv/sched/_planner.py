@@ -134,6 +134,7 @@ class StepPlanner:
         """The next step (see :meth:`Scheduler.schedule`)."""
         o = self.owner
         o.ledger.check_not_midway("schedule")
+        o.ledger.check_drafts_resolved("schedule")
         self._check_drafts()
         budget = o.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []

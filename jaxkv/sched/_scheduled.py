@@ -51,7 +51,9 @@ class ScheduledStep(StepArrays):
         default_factory=list, repr=False
     )
     #: ``(k, request, token)`` for each token :meth:`Scheduler.resolve` took
-    #: (``k``: its rank in :attr:`sampled`); tokens of requests that ended
+    #: (``k``: its logits row, which is its rank in :attr:`sampled` unless
+    #: the step verifies drafts: then each request has ``1 + drafts`` rows,
+    #: and every token it accepted is in it); tokens of requests that ended
     #: before are not in it.
     filled: list[tuple[int, Request, int]] = dataclasses.field(
         default_factory=list, repr=False

@@ -23,7 +23,11 @@ from jaxkv.sched._apply import StepApplier
 from jaxkv.sched._host_tier import HostKVCache
 from jaxkv.sched._ledger import StepLedger
 from jaxkv.sched._manager import KVCacheManager
-from jaxkv.sched._metrics import PrefixCacheStats, SchedulerStats
+from jaxkv.sched._metrics import (
+    PrefixCacheStats,
+    SchedulerStats,
+    SpecDecodingCounter,
+)
 from jaxkv.sched._planner import StepPlanner
 from jaxkv.sched._request import (
     Request,
@@ -191,6 +195,8 @@ class Scheduler:
             (f.name for f in dataclasses.fields(PrefixCacheStats)), 0
         )
         self._generated_by_finished = 0
+        #: Drafts verified and accepted (``make_stats().spec_decoding_stats``).
+        self.spec_decoding = SpecDecodingCounter()
         # Chooses steps; applies them (advance, resolve, update: the two).
         self.planner = StepPlanner(self)
         self.applier = StepApplier(self)
@@ -371,6 +377,7 @@ class Scheduler:
             num_cached_prompt_tokens=self.stats["cached_tokens"],
             num_rejected_reqs=self.stats["rejected"],
             num_steps=self.stats["steps"],
+            spec_decoding_stats=self.spec_decoding.stats(),
         )
 
     def schedule(self) -> ScheduledStep:
@@ -488,6 +495,9 @@ class Scheduler:
         step is advanced the same way, each request getting its
         ``steps_per_request`` placeholders (the last one is the next step's
         input: ``tokens[num_steps - 1][k]`` of this step, read on the device).
+        A step verifying drafts (``step.spec_token_ids``) changes nothing
+        here: the tokens it accepts decide how far its requests got, so
+        :meth:`schedule` refuses until :meth:`resolve` has them.
 
         Example:
           >>> import jaxkv
@@ -509,11 +519,6 @@ class Scheduler:
         """
         self.ledger.check_not_midway("advance")
         self.applier.check_latest(step, "advance")
-        if step.spec_token_ids:
-            raise ValueError(
-                "advance: the step verifies draft tokens; apply it with update() "
-                "(the accepted tokens decide the next step's inputs)."
-            )
         self.applier.advance(step, finish_early=True)
 
     @checks_own_arguments

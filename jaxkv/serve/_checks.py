@@ -7,14 +7,19 @@ sampled token (checked while tracing, so a mistake is named before it runs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxkv._util import host_int_array
+from jaxkv.config import MambaSpec
 from jaxkv.kv import Pools
 from jaxkv.plan import KVCachePlan, ShardedPlan
+from jaxkv.sched import Request
 from jaxkv.serve._sampling import SamplingParams
 
 _T = TypeVar("_T")
@@ -186,6 +191,71 @@ def check_decode_steps(plan: KVCachePlan | ShardedPlan, decode_steps: object) ->
             "on one device only for now; on a mesh leave it at 1."
         )
     return decode_steps
+
+
+def check_drafter(plan: KVCachePlan | ShardedPlan, decode_steps: int) -> None:
+    """A loop with a drafter: attention layers only, one step per dispatch."""
+    local = plan.local if isinstance(plan, ShardedPlan) else plan
+    mamba = [
+        g.layer_names[0]
+        for g in local.kv_cache_config.kv_cache_groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    ]
+    if mamba:
+        raise ValueError(
+            f"ServingLoop: a drafter needs a model of attention layers only; "
+            f"layer {mamba[0]!r} keeps Mamba state, which cannot be rolled back "
+            "past rejected drafts."
+        )
+    if decode_steps > 1:
+        raise ValueError(
+            f"ServingLoop: a drafter verifies drafts one step per dispatch; "
+            f"decode_steps={decode_steps} (multi-step decoding) cannot take "
+            "them: leave decode_steps at 1."
+        )
+
+
+def check_drafts(
+    drafts: object, reqs: Sequence[Request], *, vocab_size: int | None
+) -> list[list[int]]:
+    """The drafter's answer: one list of token ids per request, in the vocabulary.
+
+    Raises:
+      TypeError: If it is not one sequence of integers per request.
+      ValueError: If the count is wrong or a token is outside the vocabulary
+        (naming the request).
+    """
+    if isinstance(drafts, str | bytes) or not isinstance(drafts, Sequence):
+        raise TypeError(
+            "ServingLoop: the drafter must return one sequence of draft tokens "
+            f"per request, got {type(drafts).__name__}."
+        )
+    if len(drafts) != len(reqs):
+        raise ValueError(
+            f"ServingLoop: the drafter was asked for {len(reqs)} requests' drafts "
+            f"({[r.req_id for r in reqs][:8]}) and returned {len(drafts)}."
+        )
+    top = 2**31 - 1 if vocab_size is None else vocab_size
+    out = []
+    for req, draft in zip(reqs, drafts, strict=True):
+        what = f"ServingLoop: the drafter's drafts for request {req.req_id!r}"
+        if isinstance(draft, str | bytes) or not isinstance(
+            draft, Sequence | np.ndarray
+        ):
+            raise TypeError(
+                f"{what} must be a sequence of token ids, got {type(draft).__name__}."
+            )
+        ids = (
+            host_int_array(draft, what).reshape(-1)
+            if len(draft)
+            else np.zeros(0, np.int64)
+        )
+        if ((ids < 0) | (ids >= top)).any():
+            raise ValueError(
+                f"{what} must be token ids in [0, {top}), got {ids.tolist()[:8]}."
+            )
+        out.append(ids.tolist())
+    return out
 
 
 def check_options(value: object, kind: type[_T], name: str) -> _T:

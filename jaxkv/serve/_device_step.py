@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.kv import Pools
 from jaxkv.plan import ShardedPlan
 from jaxkv.serve._checks import check_forward_result
+from jaxkv.serve._drafts import accept_drafts
 from jaxkv.serve._sampling import SamplingParams, sample_rows
 from jaxkv.serve._write_check import check_forward_writes
 from jaxkv.step import CommonAttentionMetadata, StepInputs, StepMetadataBuilder
@@ -72,6 +73,10 @@ class DeviceStep:
       sampling: Sampling parameters of requests without their own.
       per_request_sampling: Whether each row samples with its own parameters.
       vocab_size: The loop's vocabulary: `forward`'s logits may not be wider.
+      speculative: Whether steps verify drafts: the sampling inputs are then
+        ``{"sampling": rows, "drafts": the draft after each row}`` and each
+        request's rows past its first rejected draft come back as ``-1``
+        (:func:`accept_drafts`).
     """
 
     builder: StepMetadataBuilder
@@ -82,6 +87,7 @@ class DeviceStep:
     sampling: SamplingParams
     per_request_sampling: bool
     vocab_size: int | None = None
+    speculative: bool = False
     # Whether `forward`'s writes were checked (check_forward_writes): once.
     _writes_checked: list[bool] = dataclasses.field(default_factory=list)
 
@@ -130,13 +136,16 @@ class DeviceStep:
         out = self.forward(params, pools, meta, tokens, sample)
         pools, logits = self._result(out, pools, sample)
         positions = next(iter(meta.values())).positions[sample]
+        rows = seeds["sampling"] if self.speculative else seeds
         next_tokens = sample_rows(
             logits,
-            seeds,
+            rows,
             per_request=self.per_request_sampling,
             default=self.sampling,
             positions=positions,
         )
+        if self.speculative:  # the drafts verified in the same program
+            next_tokens = accept_drafts(next_tokens, seeds["drafts"])
         padded = jnp.zeros(self.width, jnp.int32)
         padded = padded.at[: next_tokens.shape[0]].set(next_tokens.astype(jnp.int32))
         return pools, padded, logits

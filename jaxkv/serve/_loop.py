@@ -28,12 +28,15 @@ from jaxkv.sched import (
 )
 from jaxkv.serve._checks import (
     check_decode_steps,
+    check_drafter,
+    check_drafts,
     check_loop_arguments,
     check_options,
     check_same_model,
     check_sampling_keys,
 )
 from jaxkv.serve._device_step import Forward
+from jaxkv.serve._drafts import Drafter
 from jaxkv.serve._options import ExecutionOptions, SchedulingOptions
 from jaxkv.serve._pipeline import StepPipeline
 from jaxkv.serve._resize import move_blocks
@@ -138,6 +141,8 @@ class ServingLoop:
         execution = check_options(execution, ExecutionOptions, "execution")
         check_loop_arguments(plan, forward, sampling, execution.param_specs)
         decode_steps = check_decode_steps(plan, execution.decode_steps)
+        if execution.drafter is not None:
+            check_drafter(plan, decode_steps)
         #: How requests are scheduled (:meth:`reset` may change it).
         self.scheduling = scheduling
         #: How each step runs.
@@ -451,10 +456,12 @@ class ServingLoop:
                 raise
 
     def _step(self) -> list[Request]:
-        if self.overlap:
+        if self.overlap and self.execution.drafter is None:
             self._recover()
         else:
             self.resume()
+        if self.execution.drafter is not None:
+            self._propose_drafts()
         done: list[Request] = []
         if self.decode_steps > 1:
             ran, done = self.pipeline.decode_ahead(
@@ -478,8 +485,36 @@ class ServingLoop:
         return done + self._drain()
 
     def _drain(self) -> list[Request]:
-        """Resolves what is in flight down to the mode's depth (overlap: 1)."""
-        return self.pipeline.drain(self.schedulers, int(self.execution.overlap))
+        """Resolves what is in flight down to the mode's depth (overlap: 1).
+
+        With a drafter, 0: the next drafts are proposed from its tokens.
+        """
+        depth = self.execution.overlap and self.execution.drafter is None
+        return self.pipeline.drain(self.schedulers, int(depth))
+
+    def _propose_drafts(self) -> None:
+        """Asks the drafter for the drafts of every request decoding next.
+
+        The requests whose every token is known and whose next step is a
+        decode, per rank; their drafts are checked (one list of token ids in
+        the vocabulary per request, cut to ``num_speculative_tokens``) before
+        any is set, so a drafter that raises or answers wrongly changes
+        nothing.
+        """
+        drafter = self.execution.drafter
+        k = cast(int, self.execution.num_speculative_tokens)
+        for sched in self.schedulers:
+            reqs = [
+                r
+                for r in sched.running
+                if r.num_computed == r.num_tokens - 1 and not r.num_pending
+            ]
+            if reqs:
+                drafts = check_drafts(
+                    cast(Drafter, drafter)(reqs), reqs, vocab_size=sched.vocab_size
+                )
+                for req, draft in zip(reqs, drafts, strict=True):
+                    req.spec_token_ids = draft[:k]
 
     def run(
         self,

@@ -18,6 +18,7 @@ from jaxkv._util import (
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import HostKVCache, KVEventBatch, Scheduler
 from jaxkv.serve._checks import check_host_blocks
+from jaxkv.serve._drafts import Drafter
 from jaxkv.step import BucketDispatcher
 
 
@@ -149,6 +150,17 @@ class ExecutionOptions:
         vocabulary per sampled row, which a greedy-only loop does not pay).
       record_logits: Keep each sampled token's logits in ``loop.logits`` (a
         device-to-host copy per step).
+      drafter: Speculative decoding: before each step the loop asks it for
+        draft tokens of the requests that decode next (a :class:`Drafter`:
+        :class:`NgramDrafter`, or your draft model); the step verifies them
+        inside its program (:func:`accept_drafts`) and each request takes
+        the drafts kept and the token sampled after them. Tokens equal those
+        of the loop without a drafter; steps are resolved before the next is
+        scheduled (the drafts need the tokens), so overlap has no effect.
+        Attention-only models; one step per dispatch (``decode_steps=1``).
+      num_speculative_tokens: The most draft tokens a request verifies per
+        step (longer drafts are cut; default: the drafter's own
+        ``num_speculative_tokens``). Sizes the sampled rows' buckets.
 
     Example:
       >>> import jaxkv
@@ -162,10 +174,36 @@ class ExecutionOptions:
     param_specs: Any = None
     per_request_sampling: bool = False
     record_logits: bool = False
+    drafter: Drafter | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Each option of the right kind (``"no"`` is not a bool), named."""
         owner = "ExecutionOptions"
         for name in ("overlap", "per_request_sampling", "record_logits"):
             check_bool(owner, name, getattr(self, name))
+        k = self.num_speculative_tokens
+        if self.drafter is None:
+            if k is not None:
+                raise ValueError(
+                    f"ExecutionOptions: num_speculative_tokens={k!r} without a "
+                    "drafter; give drafter= too (e.g. jaxkv.serve.NgramDrafter())."
+                )
+        else:
+            if not callable(self.drafter):
+                raise TypeError(
+                    "ExecutionOptions.drafter must be callable (a Drafter: "
+                    "drafter(requests) -> drafts per request), got "
+                    f"{type(self.drafter).__name__}."
+                )
+            if k is None:
+                k = getattr(self.drafter, "num_speculative_tokens", None)
+                if k is None:
+                    raise ValueError(
+                        "ExecutionOptions: the drafter has no num_speculative_tokens; "
+                        "give num_speculative_tokens= (the most draft tokens a "
+                        "request verifies per step)."
+                    )
+            k = check_positive_int(owner, "num_speculative_tokens", k)
+            object.__setattr__(self, "num_speculative_tokens", k)
         # decode_steps is checked by the loop, against max_model_len.

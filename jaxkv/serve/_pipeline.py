@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxkv.sched import Request, ScheduledStep, Scheduler
+from jaxkv.serve._drafts import accepted_rows
 
 #: Runs a step's programs: ``run(steps, prev_tokens) -> (tokens, logits,
 #: tokens the next step's placeholders read)``.
@@ -179,8 +180,11 @@ class StepPipeline:
             rows = rows.reshape(self._num_ranks, *rows.shape[-2:])
         for rank, (sched, step) in enumerate(zip(schedulers, steps, strict=True)):
             if step in sched.unresolved:  # each once, after a fault too
-                n = len(step.sampled)
-                finished += sched.resolve(step, host[rank, :n].tolist())
+                if step.spec_token_ids:  # each request's accepted tokens
+                    finished += sched.resolve(step, accepted_rows(step, host[rank]))
+                else:
+                    n = len(step.sampled)
+                    finished += sched.resolve(step, host[rank, :n].tolist())
         self.entries.popleft()
         self._forget(finished)
         for rank, step in enumerate(steps):

@@ -24,6 +24,7 @@ from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.sched import ScheduledStep
 from jaxkv.serve._checks import check_param_specs
 from jaxkv.serve._device_step import DeviceStep, Forward
+from jaxkv.serve._drafts import draft_rows
 from jaxkv.serve._options import ExecutionOptions
 from jaxkv.serve._sampling import (
     SamplingParams,
@@ -87,10 +88,14 @@ class StepRunner:
         self.vocab_size = vocab_size
         self.decode_steps = decode_steps
         self.dispatcher = execution.dispatcher
+        #: Whether steps verify draft tokens (a drafter), and at most how many
+        #: per request.
+        self.speculative = execution.drafter is not None
+        self.samples_per_request = 1 + (execution.num_speculative_tokens or 0)
         #: Per request id, its own SamplingParams (per_request_sampling).
         self.request_sampling: dict[str, SamplingParams] = {}
         # On a mesh the builder prepares every data rank's step at once.
-        self.builder = StepMetadataBuilder(plan, self.dispatcher, model_inputs=True)
+        self.builder = self._builder(plan)
         # Sampled tokens travel between steps padded to one width, so a
         # step's program takes its predecessor's tokens whatever its bucket.
         self.width = self.builder.max_num_samples
@@ -121,6 +126,16 @@ class StepRunner:
             sampling=self.sampling,
             per_request_sampling=self.per_request_sampling,
             vocab_size=self.vocab_size,
+            speculative=self.speculative,
+        )
+
+    def _builder(self, plan: KVCachePlan | ShardedPlan) -> StepMetadataBuilder:
+        """The step builder over `plan` (model inputs packed, drafts' rows sized)."""
+        return StepMetadataBuilder(
+            plan,
+            self.dispatcher,
+            model_inputs=True,
+            samples_per_request=self.samples_per_request,
         )
 
     def checked_step_for(
@@ -131,7 +146,7 @@ class StepRunner:
         A forward that writes through another plan's views is named before
         anything changes (traced from shapes: nothing is allocated).
         """
-        builder = StepMetadataBuilder(plan, self.dispatcher, model_inputs=True)
+        builder = self._builder(plan)
         step = self.device_step_for(builder, forward)
         jax.eval_shape(
             step.check_writes,
@@ -271,9 +286,13 @@ class StepRunner:
 
     def _abstract_seeds(self, shape: tuple[int, ...], rows: Any) -> Any:
         """What a step's sampling inputs look like (see :meth:`_seeds`)."""
-        return abstract_sampling_rows(
+        sampling = abstract_sampling_rows(
             shape, rows, per_request=self.per_request_sampling
         )
+        if not self.speculative:
+            return sampling
+        drafts = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+        return {"sampling": sampling, "drafts": drafts}
 
     def check_forward_writes(self) -> None:
         """Once, before a request is queued: `forward` keeps every layer's write.
@@ -333,15 +352,24 @@ class StepRunner:
         """Per rank and sampled row: the request's seed and parameters.
 
         With ``per_request_sampling`` its parameters too (padding rows:
-        greedy).
+        greedy); when steps verify drafts, with the draft after each row
+        (:func:`draft_rows`).
         """
-        return sampling_rows(
-            [[r.req_id for r in s.sampled] for s in steps],
+        if self.speculative:
+            rows = [draft_rows(s, num_samples) for s in steps]
+            ids = [r[0] for r in rows]
+        else:
+            ids = [[r.req_id for r in s.sampled] for s in steps]
+        sampling = sampling_rows(
+            ids,
             num_samples,
             per_request=self.per_request_sampling,
             default=self.sampling,
             overrides=self.request_sampling,
         )
+        if not self.speculative:
+            return sampling
+        return {"sampling": sampling, "drafts": np.stack([r[1] for r in rows])}
 
     def run(
         self, steps: list[ScheduledStep], prev_tokens: jax.Array, *, flush: Flush

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._util import checks_own_arguments
+from jaxkv._util import checks_own_arguments, is_int
 from jaxkv.config import MambaSpec
 from jaxkv.plan import KVCachePlan, ShardedPlan
 from jaxkv.step._attn_metadata import build_attn_metadata_from_step
@@ -81,6 +81,9 @@ class StepMetadataBuilder:
       model_inputs: Pack token ids and sampled-token indices too.
       fast_prefill: Arm the fast-prefill path when the model has fast-prefill
         layers (``False``: those layers run on every token, as unarmed).
+      samples_per_request: The most tokens one request samples in a step
+        (``1 + k`` when it verifies ``k`` draft tokens): sizes the sampled
+        rows' buckets, so steps verifying drafts compile nothing new.
 
     Example:
       >>> import numpy as np
@@ -111,6 +114,7 @@ class StepMetadataBuilder:
         causal: bool | Mapping[int, bool] = True,
         model_inputs: bool = False,
         fast_prefill: bool = True,
+        samples_per_request: int = 1,
     ) -> None:
         """Stores the static configuration; compiles nothing."""
         sharded = plan if isinstance(plan, ShardedPlan) else None
@@ -145,6 +149,12 @@ class StepMetadataBuilder:
         self.max_mm_ranges = max_mm_ranges
         self.causal = causal
         self.model_inputs = model_inputs
+        if not is_int(samples_per_request) or samples_per_request < 1:
+            raise ValueError(
+                "StepMetadataBuilder: samples_per_request must be an int >= 1, "
+                f"got {samples_per_request!r}."
+            )
+        self.samples_per_request = int(samples_per_request)
         self.fast_prefill_helper = (
             FastPrefillHelper(dispatcher, dispatcher.max_num_tokens, rows=self.rows)
             if fast_prefill
@@ -307,7 +317,8 @@ class StepMetadataBuilder:
     def max_num_samples(self) -> int:
         """The most sampled tokens a step's model inputs hold (padded)."""
         d = self.dispatcher
-        return d.token_bucket(d.max_num_reqs) or d.max_num_tokens
+        most = min(d.max_num_reqs * self.samples_per_request, d.max_num_tokens)
+        return d.token_bucket(most) or d.max_num_tokens
 
     def _check_limits(self, query_start_loc: object) -> None:
         """Refuses a step above the limits the programs are sized for.
