@@ -198,11 +198,13 @@ def copy_requests(requests):
 
 @pytest.mark.parametrize("wrong_at", [None, 0, 1])
 def test_drafts_of_a_draft_model_give_the_tokens_of_greedy_decoding(loops, wrong_at):
-    drafter = _oracle_drafter(loops["table"], k=K, wrong_at=wrong_at)
+    # Drafts of 2K tokens: the loop verifies K per step (its programs' rows).
+    drafter = _oracle_drafter(loops["table"], k=2 * K, wrong_at=wrong_at)
     reqs, want, loop = _run(loops, "greedy", drafter, _requests())
     assert [r.output for r in reqs] == want
     stats = loop.scheduler.make_stats().spec_decoding_stats
     assert stats.num_drafts > 0
+    assert len(stats.num_draft_tokens_per_pos) == K
     if wrong_at is None:  # every draft token the target agrees with
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     else:  # the draft is right up to `wrong_at`, never past it
