@@ -143,7 +143,7 @@ class _Switch:
 def loops():
     """Per sampling: a loop without drafts and a warmed-up one with drafts."""
     plan, forward, table = _bigram()
-    out = {"table": table}
+    out: dict = {"table": table}
     for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
         switch = _Switch()
         spec = jaxkv.ServingLoop(
@@ -306,7 +306,7 @@ def test_options_name_a_missing_or_stray_draft_count():
     with pytest.raises(ValueError, match="give num_speculative_tokens="):
         jaxkv.ExecutionOptions(drafter=lambda reqs: [[] for _ in reqs])
     with pytest.raises(TypeError, match="drafter must be callable"):
-        jaxkv.ExecutionOptions(drafter=3, num_speculative_tokens=1)
+        jaxkv.ExecutionOptions(drafter=3, num_speculative_tokens=1)  # pyright: ignore[reportArgumentType]
     assert jaxkv.ExecutionOptions(drafter=NgramDrafter()).num_speculative_tokens == 3
 
 
@@ -314,7 +314,7 @@ def test_a_drafter_is_refused_on_mamba_and_multi_step_loops():
     plan = jaxkv.make_plan(jaxkv.tiny_hybrid_config(), num_blocks=16)
     opts = jaxkv.ExecutionOptions(drafter=NgramDrafter())
     with pytest.raises(ValueError, match="Mamba state"):
-        jaxkv.ServingLoop(plan, lambda *a: None, None, execution=opts)
+        jaxkv.ServingLoop(plan, lambda *a: None, None, execution=opts)  # pyright: ignore[reportArgumentType]
     plan, forward, table = _bigram()
     with pytest.raises(ValueError, match="decode_steps=4"):
         jaxkv.ServingLoop(
@@ -387,7 +387,7 @@ def test_a_scheduler_refuses_to_schedule_past_an_unresolved_draft_step():
     assert s.resolve(step, [[4, 7]]) == []
     assert s.running[0].output == [3, 4, 7]
     assert [(k, t) for k, _, t in step.filled] == [(0, 4), (1, 7)]
-    assert s.schedule().token_ids.tolist() == [7]
+    assert np.asarray(s.schedule().token_ids).tolist() == [7]
 
 
 @pytest.mark.slow  # the built-in model compiles ~20 programs (about 30 s)

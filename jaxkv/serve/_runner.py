@@ -355,8 +355,8 @@ class StepRunner:
         greedy); when steps verify drafts, with the draft after each row
         (:func:`draft_rows`).
         """
+        rows = [draft_rows(s, num_samples) for s in steps] if self.speculative else []
         if self.speculative:
-            rows = [draft_rows(s, num_samples) for s in steps]
             ids = [r[0] for r in rows]
         else:
             ids = [[r.req_id for r in s.sampled] for s in steps]
