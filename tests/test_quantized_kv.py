@@ -360,6 +360,7 @@ def test_the_demo_serves_the_hybrid_model_from_an_int8_cache(capsys):
     from jaxkv.demo._cli import main
 
     argv = "--kv-cache-dtype int8_per_token_head --num-requests 2 --max-new-tokens 6"
+    argv += " --token-buckets 32"  # one bucket: two programs
     assert main(argv.split()) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     agree, total = map(int, line.split(": ")[1].split()[0].split("/"))

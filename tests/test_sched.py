@@ -438,7 +438,7 @@ def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
         jaxkv.demo.EngineRequest(
             f"p{i}", prompt=prefix + rng.integers(0, 64, 16).tolist(), max_new_tokens=3
         )
-        for i in range(32)
+        for i in range(12)
     ]
     base, free_base, stats_base = _serve(engine, _fresh(requests))
     cached, free_cached, stats = _serve(
@@ -448,7 +448,7 @@ def test_engine_prefix_caching_saves_prefill_and_keeps_outputs(served):
     assert free_cached == free_base == 299
     saved = 1 - stats["prefill_tokens"] / stats_base["prefill_tokens"]
     assert saved >= 0.8, (stats["prefill_tokens"], stats_base["prefill_tokens"])
-    assert stats["cached_tokens"] >= 31 * 256 * 0.9
+    assert stats["cached_tokens"] >= 11 * 256 * 0.9
     # Under pressure (room for about three requests): cached blocks are evicted
     # and requests preempted, outputs unchanged.
     squeezed, free_squeezed, stats_sq = _serve(

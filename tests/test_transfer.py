@@ -431,17 +431,15 @@ def test_a_request_moves_between_tensor_parallel_degrees():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "mesh", [[], pytest.param(["mesh"], marks=pytest.mark.slow, id="1x4->2x2")]
-)
+@pytest.mark.parametrize("mesh", [pytest.param(["mesh"], id="1x4->2x2")])
 def test_prefill_and_decode_in_two_processes_give_the_tokens_of_one(tmp_path, mesh):
     """Two processes on the loopback address, the caches moved with
     ``jax.experimental.transfer`` (``send_request`` / ``receive_request``):
     blocks-first pools of 16 for prefill, K/V-first pools of 64 for decode; the
-    tokens of three requests equal a one-process run. With ``mesh``, each
-    process has 4 simulated devices: prefill on a 1x4 tensor-parallel mesh,
-    decode on a 2x2 mesh. Both processes stop by themselves (deadlines of
-    120 s, killed at 240 s).
+    tokens of three requests equal a one-process run. Each process has 4
+    simulated devices: prefill on a 1x4 tensor-parallel mesh, decode on a 2x2
+    mesh (``disagg_check.py`` without ``mesh`` runs them on one device each).
+    Both processes stop by themselves (deadlines of 120 s, killed at 240 s).
     """  # noqa: D205
     import subprocess
     import sys
