@@ -42,6 +42,7 @@ pytestmark = pytest.mark.slow  # CI's slow pass, once per run
         ("kernel_report", ["--quick"]),
         ("bench_quant", "--batch 2 --context 32 --iters 1 --no-model".split()),
         ("bench_serve", "--batch 2 --prompt 8 --new 4 --layers 1 --iters 2".split()),
+        ("bench_spec", "--batch 2 --prompt 8 --new 6 --layers 1 --k 2".split()),
         (
             "bench_offload",
             "--prefixes 3 --prefix 32 --suffix 4 --per-prefix 1 --new 2 --rounds 2 "
@@ -169,6 +170,15 @@ def _sizing(r):
     assert grow["move_s"] > 0
 
 
+def _spec(r):
+    rows = {row["loop"]: row for row in r["rows"]}
+    assert all(row["same tokens"] for row in rows.values())
+    assert all(row["compiles"] == 0 for row in rows.values())
+    oracle = rows["oracle k=2"]
+    assert oracle["accepted"] == 1.0  # every draft is the plain run's token
+    assert oracle["steps"] < rows["plain"]["steps"]
+
+
 def _serve(r):
     assert r["same_tokens"]
     assert r["compiles"] == 0
@@ -242,6 +252,7 @@ FIGURES = {
     "bench_quant": _quant,
     "kernel_report": _kernel_report,
     "bench_serve": _serve,
+    "bench_spec": _spec,
     "bench_sched": _sched,
     "bench_prefix": _prefix,
     "bench_trace": _trace,
