@@ -55,8 +55,9 @@ class Case:
     pad_tokens: int = 3
     pages: int | None = None  # pages_per_chunk (the TPU kernel's DMA wave)
     quant: str = "none"  # kv_quant_mode: 8-bit pages in a word pool (issue 58)
-    k_scale: float | None = None  # fp8_per_tensor's static scales
-    v_scale: float | None = None
+    # fp8_per_tensor's static scales: a float, or a tuple of one per KV head.
+    k_scale: float | tuple[float, ...] | None = None
+    v_scale: float | tuple[float, ...] | None = None
     typed: bool = False  # 8-bit pages in a stacked typed pool (fp8 per tensor)
     cache_dtype: str | None = None  # the 8-bit dtype, if not the mode's usual one
 
@@ -341,11 +342,30 @@ def stored(pools, view, case: Case, layer=None) -> tuple[np.ndarray, np.ndarray]
         return x.reshape(view.num_blocks * view.block_size, *x.shape[3:])
 
     k, v = (flat(x) for x in jaxkv.gather_kv_pages(pools, view, table, layer=layer))
-    if case.quant == "fp8_per_tensor":
-        return k * (case.k_scale or 1.0), v * (case.v_scale or 1.0)
+    if case.quant == "fp8_per_tensor":  # a scale per tensor, or per KV head
+
+        def static(x):
+            s = np.asarray(1.0 if x is None else x, np.float64)
+            return s[:, None] if s.ndim else s
+
+        return k * static(case.k_scale), v * static(case.v_scale)
     ks, vs = (flat(x) for x in jaxkv.gather_kv_pages(pools, scale_view(view), table))
     return k * ks, v * vs
 
+
+#: fp8 pages with a static scale per KV head (vLLM's per-attention-head
+#: scales): XLA's path reads them; the kernels refuse them by name.
+PER_HEAD_CASE = Case(
+    "mixed_fp8_per_head_scales_gqa",
+    quant="fp8_per_tensor",
+    typed=True,  # a pool the kernels read: they refuse the scales themselves
+    kv_heads=2,
+    q_heads=6,
+    k_scale=(0.25, 2.0),
+    v_scale=(4.0, 0.5),
+    reqs=((5, 12), (1, 20), (3, 3)),
+    tile=4,
+)
 
 QUANT_CASES = (
     Case("decode_int8_per_token_head", quant="int8_per_token_head", q_heads=8),

@@ -13,7 +13,15 @@ import pytest
 
 import jaxkv
 from jaxkv._native import available, unavailable_reason
-from tests.attention_cases import QUANT_CASES, Case, build, dense, run, stored
+from tests.attention_cases import (
+    PER_HEAD_CASE,
+    QUANT_CASES,
+    Case,
+    build,
+    dense,
+    run,
+    stored,
+)
 
 
 def _full(**kw):
@@ -120,6 +128,69 @@ def test_xla_path_reads_8_bit_pages_as_the_oracle_of_what_was_stored(case):
     tol = {"int8": 0.05, "float8_e5m2": 0.5}.get(built.view.dtype.name, 0.2)
     tol *= 1.5 if case.head >= 128 else 1.0
     np.testing.assert_allclose(out, reference, atol=tol)
+
+
+def test_static_scales_per_kv_head_are_stored_and_read_per_head():
+    # vLLM's per-attention-head scales: head h stored as fp8(x / s_h), read
+    # as stored * s_h by XLA's path (the float64 oracle of the stored cache);
+    # equal scales per head read exactly as the one per-tensor scale.
+    case = PER_HEAD_CASE
+    built = build(case)
+    out = run(built, None)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, dense(case, built), atol=2e-5, rtol=2e-5)
+    plain = dataclasses.replace(case, quant="none", k_scale=None, v_scale=None)
+    np.testing.assert_allclose(out, run(build(plain), "xla"), atol=0.2)
+    # The bytes: head 1 of K holds k / 2.0, head 0 k / 0.25.
+    view = built.view
+    k = jnp.asarray(np.full((1, 2, case.head), 1.0, np.float32))
+    pools = jaxkv.write_kv(
+        jax.tree.map(jnp.copy, built.pools),
+        view,
+        k,
+        k,
+        jnp.array([0], jnp.int32),
+        k_scale=jnp.array([0.25, 2.0]),
+        v_scale=np.array([4.0, 0.5]),
+    )
+    ks, vs = jaxkv.gather_kv_pages(pools, view, jnp.zeros((1, 1), jnp.int32))
+    assert np.asarray(ks[0, 0, 0].astype(jnp.float32))[:, 0].tolist() == [4.0, 0.5]
+    assert np.asarray(vs[0, 0, 0].astype(jnp.float32))[:, 0].tolist() == [0.25, 2.0]
+    same = dataclasses.replace(case, k_scale=(0.5, 0.5), v_scale=(2.0, 2.0))
+    scalar = dataclasses.replace(case, k_scale=0.5, v_scale=2.0)
+    np.testing.assert_array_equal(run(build(same), None), run(build(scalar), None))
+
+
+@pytest.mark.parametrize("implementation", ["native", "pallas_gpu", "pallas_tpu"])
+def test_the_kernels_refuse_scales_per_head_by_name(implementation):
+    built = build(dataclasses.replace(PER_HEAD_CASE, tile=1))
+    with pytest.raises(ValueError, match="static scales per KV head"):
+        run(built, implementation)
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "match"),
+    [
+        ((0.5, 0.5, 0.5), ValueError, r"one per KV head \(2 for this view\)"),
+        ((0.5, -1.0), ValueError, "finite and > 0"),
+        ("0.5", TypeError, "one float per KV head"),
+    ],
+)
+def test_bad_scales_per_head_are_named(scale, error, match):
+    built = build(PER_HEAD_CASE)
+    kw = {**built.kw, "k_scale": scale}
+    with pytest.raises(error, match=match):
+        jaxkv.paged_attention(built.q, built.pools, built.view, built.meta, **kw)
+    if error is ValueError and len(scale) == 3:
+        with pytest.raises(ValueError, match="one entry per head"):
+            jaxkv.write_kv(
+                jax.tree.map(jnp.copy, built.pools),
+                built.view,
+                jnp.zeros((1, 2, PER_HEAD_CASE.head)),
+                jnp.zeros((1, 2, PER_HEAD_CASE.head)),
+                jnp.zeros((1,), jnp.int32),
+                k_scale=jnp.array(scale),
+            )
 
 
 @pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
@@ -409,7 +480,7 @@ def test_the_native_kernel_decodes_every_fp8_byte_as_jax_does(dtype):
 
 
 @pytest.mark.skipif(not available(), reason=f"no native kernel: {unavailable_reason()}")
-@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [*QUANT_CASES, PER_HEAD_CASE], ids=lambda c: c.name)
 def test_the_native_write_stores_the_bytes_xla_stores(case):
     # Quantized by XLA on the step's tokens, then the 8-bit values and the
     # scales moved in place by the native kernel: the pool's bytes equal

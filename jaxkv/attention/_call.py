@@ -32,8 +32,16 @@ class Call(NamedTuple):
     pages_per_chunk: int | None
     query_tile: int
     contraction: str
-    k_scale: float | None = None  # fp8_per_tensor pages' static scales
-    v_scale: float | None = None
+    # fp8_per_tensor pages' static scales: one per tensor, or one per KV head.
+    k_scale: float | tuple[float, ...] | None = None
+    v_scale: float | tuple[float, ...] | None = None
+
+
+def per_head_scales_unfit(call: Call) -> str | None:
+    """Why a kernel folding scalar scales cannot take this call (``None``: it can)."""
+    if isinstance(call.k_scale, tuple) or isinstance(call.v_scale, tuple):
+        return "static scales per KV head (XLA's path applies them)"
+    return None
 
 
 def kv_heads_of(view: KVCacheView) -> int:
@@ -62,6 +70,9 @@ def pallas_unfit(
       'use_mm_prefix=True (PrefixLM ranges are not one key range)'
     """
     reason = pallas_view_unfit(view, fp8_per_tensor=fp8_per_tensor)
+    if reason is not None:
+        return reason
+    reason = per_head_scales_unfit(call)
     if reason is not None:
         return reason
     if call.mask.use_mm_prefix:

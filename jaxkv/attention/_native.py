@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._native import target
-from jaxkv.attention._call import Call
+from jaxkv.attention._call import Call, per_head_scales_unfit
 from jaxkv.attention._rows import key_ranges, query_rows_of, value_dim
 from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit, raw_views
 from jaxkv.plan import KVCacheView
@@ -56,6 +56,8 @@ def native_unfit(view: KVCacheView, call: Call) -> str | None:
         return f"rows of {call.query_tile} query tokens (the kernel takes rows of 1)"
     if call.mask.use_mm_prefix:
         return "use_mm_prefix=True (PrefixLM ranges)"
+    if per_head_scales_unfit(call) is not None:
+        return per_head_scales_unfit(call)
     if view.kv_quant_mode != "none":
         try:
             plain = raw_views(view)[0]

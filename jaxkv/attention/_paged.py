@@ -124,7 +124,9 @@ def paged_attention(
         per-tensor scales by the GPU kernel too (sm_89 and newer).
       k_scale: The static K scale of ``"fp8_per_tensor"`` pages (a Python
         float, vLLM's ``layer._k_scale``; default 1.0): K is read as the
-        stored value times it. Only for those pages.
+        stored value times it. Or one float per KV head (a sequence or NumPy
+        array: vLLM's per-attention-head scales), read by XLA's path (the
+        kernels refuse it, naming why). Only for those pages.
       v_scale: The same for V.
 
     Returns:
@@ -252,8 +254,15 @@ def paged_attention(
     )
 
 
-def _static_scale(value: object, name: str, view: KVCacheView) -> float | None:
-    """A per-tensor scale as a static float, only for fp8_per_tensor pages."""
+def _static_scale(
+    value: object, name: str, view: KVCacheView
+) -> float | tuple[float, ...] | None:
+    """Static scales of fp8_per_tensor pages: a float, or one per KV head.
+
+    A scalar is returned as a float; a sequence (or NumPy array) of one
+    scale per KV head of `view` as a tuple of floats (static: part of the
+    program, as vLLM's per-attention-head scales are checkpoint constants).
+    """
     if value is None:
         return None
     if view.kv_quant_mode != "fp8_per_tensor":
@@ -261,16 +270,29 @@ def _static_scale(value: object, name: str, view: KVCacheView) -> float | None:
             f"paged_attention: {name} is the static scale of fp8_per_tensor pages; "
             f"this view holds {view.kv_quant_mode!r} pages."
         )
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+    if isinstance(value, bool) or not isinstance(
+        value, int | float | np.floating | np.ndarray | list | tuple
+    ):
         raise TypeError(
-            f"paged_attention: {name} must be a Python float (a static scale), got "
-            f"{type(value).__name__}."
+            f"paged_attention: {name} must be a Python float or one float per KV "
+            f"head (static scales), got {type(value).__name__}."
         )
-    if not (math.isfinite(float(value)) and float(value) > 0):
+    values = np.asarray(value)
+    if values.ndim == 0:
+        scales: tuple[float, ...] = (float(values),)
+    else:
+        heads = kv_heads_of(view)
+        if values.shape != (heads,) or not np.issubdtype(values.dtype, np.number):
+            raise ValueError(
+                f"paged_attention: {name} must be a float or one per KV head "
+                f"({heads} for this view), got shape {values.shape}."
+            )
+        scales = tuple(float(x) for x in values)
+    if not all(math.isfinite(x) and x > 0 for x in scales):
         raise ValueError(
             f"paged_attention: {name} must be finite and > 0, got {value}."
         )
-    return float(value)
+    return scales[0] if values.ndim == 0 else scales
 
 
 def _check_call(

@@ -122,6 +122,10 @@ def _resolve_layer_slots(arguments: dict[str, Any]) -> None:
     )
 
 
+#: Static scales given as a tuple of floats, one per KV head (or None).
+Scales = tuple[float, ...] | None
+
+
 @_checks_host_ids(
     "slot_mapping", view=KVCacheView, resolve=_resolve_layer_slots, records=True
 )
@@ -136,8 +140,8 @@ def write_kv(
     *,
     layer: Int[ArrayLike, ""] | None = None,
     implementation: str | None = None,
-    k_scale: Float[ArrayLike, ""] | None = None,
-    v_scale: Float[ArrayLike, ""] | None = None,
+    k_scale: Float[ArrayLike, ""] | Float[ArrayLike, " kv_heads"] | Scales = None,
+    v_scale: Float[ArrayLike, ""] | Float[ArrayLike, " kv_heads"] | Scales = None,
 ) -> Pools:
     """Writes new K/V of a batch of tokens through `view`; the pools are donated.
 
@@ -184,7 +188,9 @@ def write_kv(
         written as stored by XLA's scatter or, asked for by ``"native"``,
         the native kernel.
       k_scale: The static K scale of ``"fp8_per_tensor"`` pages (vLLM's
-        ``layer._k_scale``; default 1.0): ``k / k_scale`` is stored. Only
+        ``layer._k_scale``; default 1.0), a scalar or one per KV head
+        (``(kv_heads,)``, vLLM's per-attention-head scales; on a mesh, this
+        rank's heads'): ``k / k_scale`` is stored. Only
         for those pages (per-token-head pages compute their own).
       v_scale: The same for V.
 

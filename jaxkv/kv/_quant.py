@@ -2,9 +2,11 @@
 
 vLLM's ``KVQuantMode`` (``AttentionSpec.kv_quant_mode``):
 
-- ``"fp8_per_tensor"``: fp8 pages and one static scale per tensor (the
-  caller's ``k_scale`` / ``v_scale``, vLLM's ``layer._k_scale``): a value
-  ``x`` is stored as ``fp8(clip(x / scale))`` and read as ``stored * scale``.
+- ``"fp8_per_tensor"``: fp8 pages and static scales from the caller
+  (``k_scale`` / ``v_scale``, vLLM's ``layer._k_scale``): one per tensor, or
+  one per KV head (vLLM's per-attention-head scales, read by XLA's path
+  only); a value ``x`` is stored as ``fp8(clip(x / scale))`` and read as
+  ``stored * scale``.
 - ``"int8_per_token_head"`` / ``"fp8_per_token_head"``: a float32 scale per
   token and head for K and for V, computed as the token is written, as
   vLLM's ``triton_reshape_and_cache_flash_per_token_head_quant`` does:
@@ -121,7 +123,7 @@ def scale_view(view: KVCacheView) -> KVCacheView:
 
 
 def quantize(
-    x: jax.Array, view: KVCacheView, scale: ArrayLike | None
+    x: jax.Array, view: KVCacheView, scale: ArrayLike | tuple[ArrayLike, ...] | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """`x` ``(tokens, heads, dim)`` as `view`'s 8-bit values, and its scales.
 
@@ -137,6 +139,19 @@ def quantize(
     x = x.astype(jnp.float32)
     if view.kv_quant_mode == "fp8_per_tensor":
         s = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+        if s.ndim == 1:  # one static scale per KV head
+            if x.ndim != 3 or s.shape[0] != x.shape[1]:
+                raise ValueError(
+                    f"write_kv: a scale per KV head must have one entry per head "
+                    f"of the written K/V ({x.shape[1:-1]} heads), got shape "
+                    f"{s.shape}."
+                )
+            s = s[None, :, None]
+        elif s.ndim:
+            raise ValueError(
+                "write_kv: k_scale / v_scale must be a scalar or one scale per KV "
+                f"head, got shape {s.shape}."
+            )
         return jnp.clip(x / s, bottom, top).astype(dtype), None
     scales = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / top, 1e-6)
     q = x * (1.0 / scales)[..., None]
@@ -146,12 +161,17 @@ def quantize(
     return jnp.clip(q, bottom, top).astype(dtype), scales
 
 
-def dequantize(pages: jax.Array, scales: jax.Array | float | None) -> jax.Array:
+def dequantize(
+    pages: jax.Array, scales: jax.Array | float | tuple[float, ...] | None
+) -> jax.Array:
     """8-bit `pages` ``(..., heads, dim)`` as float32 values.
 
-    `scales`: ``(..., heads, 1)`` per token and head, or a per-tensor scalar.
+    `scales`: ``(..., heads, 1)`` per token and head, a per-tensor scalar,
+    or a tuple of one static scale per head.
     """
     s = jnp.asarray(1.0 if scales is None else scales, jnp.float32)
+    if isinstance(scales, tuple):  # (heads,) against (..., heads, dim)
+        s = s.reshape((1,) * (pages.ndim - 2) + (-1, 1))
     return pages.astype(jnp.float32) * s
 
 
