@@ -501,8 +501,9 @@ class ServingLoop:
         any is set, so a drafter that raises or answers wrongly changes
         nothing.
         """
-        drafter = self.execution.drafter
+        drafter = cast(Drafter, self.execution.drafter)
         k = cast(int, self.execution.num_speculative_tokens)
+        proposed = []  # every rank's, checked, before any is set
         for sched in self.schedulers:
             reqs = [
                 r
@@ -510,11 +511,10 @@ class ServingLoop:
                 if r.num_computed == r.num_tokens - 1 and not r.num_pending
             ]
             if reqs:
-                drafts = check_drafts(
-                    cast(Drafter, drafter)(reqs), reqs, vocab_size=sched.vocab_size
-                )
-                for req, draft in zip(reqs, drafts, strict=True):
-                    req.spec_token_ids = draft[:k]
+                drafts = check_drafts(drafter(reqs), reqs, vocab_size=sched.vocab_size)
+                proposed += zip(reqs, drafts, strict=True)
+        for req, draft in proposed:
+            req.spec_token_ids = draft[:k]
 
     def run(
         self,
