@@ -165,7 +165,7 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(str(__doc__).splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=64)

@@ -37,6 +37,23 @@ class Call(NamedTuple):
     v_scale: float | tuple[float, ...] | None = None
 
 
+def scalar_scale(scale: float | tuple[float, ...] | None) -> float:
+    """A per-tensor static scale as a float (1.0 when none).
+
+    For kernels that fold one scalar into their math; scales per head are
+    refused before (:func:`per_head_scales_unfit`).
+
+    Raises:
+      ValueError: For scales per head.
+    """
+    if isinstance(scale, tuple):
+        raise ValueError(
+            "static scales per KV head: this kernel folds one scalar; XLA's "
+            "path applies them."
+        )
+    return 1.0 if scale is None else scale
+
+
 def per_head_scales_unfit(call: Call) -> str | None:
     """Why a kernel folding scalar scales cannot take this call (``None``: it can)."""
     if isinstance(call.k_scale, tuple) or isinstance(call.v_scale, tuple):

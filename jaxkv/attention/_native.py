@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._native import target
-from jaxkv.attention._call import Call, per_head_scales_unfit
+from jaxkv.attention._call import Call, per_head_scales_unfit, scalar_scale
 from jaxkv.attention._rows import key_ranges, query_rows_of, value_dim
 from jaxkv.kv import Pools, layer_index, raw_address, raw_unfit, raw_views
 from jaxkv.plan import KVCacheView
@@ -94,7 +94,7 @@ def native_attention(
     bounds = jnp.stack([lo[:, 0], hi[:, 0]], axis=1)
     head_dim_v = value_dim(view, head_dim)
     plain, *token_scales = raw_views(view)
-    scale = call.scale * (1.0 if call.k_scale is None else call.k_scale)
+    scale = call.scale * scalar_scale(call.k_scale)
     scales = {
         "scale_byte_offset": np.int64(-1),
         "scale_extent_bytes": np.int64(0),
@@ -130,7 +130,7 @@ def native_attention(
         scale=np.float32(scale),
         soft_cap=np.float32(call.logits_soft_cap or 0.0),
         element_kind=np.int64(_KINDS[plain.dtype]),
-        v_scale=np.float32(1.0 if call.v_scale is None else call.v_scale),
+        v_scale=np.float32(scalar_scale(call.v_scale)),
         **scales,
     )
     return out.astype(q.dtype)

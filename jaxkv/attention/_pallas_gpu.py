@@ -57,6 +57,7 @@ from jaxkv.attention._call import (
     layer_of,
     pallas_unfit,
     rows_to_tokens,
+    scalar_scale,
 )
 from jaxkv.kv import PageLayout, Pools
 from jaxkv.plan import KVCacheView
@@ -218,8 +219,8 @@ def gpu_attention(
         dv=dv,
         # fp8 per-tensor pages: K's scale folds into the scores', V's into
         # the output (each is linear in its pages).
-        scale=call.scale * (1.0 if call.k_scale is None else call.k_scale),
-        v_scale=1.0 if call.v_scale is None else call.v_scale,
+        scale=call.scale * scalar_scale(call.k_scale),
+        v_scale=scalar_scale(call.v_scale),
         cap=call.logits_soft_cap,
         num_blocks=view.num_blocks,
     )
