@@ -398,6 +398,5 @@ if __name__ == "__main__":
     hot, _ = reference(HOT)
     assert hot != want  # the draws are not greedy
     check_sampled("2x4", hot)
-    check_drafts("2x4", want)
-    check_drafts("4x2", hot, HOT)
+    check_drafts("2x4", hot, HOT)  # sampled: greedy drafts run on one device
     print("OK")
