@@ -125,28 +125,29 @@ def reference(sampling=None):
     return {r.req_id: r.output for r in reqs}, dict(loop.logits)
 
 
-def check_sampled(arg, want):
-    """Seeded sampling on a mesh draws what one device draws (seeds per rank)."""
+def _mesh_loop(arg, *, sampling=None, **execution):
+    """A loop of the model on a ``DxT`` mesh (Explicit axes)."""
     d, t = (int(x) for x in arg.split("x"))
     mesh = jax.make_mesh((d, t), ("data", "tensor"))
     sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
-    loop = jaxkv.ServingLoop(
+    return jaxkv.ServingLoop(
         sp,
         make_forward(sp.local, "tensor"),
         params(),
-        sampling=HOT,
-        execution=jaxkv.ExecutionOptions(param_specs=SPECS),
+        vocab_size=VOCAB,
+        sampling=sampling,
+        execution=jaxkv.ExecutionOptions(param_specs=SPECS, **execution),
     )
+
+
+def check_sampled(arg, want):
+    """Seeded sampling on a mesh draws what one device draws (seeds per rank)."""
+    loop = _mesh_loop(arg, sampling=HOT)
     got = {r.req_id: r.output for r in loop.run(requests())}
     assert got == want, (arg, got, want)
     # The same draws with the parameters given per request (per-row arrays
     # sharded over the data ranks).
-    mixed = jaxkv.ServingLoop(
-        sp,
-        make_forward(sp.local, "tensor"),
-        params(),
-        execution=jaxkv.ExecutionOptions(param_specs=SPECS, per_request_sampling=True),
-    )
+    mixed = _mesh_loop(arg, per_request_sampling=True)
     reqs = requests()
     mixed.run(reqs, sampling={r.req_id: HOT for r in reqs})
     assert {r.req_id: r.output for r in reqs} == want, arg
@@ -156,19 +157,7 @@ def check_drafts(arg, want, sampling=None):
     """Speculative decoding on a mesh (n-gram drafts verified in each rank's
     step) serves the tokens one device serves without drafts.
     """  # noqa: D205
-    d, t = (int(x) for x in arg.split("x"))
-    mesh = jax.make_mesh((d, t), ("data", "tensor"))
-    sp = jaxkv.shard_plan(CFG, mesh=mesh, num_blocks=64)
-    loop = jaxkv.ServingLoop(
-        sp,
-        make_forward(sp.local, "tensor"),
-        params(),
-        vocab_size=VOCAB,
-        sampling=sampling,
-        execution=jaxkv.ExecutionOptions(
-            param_specs=SPECS, drafter=jaxkv.serve.NgramDrafter()
-        ),
-    )
+    loop = _mesh_loop(arg, sampling=sampling, drafter=jaxkv.serve.NgramDrafter())
     got = {r.req_id: r.output for r in loop.run(requests())}
     assert got == want, (arg, got, want)
     drafts = [s.make_stats().spec_decoding_stats for s in loop.schedulers]
