@@ -176,12 +176,18 @@ def _requests(n=4, new=12, seed=0):
     ]
 
 
-def _run(loops, kind, drafter, requests, **run):
-    """``(requests served with drafts, their tokens without, the loop)``."""
+def _run(loops, kind, drafter, requests, num_blocks=None, **run):
+    """``(requests served with drafts, their tokens without, the loop)``.
+
+    `num_blocks`: the blocks the loop with drafts may use (fewer preempt).
+    """
     base, spec, switch = loops[kind]
     base.reset()
     want = [r.output for r in base.run(copy_requests(requests))]
-    spec.reset()
+    spec.reset(
+        num_blocks=num_blocks,
+        scheduling=jaxkv.SchedulingOptions(scheduler_reserve_full_isl=False),
+    )
     switch.drafter = drafter
     with jaxkv.count_compilations() as compiles:
         spec.run(requests, **run)
@@ -211,6 +217,21 @@ def test_drafts_of_a_draft_model_give_the_tokens_of_greedy_decoding(loops, wrong
         per_pos = stats.num_accepted_tokens_per_pos
         assert per_pos[wrong_at] == 0
         assert per_pos[:wrong_at] == stats.num_draft_tokens_per_pos[:wrong_at]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_preempted_requests_verify_drafts_to_the_same_tokens(loops, kind):
+    """A pool of 12 blocks for 8 requests: preemption (recomputation) between
+    steps verifying drafts; tokens as without drafts, every block back.
+    """  # noqa: D205
+    drafter = _oracle_drafter(loops["table"], k=K, wrong_at=1)
+    requests = _requests(n=8, new=16, seed=2)
+    reqs, want, loop = _run(loops, kind, drafter, requests, num_blocks=12)
+    assert [r.output for r in reqs] == want
+    sched = loop.scheduler
+    assert sched.stats["preemptions"] > 0
+    assert sched.make_stats().spec_decoding_stats.num_accepted_tokens > 0
+    assert sched.manager.num_free_blocks == sched.manager.num_usable_blocks
 
 
 def test_sampled_tokens_equal_the_loop_without_drafts(loops):
