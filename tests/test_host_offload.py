@@ -305,7 +305,14 @@ def test_the_loop_refuses_host_blocks_it_cannot_serve():
 
 
 @pytest.mark.parametrize(
-    ("host_blocks", "decode_steps"), [(1, 1), (1, 4), (2, 4), (16, 4)]
+    ("host_blocks", "decode_steps"),
+    # The smallest tier in both decode modes in the fast pass; more blocks slow.
+    [
+        (1, 1),
+        (1, 4),
+        pytest.param(2, 4, marks=pytest.mark.slow),
+        pytest.param(16, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_a_tiny_host_tier_serves_what_a_loop_without_one_serves(
     host_blocks, decode_steps
