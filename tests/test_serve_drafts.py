@@ -458,3 +458,12 @@ def test_the_built_in_model_with_ngram_drafts_and_prefix_caching_decodes_greedil
     stats = engine.scheduler.make_stats()
     assert stats.prefix_cache_stats.hits > 0
     assert stats.spec_decoding_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, True])  # a float: the type hint
+def test_a_builder_refuses_a_bad_samples_per_request(bad):
+    plan, _, _ = _bigram()
+    with pytest.raises(ValueError, match="samples_per_request must be an int >= 1"):
+        jaxkv.StepMetadataBuilder(plan, model_inputs=True, samples_per_request=bad)
+    builder = jaxkv.StepMetadataBuilder(plan, model_inputs=True, samples_per_request=4)
+    assert builder.max_num_samples == 32  # 8 requests x 4 rows, within the budget
